@@ -1,0 +1,38 @@
+"""asyncllm: an LLM inference engine that runs inside your application's event loop."""
+
+from asyncllm.engine import Engine
+from asyncllm.errors import (
+    AsyncLLMError,
+    DeviceOutOfMemoryError,
+    EngineClosedError,
+    EngineDeadError,
+    InvalidPromptError,
+    InvalidRequestError,
+    InvalidSamplingParamsError,
+    ModelNotFoundError,
+    PromptTooLongError,
+)
+from asyncllm.outputs import Completion, EngineStatistics, StreamChunk
+from asyncllm.sampling_params import SamplingParams
+from asyncllm.stream import RequestStream
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncLLMError",
+    "Completion",
+    "DeviceOutOfMemoryError",
+    "Engine",
+    "EngineClosedError",
+    "EngineDeadError",
+    "EngineStatistics",
+    "InvalidPromptError",
+    "InvalidRequestError",
+    "InvalidSamplingParamsError",
+    "ModelNotFoundError",
+    "PromptTooLongError",
+    "RequestStream",
+    "SamplingParams",
+    "StreamChunk",
+    "__version__",
+]

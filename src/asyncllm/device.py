@@ -1,0 +1,93 @@
+"""``DeviceWorker``: the one thread that owns the device.
+
+Torch state that matters for speed and safety (the CUDA stream, weights, KV tensors) lives on
+exactly one long-lived thread. The event loop hands it calls and awaits their results without
+blocking: the thread finishes a call, stores the outcome, and wakes the awaiting task through an
+anyio ``BlockingPortal`` (which works the same on asyncio and trio).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import anyio
+from anyio.from_thread import BlockingPortal
+
+T = TypeVar("T")
+
+
+class DeviceCall(Generic[T]):
+    """A call submitted to the device thread; ``await call.wait()`` gives its result."""
+
+    def __init__(self, fn: Callable[[], T]) -> None:
+        self._fn = fn
+        self._done = anyio.Event()
+        self._result: T | None = None
+        self._error: BaseException | None = None
+
+    def _run(self, portal: BlockingPortal) -> None:
+        try:
+            self._result = self._fn()
+        except BaseException as exc:  # handed to the awaiting task, which decides what it means
+            self._error = exc
+        portal.start_task_soon(self._done.set)
+
+    async def wait(self) -> T:
+        """The call's return value, or its exception re-raised. Shielded: a step is never abandoned."""
+        with anyio.CancelScope(shield=True):
+            await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._result  # type: ignore[return-value]
+
+
+_STOP = object()
+
+
+class DeviceWorker:
+    """Runs submitted callables one at a time, in order, on a dedicated thread.
+
+    Args:
+        portal: A running portal into the engine's event loop.
+        name: The thread's name (shows in debuggers and ``threading.enumerate()``).
+    """
+
+    def __init__(self, portal: BlockingPortal, name: str = "asyncllm-device") -> None:
+        self._portal = portal
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._exited = anyio.Event()
+        self._thread.start()
+
+    def _main(self) -> None:
+        try:
+            while (call := self._queue.get()) is not _STOP:
+                call._run(self._portal)
+        finally:
+            self._portal.start_task_soon(self._exited.set)
+
+    def submit(self, fn: Callable[[], T]) -> DeviceCall[T]:
+        """Queue ``fn`` to run on the device thread; returns at once."""
+        call = DeviceCall(fn)
+        self._queue.put(call)
+        return call
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the device thread and return its result."""
+        return await self.submit(fn).wait()
+
+    async def stop(self) -> None:
+        """Let queued calls finish, end the thread and wait until it has exited (shielded)."""
+        self._queue.put(_STOP)
+        with anyio.CancelScope(shield=True):
+            await self._exited.wait()
+        # The thread's last act was the wake-up above, so this join returns at once.
+        self._thread.join()
+
+    @property
+    def thread(self) -> threading.Thread:
+        """The device thread."""
+        return self._thread

@@ -1,0 +1,334 @@
+"""``Engine``: the public face. An async context manager that owns one task group.
+
+    async with Engine.open("path/to/model") as engine:
+        async for chunk in engine.stream("Once upon a time", SamplingParams(max_tokens=64)):
+            print(chunk.text, end="")
+
+Entering it loads the model on the device thread and starts the step loop; leaving it aborts every
+request, stops the loop, frees weights and KV cache and joins the device thread. Nothing starts
+lazily and nothing outlives the ``async with`` block.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import anyio
+from anyio.from_thread import BlockingPortal
+
+from asyncllm.core import EngineCore
+from asyncllm.detokenizer import Tokenizer
+from asyncllm.device import DeviceWorker
+from asyncllm.errors import EngineClosedError, EngineDeadError
+from asyncllm.input_processor import InputProcessor
+from asyncllm.kv.manager import KVCacheManager
+from asyncllm.output_processor import OutputProcessor
+from asyncllm.outputs import Completion, EngineStatistics, FinishReason
+from asyncllm.runner import ModelRunner, RunnerInfo
+from asyncllm.sampling_params import SamplingParams
+from asyncllm.scheduler import Scheduler
+from asyncllm.stream import RequestStream
+
+logger = logging.getLogger("asyncllm")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOptions:
+    """The options ``Engine.open`` was given, checked."""
+
+    model: str | os.PathLike[str] | None
+    device: str
+    dtype: str
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int | None
+    kv_cache_blocks: int | None
+    seed: int | None
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            _check_positive(name, getattr(self, name))
+        for name in ("max_model_len", "kv_cache_blocks"):
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name))
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be 'auto', 'float32', 'float16' or 'bfloat16', got {self.dtype!r}")
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+class Engine:
+    """An LLM inference engine running inside the caller's event loop (asyncio or trio).
+
+    Build one with ``Engine.open(...)`` and enter it with ``async with``.
+    """
+
+    def __init__(self, options: EngineOptions, runner: ModelRunner | None = None, tokenizer: Tokenizer | None = None) -> None:
+        self.options = options
+        self._runner = runner
+        self._tokenizer = tokenizer
+        self._stack: AsyncExitStack | None = None
+        self._core: EngineCore | None = None
+        self._inputs: InputProcessor | None = None
+        self._info: RunnerInfo | None = None
+        self._max_model_len = 0
+        self._closed = False
+
+    @classmethod
+    def open(
+        cls,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        kv_cache_blocks: int | None = None,
+        seed: int | None = None,
+        runner: ModelRunner | None = None,
+        tokenizer: Tokenizer | None = None,
+    ) -> Engine:
+        """Configure an engine; ``async with`` it to load the model and start serving.
+
+        Args:
+            model: A local HF-format folder (config.json, *.safetensors, tokenizer files), or None
+                for the default model (SmolLM2-135M-Instruct, converted once into a local cache).
+            device: "auto" (CUDA if available, else CPU), "cpu", "cuda", "cuda:N".
+            dtype: "auto" (bfloat16 on CUDA, float32 on CPU), "float32", "float16", "bfloat16".
+            block_size: Tokens per KV cache block.
+            max_num_seqs: The most requests running at once.
+            max_num_batched_tokens: The most tokens computed in one step (longer prompts are
+                prefilled in chunks).
+            max_model_len: The longest prompt plus output; defaults to the model's context length
+                (capped by what the KV cache holds).
+            kv_cache_blocks: Number of KV blocks; None sizes the cache from memory.
+            seed: Seed of the generator that unseeded sampling requests share.
+            runner: A ``ModelRunner`` to use instead of the torch one (tests: ``asyncllm.testing``).
+            tokenizer: The tokenizer to use with ``runner`` (by default loaded from ``model``).
+
+        Returns:
+            The engine, not started yet.
+
+        Raises:
+            ValueError: An option is out of range.
+        """
+        options = EngineOptions(
+            model, device, dtype, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, kv_cache_blocks, seed
+        )
+        if runner is not None and tokenizer is None:
+            raise ValueError("a custom runner needs a tokenizer too")
+        return cls(options, runner, tokenizer)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Engine:
+        if self._stack is not None or self._closed:
+            raise RuntimeError("an Engine can be entered only once; call Engine.open() again")
+        self._stack = stack = AsyncExitStack()
+        await stack.__aenter__()
+        try:
+            await self._start(stack)
+        except BaseException as exc:
+            await stack.__aexit__(type(exc), exc, exc.__traceback__)
+            self._closed = True
+            raise
+        return self
+
+    async def _start(self, stack: AsyncExitStack) -> None:
+        portal = await stack.enter_async_context(BlockingPortal())
+        runner, tokenizer = self._runner, self._tokenizer
+        if runner is None or tokenizer is None:
+            model_path = await anyio.to_thread.run_sync(_resolve_model, self.options.model)
+            if tokenizer is None:
+                tokenizer = await anyio.to_thread.run_sync(_load_tokenizer, model_path)
+            if runner is None:
+                runner = self._torch_runner(model_path)
+        worker = DeviceWorker(portal)
+        stack.push_async_callback(worker.stop)
+        info = await worker.run(runner.load)
+        stack.push_async_callback(worker.run, runner.close)
+        self._info = info
+        self._max_model_len = self._resolve_max_model_len(info)
+        kv_cache = KVCacheManager(info.num_kv_blocks, info.block_size)
+        scheduler = Scheduler(
+            kv_cache, max_num_seqs=self.options.max_num_seqs, max_num_batched_tokens=self.options.max_num_batched_tokens
+        )
+        outputs = OutputProcessor(tokenizer)
+        self._core = core = EngineCore(scheduler, worker, runner, outputs)
+        # Streams still open when the engine goes away end with an error instead of hanging.
+        stack.callback(lambda: outputs.fail_all(EngineClosedError("the engine was closed")))
+        self._inputs = InputProcessor(
+            tokenizer, vocab_size=info.vocab_size, max_model_len=self._max_model_len, eos_token_ids=info.eos_token_ids
+        )
+        task_group = await stack.enter_async_context(anyio.create_task_group())
+        await task_group.start(core.run)
+        logger.info(
+            "asyncllm engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
+            info.description, info.num_kv_blocks, info.block_size, self._max_model_len,
+        )
+
+    def _torch_runner(self, model_path: Path) -> ModelRunner:
+        from asyncllm.model_runner import TorchModelRunner
+
+        o = self.options
+        return TorchModelRunner(
+            model_path,
+            device=o.device,
+            dtype=o.dtype,
+            block_size=o.block_size,
+            kv_cache_blocks=o.kv_cache_blocks,
+            max_tokens_in_cache=o.max_num_seqs * (o.max_model_len or 1 << 20),
+            seed=o.seed,
+        )
+
+    def _resolve_max_model_len(self, info: RunnerInfo) -> int:
+        requested = self.options.max_model_len
+        capacity = info.num_kv_blocks * info.block_size
+        if requested is not None:
+            if requested > capacity:
+                raise ValueError(
+                    f"max_model_len={requested} does not fit the KV cache ({info.num_kv_blocks} blocks of "
+                    f"{info.block_size} tokens = {capacity} tokens); lower it or give more kv_cache_blocks"
+                )
+            return requested
+        if info.max_model_len > capacity:
+            logger.warning("max_model_len capped at %d tokens, what the KV cache holds", capacity)
+        return min(info.max_model_len, capacity)
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._stack is None or self._closed:
+            return
+        self._closed = True
+        if self._core is not None:
+            self._core.stop_nowait()
+        await self._stack.__aexit__(exc_type, exc, tb)
+        if exc_type is None and self._core is not None and self._core.dead is not None:
+            raise self._core.dead
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def _require_running(self) -> tuple[EngineCore, InputProcessor]:
+        core, inputs = self._core, self._inputs
+        if core is None or inputs is None or self._closed:
+            raise EngineClosedError("the engine is not running; use `async with Engine.open(...) as engine:`")
+        if core.dead is not None:
+            raise EngineDeadError("the engine died earlier") from core.dead
+        return core, inputs
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> RequestStream:
+        """Submit a request and return its live output.
+
+        Validation happens here, at the call: nothing is scheduled for a bad request.
+
+        Args:
+            prompt: Text (tokenized with the model's tokenizer) or a sequence of token ids.
+            params: How to sample; defaults to ``SamplingParams()``.
+
+        Returns:
+            A ``RequestStream``: iterate it for ``StreamChunk`` deltas. Leaving it early (break,
+            cancellation, timeout, ``aclose()``) aborts the request.
+
+        Raises:
+            InvalidRequestError: The prompt or parameters are invalid (a ``ValueError``).
+            EngineClosedError: The engine is not running.
+            EngineDeadError: The engine died.
+        """
+        core, inputs = self._require_running()
+        request = inputs.process(prompt, params if params is not None else SamplingParams())
+        stream = RequestStream(request.request_id, request.prompt_token_ids, core.abort_nowait)
+        core.add(request, stream)
+        return stream
+
+    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Completion:
+        """Run a request to the end and return its whole output.
+
+        Args:
+            prompt: Text or token ids, as for ``stream``.
+            params: How to sample.
+
+        Returns:
+            The ``Completion``. Cancelling the call aborts the request.
+
+        Raises:
+            InvalidRequestError: As for ``stream``.
+            EngineClosedError: The engine is not running (or closed while the request ran).
+            EngineDeadError: The engine died.
+        """
+        texts: list[str] = []
+        token_ids: list[int] = []
+        finish_reason: FinishReason = "abort"
+        async with self.stream(prompt, params) as stream:
+            async for chunk in stream:
+                texts.append(chunk.text)
+                token_ids.extend(chunk.token_ids)
+                if chunk.finish_reason is not None:
+                    finish_reason = chunk.finish_reason
+        return Completion("".join(texts), tuple(token_ids), tuple(stream.prompt_token_ids), finish_reason)
+
+    # -- introspection ---------------------------------------------------------------------------
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt plus output this engine accepts (0 before it is entered)."""
+        return self._max_model_len
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer.
+
+        Raises:
+            EngineClosedError: The engine was never entered.
+        """
+        if self._inputs is None:
+            raise EngineClosedError("the engine is not running")
+        return self._inputs.tokenizer
+
+    def statistics(self) -> EngineStatistics:
+        """A snapshot of the engine's state (see ``EngineStatistics``).
+
+        Raises:
+            EngineClosedError: The engine was never entered.
+        """
+        core = self._core
+        if core is None:
+            raise EngineClosedError("the engine is not running")
+        scheduler = core.scheduler
+        return EngineStatistics(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            kv_blocks_total=scheduler.kv_cache.pool.num_blocks,
+            kv_blocks_free=scheduler.kv_cache.num_free_blocks,
+            num_preemptions=scheduler.num_preemptions,
+            num_steps=core.num_steps,
+            num_prompt_tokens=core.num_prompt_tokens,
+            num_generated_tokens=core.num_generated_tokens,
+            num_finished_requests=core.num_finished,
+        )
+
+
+def _resolve_model(model: str | os.PathLike[str] | None) -> Path:
+    from asyncllm.default_model import resolve_model_path
+
+    return resolve_model_path(model)
+
+
+def _load_tokenizer(model_path: Path) -> Tokenizer:
+    from transformers import AutoTokenizer
+
+    tokenizer: Tokenizer = AutoTokenizer.from_pretrained(model_path)
+    return tokenizer

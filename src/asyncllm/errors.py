@@ -1,0 +1,55 @@
+"""asyncllm's errors: one tree, raised at the call that caused them.
+
+```
+AsyncLLMError(Exception)
+├── InvalidRequestError(ValueError)         bad input; raised before anything is scheduled
+│   ├── InvalidSamplingParamsError          a SamplingParams field is out of range or of the wrong type
+│   ├── InvalidPromptError                  empty prompt, or token ids outside the vocabulary
+│   └── PromptTooLongError                  prompt (+ max_tokens) does not fit max_model_len
+├── ModelNotFoundError(FileNotFoundError)   the model folder or the default model's package is missing
+├── EngineClosedError(RuntimeError)         the engine is not open (not entered yet, or already left)
+└── EngineDeadError(RuntimeError)           a model step failed; the cause is chained (``__cause__``)
+    └── DeviceOutOfMemoryError              the device ran out of memory during a step
+```
+
+Every ``InvalidRequestError`` is also a ``ValueError``, so code that already catches ``ValueError``
+around parameter handling keeps working.
+"""
+
+from __future__ import annotations
+
+
+class AsyncLLMError(Exception):
+    """Base class of every error asyncllm raises."""
+
+
+class InvalidRequestError(AsyncLLMError, ValueError):
+    """A request was rejected before it was scheduled; the engine keeps serving."""
+
+
+class InvalidSamplingParamsError(InvalidRequestError):
+    """A ``SamplingParams`` field is out of range or of the wrong type."""
+
+
+class InvalidPromptError(InvalidRequestError):
+    """The prompt is empty or holds token ids outside the model's vocabulary."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    """The prompt, plus the tokens asked for, does not fit the engine's ``max_model_len``."""
+
+
+class ModelNotFoundError(AsyncLLMError, FileNotFoundError):
+    """The model folder (or the default model's package) cannot be found."""
+
+
+class EngineClosedError(AsyncLLMError, RuntimeError):
+    """The engine is not running: it was not entered yet, or it has been closed."""
+
+
+class EngineDeadError(AsyncLLMError, RuntimeError):
+    """A model step failed; every open request ends with this error, chained to the cause."""
+
+
+class DeviceOutOfMemoryError(EngineDeadError):
+    """The device ran out of memory during a model step."""

@@ -1,0 +1,83 @@
+"""Attention against the paged KV cache: the ``torch`` reference backend.
+
+The KV cache of a layer is two tensors of shape [num_blocks * block_size, kv_heads, head_dim]
+(flattened over blocks, so a slot index addresses one token). A step's flat batch mixes prefill
+chunks and single decode tokens: decode tokens are attended together as one padded batch, prefill
+chunks one sequence at a time. The runner builds ``AttentionMetadata`` once per step; every layer
+reuses it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    """A sequence that feeds more than one token this step."""
+
+    query_start: int
+    query_end: int
+    kv_slots: torch.Tensor
+    """[kv_len] slot of every cached token the chunk attends to, its own new tokens included."""
+    mask: torch.Tensor
+    """[query_len, kv_len] True where a query may attend (causal, sliding window)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """Where a step's tokens go in the cache and what each query attends to."""
+
+    slot_mapping: torch.Tensor
+    """[tokens] the cache slot each new token's K/V is written to."""
+    decode_token_index: torch.Tensor
+    """[decodes] positions in the flat batch of single-token queries."""
+    decode_kv_slots: torch.Tensor
+    """[decodes, max_kv_len] slots each decode query attends to, padded."""
+    decode_mask: torch.Tensor
+    """[decodes, 1, 1, max_kv_len] True on real (unpadded, in-window) slots."""
+    prefills: tuple[PrefillChunk, ...]
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store a step's new keys and values ([tokens, kv_heads, head_dim]) at their slots."""
+    k_cache.index_copy_(0, slots, k)
+    v_cache.index_copy_(0, slots, v)
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Attention of every query in the flat batch against its sequence's cached K/V.
+
+    Args:
+        q: [tokens, heads, head_dim] queries (rotary already applied).
+        k_cache: [slots, kv_heads, head_dim] the layer's key cache, this step's keys written.
+        v_cache: Like ``k_cache``, for values.
+        meta: The step's attention metadata.
+        scale: Softmax scale (usually head_dim ** -0.5).
+
+    Returns:
+        [tokens, heads, head_dim] attention outputs.
+    """
+    out = torch.empty_like(q)
+    if meta.decode_token_index.numel():
+        queries = q[meta.decode_token_index].unsqueeze(2)  # [decodes, heads, 1, head_dim]
+        keys = k_cache[meta.decode_kv_slots].transpose(1, 2)  # [decodes, kv_heads, kv_len, head_dim]
+        values = v_cache[meta.decode_kv_slots].transpose(1, 2)
+        attended = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+        )
+        out[meta.decode_token_index] = attended.squeeze(2)
+    for chunk in meta.prefills:
+        queries = q[chunk.query_start : chunk.query_end].transpose(0, 1).unsqueeze(0)
+        keys = k_cache[chunk.kv_slots].transpose(0, 1).unsqueeze(0)
+        values = v_cache[chunk.kv_slots].transpose(0, 1).unsqueeze(0)
+        attended = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=chunk.mask, scale=scale, enable_gqa=True
+        )
+        out[chunk.query_start : chunk.query_end] = attended.squeeze(0).transpose(0, 1)
+    return out

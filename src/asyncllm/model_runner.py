@@ -1,0 +1,252 @@
+"""``TorchModelRunner``: the real runner. Flat mixed batches in, sampled token ids out.
+
+It runs on the engine's device thread only. Each step it turns the scheduler's per-request slices
+into flat tensors (input ids, positions, slot mapping, attention metadata), runs the model once on
+the whole mixed prefill/decode batch, computes logits only at the positions that sample, and samples.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncllm.errors import DeviceOutOfMemoryError
+from asyncllm.layers.attention import AttentionMetadata, PrefillChunk
+from asyncllm.layers.rotary import RotaryEmbedding
+from asyncllm.models import DecoderForCausalLM, build_model
+from asyncllm.runner import RunnerInfo, SequenceInput, StepBatch
+from asyncllm.sampler import Sampler
+from asyncllm.weights import load_config, load_eos_token_ids, load_state_dict
+
+logger = logging.getLogger("asyncllm")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"`` is CUDA when available, else the CPU; anything else is passed to torch."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``"auto"`` is bfloat16 on CUDA and float32 on the CPU."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+class TorchModelRunner:
+    """Runs one of ``asyncllm.models`` over a paged KV cache.
+
+    Args:
+        model_path: A local HF-format folder (config.json, *.safetensors).
+        device: "auto", "cpu", "cuda", "cuda:1", ...
+        dtype: "auto", "float32", "float16" or "bfloat16".
+        block_size: Tokens per KV block.
+        kv_cache_blocks: Number of KV blocks; None sizes the cache from memory.
+        max_tokens_in_cache: An upper bound on the tokens the cache need ever hold (it is not
+            sized beyond that).
+        seed: Seed of the generator unseeded requests share.
+    """
+
+    def __init__(
+        self,
+        model_path: Path,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        block_size: int = 16,
+        kv_cache_blocks: int | None = None,
+        max_tokens_in_cache: int | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self.model_path = Path(model_path)
+        self.device_name = device
+        self.dtype_name = dtype
+        self.block_size = block_size
+        self.kv_cache_blocks = kv_cache_blocks
+        self.max_tokens_in_cache = max_tokens_in_cache
+        self.seed = seed
+        self.model: DecoderForCausalLM | None = None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.sampler: Sampler | None = None
+
+    def load(self) -> RunnerInfo:
+        """Build the model, load its weights and allocate the KV cache (on the device thread)."""
+        device = resolve_device(self.device_name)
+        dtype = resolve_dtype(self.dtype_name, device)
+        config = load_config(self.model_path)
+        with torch.device("meta"):
+            model = build_model(config)
+        model.to_empty(device=device)
+        model.to(dtype)
+        model.load_state_dict(load_state_dict(self.model_path, model.spec.tie_word_embeddings), strict=True)
+        if model.spec.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.rotary = RotaryEmbedding(model.spec.head_dim, model.spec.rope).to(device)
+        model.eval()
+        self.model = model
+        self.device, self.dtype = device, dtype
+        num_blocks = self.kv_cache_blocks or self._size_kv_cache(model, device, dtype)
+        spec = model.spec
+        slots = num_blocks * self.block_size
+        self.kv_caches = [
+            (
+                torch.zeros(slots, spec.num_kv_heads, spec.head_dim, device=device, dtype=dtype),
+                torch.zeros(slots, spec.num_kv_heads, spec.head_dim, device=device, dtype=dtype),
+            )
+            for _ in range(spec.num_layers)
+        ]
+        self.sampler = Sampler(device, self.seed)
+        return RunnerInfo(
+            num_kv_blocks=num_blocks,
+            block_size=self.block_size,
+            vocab_size=spec.vocab_size,
+            max_model_len=int(getattr(config, "max_position_embeddings", 2048)),
+            eos_token_ids=load_eos_token_ids(self.model_path, config),
+            description=f"{spec.architecture} on {device} ({str(dtype).removeprefix('torch.')})",
+        )
+
+    def _kv_bytes_per_block(self, model: DecoderForCausalLM, dtype: torch.dtype) -> int:
+        spec = model.spec
+        element = torch.tensor([], dtype=dtype).element_size()
+        return 2 * spec.num_layers * self.block_size * spec.num_kv_heads * spec.head_dim * element
+
+    def _size_kv_cache(self, model: DecoderForCausalLM, device: torch.device, dtype: torch.dtype) -> int:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * 0.8)
+        else:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            budget = min(_DEFAULT_CPU_KV_BYTES, available // 4)
+        num_blocks = max(1, budget // self._kv_bytes_per_block(model, dtype))
+        if self.max_tokens_in_cache is not None:
+            num_blocks = min(num_blocks, -(-self.max_tokens_in_cache // self.block_size))
+        return num_blocks
+
+    def execute(self, batch: StepBatch) -> list[int]:
+        """Run one step on the flat batch; return the sampled ids (see ``ModelRunner.execute``)."""
+        assert self.model is not None and self.sampler is not None, "load() first"
+        self.sampler.forget(batch.finished_request_ids)
+        if not batch.sequences:
+            return []
+        try:
+            with torch.inference_mode():
+                return self._execute(batch.sequences)
+        except torch.OutOfMemoryError as exc:
+            raise DeviceOutOfMemoryError(f"the device ran out of memory during a step: {exc}") from exc
+
+    def _execute(self, sequences: list[SequenceInput]) -> list[int]:
+        assert self.model is not None and self.sampler is not None
+        input_ids, positions, slot_mapping, sample_index = _flatten(sequences, self.block_size)
+        meta = _attention_metadata(sequences, slot_mapping, self.block_size, self.model.spec.sliding_window, self.device)
+        hidden = self.model(
+            torch.from_numpy(input_ids).to(self.device),
+            torch.from_numpy(positions).to(self.device),
+            self.kv_caches,
+            meta,
+        )
+        if not sample_index:
+            return []
+        logits = self.model.logits(hidden[torch.tensor(sample_index, device=self.device)])
+        sampling = [s for s in sequences if s.sample]
+        tokens = self.sampler.sample(logits, [s.request_id for s in sampling], [s.params for s in sampling])
+        result: list[int] = tokens.tolist()
+        return result
+
+    def close(self) -> None:
+        """Drop weights and KV tensors so their memory can be returned."""
+        self.model = None
+        self.kv_caches = []
+        self.sampler = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _slots(block_table: np.ndarray[Any, Any], positions: np.ndarray[Any, Any], block_size: int) -> np.ndarray[Any, Any]:
+    result: np.ndarray[Any, Any] = block_table[positions // block_size] * block_size + positions % block_size
+    return result
+
+
+def _flatten(
+    sequences: list[SequenceInput], block_size: int
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any], list[int]]:
+    ids: list[int] = []
+    position_parts = []
+    slot_parts = []
+    sample_index: list[int] = []
+    for seq in sequences:
+        ids.extend(seq.token_ids)
+        positions = np.arange(seq.start_position, seq.start_position + len(seq.token_ids), dtype=np.int64)
+        position_parts.append(positions)
+        slot_parts.append(_slots(np.asarray(seq.block_table, dtype=np.int64), positions, block_size))
+        if seq.sample:
+            sample_index.append(len(ids) - 1)
+    return (
+        np.asarray(ids, dtype=np.int64),
+        np.concatenate(position_parts),
+        np.concatenate(slot_parts),
+        sample_index,
+    )
+
+
+def _attention_metadata(
+    sequences: list[SequenceInput],
+    slot_mapping: np.ndarray[Any, Any],
+    block_size: int,
+    sliding_window: int | None,
+    device: torch.device,
+) -> AttentionMetadata:
+    decode_rows: list[int] = []
+    decode_tables: list[list[int]] = []
+    decode_lens: list[int] = []
+    prefills: list[PrefillChunk] = []
+    offset = 0
+    for seq in sequences:
+        num_new = len(seq.token_ids)
+        kv_len = seq.start_position + num_new
+        if num_new == 1:
+            decode_rows.append(offset)
+            decode_tables.append(seq.block_table)
+            decode_lens.append(kv_len)
+        else:
+            kv_positions = np.arange(kv_len, dtype=np.int64)
+            kv_slots = _slots(np.asarray(seq.block_table, dtype=np.int64), kv_positions, block_size)
+            query_positions = np.arange(seq.start_position, kv_len, dtype=np.int64)
+            mask = kv_positions[None, :] <= query_positions[:, None]
+            if sliding_window is not None:
+                mask &= kv_positions[None, :] > query_positions[:, None] - sliding_window
+            prefills.append(
+                PrefillChunk(
+                    offset, offset + num_new, torch.from_numpy(kv_slots).to(device), torch.from_numpy(mask).to(device)
+                )
+            )
+        offset += num_new
+    max_len = max(decode_lens, default=0)
+    max_blocks = -(-max_len // block_size)
+    tables = np.zeros((len(decode_rows), max_blocks), dtype=np.int64)
+    for row, table in enumerate(decode_tables):
+        tables[row, : len(table[:max_blocks])] = table[:max_blocks]
+    kv_positions = np.arange(max_len, dtype=np.int64)
+    decode_slots = tables[:, kv_positions // block_size] * block_size + kv_positions % block_size
+    lens = np.asarray(decode_lens, dtype=np.int64)[:, None]
+    decode_mask = kv_positions[None, :] < lens
+    if sliding_window is not None:
+        decode_mask &= kv_positions[None, :] > lens - 1 - sliding_window
+    return AttentionMetadata(
+        slot_mapping=torch.from_numpy(slot_mapping).to(device),
+        decode_token_index=torch.tensor(decode_rows, dtype=torch.int64, device=device),
+        decode_kv_slots=torch.from_numpy(decode_slots).to(device),
+        decode_mask=torch.from_numpy(decode_mask[:, None, None, :].copy()).to(device),
+        prefills=tuple(prefills),
+    )

@@ -1,0 +1,70 @@
+"""Values that leave the engine: stream chunks, completions and statistics."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class StreamChunk(msgspec.Struct, frozen=True):
+    """One step's worth of new output of a request (more when the consumer lagged).
+
+    Attributes:
+        text: The new text since the previous chunk.
+        token_ids: The new token ids since the previous chunk.
+        finished: True on the request's last chunk.
+        finish_reason: "stop" (EOS or a stop token), "length" (max_tokens or max_model_len)
+            or "abort"; None until finished.
+        index: Which of the request's samples this chunk belongs to (0 unless n > 1).
+    """
+
+    text: str
+    token_ids: tuple[int, ...]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    index: int = 0
+
+
+class Completion(msgspec.Struct, frozen=True):
+    """The whole result of one request.
+
+    Attributes:
+        text: The generated text.
+        token_ids: The generated token ids (an EOS or stop token that ended it included).
+        prompt_token_ids: The prompt as the model saw it.
+        finish_reason: "stop", "length" or "abort".
+    """
+
+    text: str
+    token_ids: tuple[int, ...]
+    prompt_token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+
+
+class EngineStatistics(msgspec.Struct, frozen=True):
+    """A snapshot of the engine's state, as returned by ``Engine.statistics()``.
+
+    Attributes:
+        num_running: Requests holding KV blocks and being stepped.
+        num_waiting: Requests queued for admission (including preempted ones).
+        kv_blocks_total: Blocks in the KV cache.
+        kv_blocks_free: Blocks not held by any request.
+        num_preemptions: Times a running request was preempted (its KV recomputed later).
+        num_steps: Model steps run so far.
+        num_prompt_tokens: Prompt tokens computed so far (recomputation after preemption included).
+        num_generated_tokens: Tokens sampled so far.
+        num_finished_requests: Requests that ended, for any reason.
+    """
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    num_preemptions: int
+    num_steps: int
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    num_finished_requests: int

@@ -1,0 +1,69 @@
+"""The engine's record of one request: its tokens, progress and fate. No torch here."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from asyncllm.outputs import FinishReason
+from asyncllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """One generation request as the scheduler sees it.
+
+    ``num_computed_tokens`` chases ``num_tokens`` (prompt plus output so far): prefill, chunked
+    prefill, decode and recompute after preemption are all the same motion.
+    """
+
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stop_token_ids: frozenset[int]
+    """EOS ids (unless ignore_eos) together with ``params.stop_token_ids``."""
+    max_total_tokens: int
+    """The request finishes with "length" when prompt plus output reaches this."""
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt tokens plus tokens generated so far."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        """True once the request has ended, for any reason."""
+        return self.status is RequestStatus.FINISHED
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """The request's tokens in ``[start, end)``, across the prompt/output boundary."""
+        prompt_len = len(self.prompt_token_ids)
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len : end - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
+
+    def append_token(self, token_id: int) -> FinishReason | None:
+        """Record a sampled token; return why the request must now stop, if it must."""
+        self.output_token_ids.append(token_id)
+        if token_id in self.stop_token_ids:
+            return "stop"
+        if len(self.output_token_ids) >= self.params.max_tokens:
+            return "length"
+        if self.num_tokens >= self.max_total_tokens:
+            return "length"
+        return None

@@ -1,0 +1,67 @@
+"""The seam between the engine and whatever computes tokens: the ``ModelRunner`` protocol.
+
+Like an httpx transport, the runner is injected: the real one runs the model with torch
+(``asyncllm.model_runner.TorchModelRunner``); ``asyncllm.testing`` ships a scripted one so the
+layers above can be tested without weights. Everything here is plain Python: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from asyncllm.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerInfo:
+    """What the engine needs to know about a loaded model."""
+
+    num_kv_blocks: int
+    block_size: int
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    description: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceInput:
+    """One request's share of a step, as the runner receives it."""
+
+    request_id: int
+    token_ids: list[int]
+    """The tokens fed this step (a prefill chunk, or one decode token)."""
+    start_position: int
+    """Position of ``token_ids[0]``; every earlier token's KV is already cached."""
+    block_table: list[int]
+    sample: bool
+    """Sample a token after the last fed token."""
+    params: SamplingParams
+    num_generated: int = 0
+    """Tokens the request has generated so far (a seeded sampler may key its stream on it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepBatch:
+    """Everything one model step computes."""
+
+    sequences: list[SequenceInput]
+    finished_request_ids: list[int]
+    """Requests that ended since the previous step: the runner drops their state."""
+
+
+class ModelRunner(Protocol):
+    """Computes tokens. Every method runs on the engine's device thread, never on the event loop."""
+
+    def load(self) -> RunnerInfo:
+        """Load weights, allocate the KV cache and report its shape."""
+        ...
+
+    def execute(self, batch: StepBatch) -> list[int]:
+        """Run one step; return a sampled token id for each sequence with ``sample=True``, in order."""
+        ...
+
+    def close(self) -> None:
+        """Free weights and KV memory. Called once, last."""
+        ...

@@ -1,0 +1,166 @@
+"""``Scheduler``: token-budget continuous batching with chunked prefill and recompute preemption.
+
+There are no prefill or decode phases. Every request has ``num_computed_tokens`` catching up with
+``num_tokens``; each step hands out at most ``max_num_batched_tokens`` tokens, running requests
+first (in arrival order), then waiting ones. A long prompt simply takes several steps (chunked
+prefill). When the cache runs out of blocks, the latest-arrived running request is preempted: its
+blocks are freed and it goes back to the front of the queue to be recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from asyncllm.kv.manager import KVCacheManager
+from asyncllm.outputs import FinishReason
+from asyncllm.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step."""
+
+    request: Request
+    start: int
+    """``num_computed_tokens`` when scheduled: the position of the first token fed."""
+    num_new_tokens: int
+    sample: bool
+    """True when this chunk reaches the end of the request's tokens, so a token is sampled."""
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one step computes."""
+
+    scheduled: list[ScheduledRequest]
+    finished_request_ids: list[int] = field(default_factory=list)
+    """Requests that ended since the previous step, so the runner can drop their state."""
+
+    @property
+    def num_batched_tokens(self) -> int:
+        """Tokens fed to the model in this step."""
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """A request got a token, or ended, in a step."""
+
+    request: Request
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None
+
+
+class Scheduler:
+    """Decides which tokens of which requests each step computes.
+
+    Args:
+        kv_cache: The block tables the scheduler allocates into.
+        max_num_seqs: The most requests running at once.
+        max_num_batched_tokens: The most tokens fed to the model in one step.
+    """
+
+    def __init__(self, kv_cache: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._finished_ids: list[int] = []
+
+    def add(self, request: Request) -> None:
+        """Queue a new request for admission."""
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        """True while any request waits or runs."""
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's tokens, allocating their KV slots and preempting when blocks run out."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
+                preempted = True
+                victim = self.running.pop()
+                self._preempt(victim)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+            index += 1
+        # Admitting new work right after a preemption would only thrash the cache.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(scheduled, finished)
+
+    def update(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[TokenEvent]:
+        """Advance the scheduled requests by a finished step.
+
+        Args:
+            output: The step's schedule, as ``schedule()`` returned it.
+            sampled_token_ids: One token per scheduled request with ``sample=True``, in order.
+
+        Returns:
+            One event per request that got a token; finished requests have freed their blocks.
+        """
+        events: list[TokenEvent] = []
+        samples = iter(sampled_token_ids)
+        for item in output.scheduled:
+            request = item.request
+            if request.finished:  # aborted while the step ran; its token is discarded
+                if item.sample:
+                    next(samples)
+                continue
+            request.num_computed_tokens += item.num_new_tokens
+            if not item.sample:
+                continue
+            token_id = next(samples)
+            finish_reason = request.append_token(token_id)
+            if finish_reason is not None:
+                self.finish(request, finish_reason)
+            events.append(TokenEvent(request, [token_id], finish_reason))
+        return events
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """End a request (finished or aborted) and free its blocks; idempotent."""
+        if request.finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.kv_cache.free(request.request_id)
+        self._finished_ids.append(request.request_id)
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(request, start, num_new, sample=start + num_new == request.num_tokens)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
