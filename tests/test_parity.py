@@ -110,8 +110,11 @@ def smollm2_dir() -> Path:
 async def test_default_model_matches_transformers(smollm2_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     prompts = [
-        list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
-                                           return_dict=True)["input_ids"])
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        )
         for p in REAL_PROMPTS
     ]
     expected = _hf_greedy(smollm2_dir, tuple(map(tuple, prompts)), 32)

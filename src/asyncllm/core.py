@@ -11,6 +11,7 @@ import functools
 import logging
 import threading
 from collections import deque
+
 import anyio
 from anyio.abc import TaskStatus
 
@@ -35,7 +36,9 @@ class EngineCore:
         outputs: Routes tokens to streams.
     """
 
-    def __init__(self, scheduler: Scheduler, worker: DeviceWorker, runner: ModelRunner, outputs: OutputProcessor) -> None:
+    def __init__(
+        self, scheduler: Scheduler, worker: DeviceWorker, runner: ModelRunner, outputs: OutputProcessor
+    ) -> None:
         self.scheduler = scheduler
         self.worker = worker
         self.runner = runner
@@ -156,4 +159,3 @@ class EngineCore:
         for request in list(self.requests.values()):
             self.scheduler.finish(request, "abort")
         self.requests.clear()
-

@@ -74,7 +74,9 @@ class Engine:
     Build one with ``Engine.open(...)`` and enter it with ``async with``.
     """
 
-    def __init__(self, options: EngineOptions, runner: ModelRunner | None = None, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(
+        self, options: EngineOptions, runner: ModelRunner | None = None, tokenizer: Tokenizer | None = None
+    ) -> None:
         self.options = options
         self._runner = runner
         self._tokenizer = tokenizer
@@ -141,11 +143,21 @@ class Engine:
         await stack.__aenter__()
         try:
             await self._start(stack)
-        except BaseException as exc:
-            await stack.__aexit__(type(exc), exc, exc.__traceback__)
+        except BaseException:
             self._closed = True
+            await self._teardown()
             raise
         return self
+
+    async def _teardown(self) -> None:
+        # The exception that ends the block is not passed down: the task groups inside would wrap
+        # it in an ExceptionGroup. Stopping is orderly (abort, finish the step in flight, free,
+        # join) and bounded by one step; the device calls inside are shielded, so a cancelled
+        # caller still frees the device and joins its thread.
+        if self._core is not None:
+            self._core.stop_nowait()
+        if self._stack is not None:
+            await self._stack.aclose()
 
     async def _start(self, stack: AsyncExitStack) -> None:
         portal = await stack.enter_async_context(BlockingPortal())
@@ -177,7 +189,10 @@ class Engine:
         await task_group.start(core.run)
         logger.info(
             "asyncllm engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
-            info.description, info.num_kv_blocks, info.block_size, self._max_model_len,
+            info.description,
+            info.num_kv_blocks,
+            info.block_size,
+            self._max_model_len,
         )
 
     def _torch_runner(self, model_path: Path) -> ModelRunner:
@@ -214,9 +229,7 @@ class Engine:
         if self._stack is None or self._closed:
             return
         self._closed = True
-        if self._core is not None:
-            self._core.stop_nowait()
-        await self._stack.__aexit__(exc_type, exc, tb)
+        await self._teardown()
         if exc_type is None and self._core is not None and self._core.dead is not None:
             raise self._core.dead
 
@@ -330,5 +343,5 @@ def _resolve_model(model: str | os.PathLike[str] | None) -> Path:
 def _load_tokenizer(model_path: Path) -> Tokenizer:
     from transformers import AutoTokenizer
 
-    tokenizer: Tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer: Tokenizer = AutoTokenizer.from_pretrained(model_path)  # type: ignore[assignment]
     return tokenizer

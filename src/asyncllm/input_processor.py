@@ -21,7 +21,9 @@ class InputProcessor:
         eos_token_ids: Ids that end generation unless ``ignore_eos``.
     """
 
-    def __init__(self, tokenizer: Tokenizer, *, vocab_size: int, max_model_len: int, eos_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, *, vocab_size: int, max_model_len: int, eos_token_ids: frozenset[int]
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -40,12 +42,14 @@ class InputProcessor:
             return list(self.tokenizer.encode(prompt))
         if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
             raise InvalidPromptError(f"prompt must be a str or a sequence of token ids, got {type(prompt).__name__}")
-        ids = list(prompt)
+        ids: list[int] = list(prompt)  # type: ignore[arg-type]  # mypy keeps str after the narrowing
         if not ids:
             raise InvalidPromptError("prompt is empty")
         for token_id in ids:
             if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
-                raise InvalidPromptError(f"prompt token id {token_id!r} is outside the vocabulary [0, {self.vocab_size})")
+                raise InvalidPromptError(
+                    f"prompt token id {token_id!r} is outside the vocabulary [0, {self.vocab_size})"
+                )
         return ids
 
     def process(self, prompt: str | Sequence[int], params: SamplingParams) -> Request:
@@ -60,7 +64,9 @@ class InputProcessor:
             raise InvalidSamplingParamsError(f"params must be a SamplingParams, got {type(params).__name__}")
         for token_id in params.stop_token_ids:
             if token_id >= self.vocab_size:
-                raise InvalidSamplingParamsError(f"stop_token_ids holds {token_id}, outside the vocabulary [0, {self.vocab_size})")
+                raise InvalidSamplingParamsError(
+                    f"stop_token_ids holds {token_id}, outside the vocabulary [0, {self.vocab_size})"
+                )
         prompt_ids = self.tokenize(prompt)
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_model_len:

@@ -149,7 +149,9 @@ class TorchModelRunner:
     def _execute(self, sequences: list[SequenceInput]) -> list[int]:
         assert self.model is not None and self.sampler is not None
         input_ids, positions, slot_mapping, sample_index = _flatten(sequences, self.block_size)
-        meta = _attention_metadata(sequences, slot_mapping, self.block_size, self.model.spec.sliding_window, self.device)
+        meta = _attention_metadata(
+            sequences, slot_mapping, self.block_size, self.model.spec.sliding_window, self.device
+        )
         hidden = self.model(
             torch.from_numpy(input_ids).to(self.device),
             torch.from_numpy(positions).to(self.device),

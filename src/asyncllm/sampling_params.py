@@ -59,9 +59,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         _check_int("seed", self.seed, minimum=0, allow_none=True)
         if not isinstance(self.stop_token_ids, (tuple, list)):
-            raise InvalidSamplingParamsError(
-                f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}"
-            )
+            raise InvalidSamplingParamsError(f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}")
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids[...]", token_id, minimum=0)
         if not isinstance(self.ignore_eos, bool):

@@ -42,7 +42,9 @@ class AttentionMetadata:
     prefills: tuple[PrefillChunk, ...]
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
     """Store a step's new keys and values ([tokens, kv_heads, head_dim]) at their slots."""
     k_cache.index_copy_(0, slots, k)
     v_cache.index_copy_(0, slots, v)

@@ -45,12 +45,11 @@ class DecoderSpec:
         """Read a spec off a transformers config object of one of the supported families."""
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        if architecture == "Qwen2ForCausalLM":
-            attention_bias = True
-        else:
-            attention_bias = bool(getattr(config, "attention_bias", False))
+        attention_bias = True if architecture == "Qwen2ForCausalLM" else bool(getattr(config, "attention_bias", False))
         sliding_window = getattr(config, "sliding_window", None)
-        if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not getattr(config, "use_sliding_window", False):
+        if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not getattr(
+            config, "use_sliding_window", False
+        ):
             sliding_window = None
         return cls(
             architecture=architecture,
@@ -106,7 +105,8 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        result: torch.Tensor = self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        return result
 
 
 class MLP(nn.Module):
@@ -121,7 +121,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        result: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return result
 
 
 class DecoderLayer(nn.Module):
@@ -142,7 +143,8 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        result: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return result
 
 
 class DecoderModel(nn.Module):
@@ -179,8 +181,10 @@ class DecoderForCausalLM(nn.Module):
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x = layer(x, cos_sin, kv_cache, meta)
-        return self.model.norm(x)
+        result: torch.Tensor = self.model.norm(x)
+        return result
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project hidden states to float32 vocabulary logits."""
-        return self.lm_head(hidden).float()
+        result: torch.Tensor = self.lm_head(hidden).float()
+        return result

@@ -199,24 +199,76 @@ Math: ∑ ∫ √ ∞ ≈ ≠ ≤ ≥ → ← ↔ × ÷ ± π µ °C €100 £5 
 """
 
 _SUBJECTS = (
-    "the cat", "the dog", "a teacher", "my friend", "the engineer", "a small bird", "the king",
-    "our neighbour", "the robot", "a student", "the captain", "her brother", "the model",
-    "the server", "a farmer", "the scientist",
+    "the cat",
+    "the dog",
+    "a teacher",
+    "my friend",
+    "the engineer",
+    "a small bird",
+    "the king",
+    "our neighbour",
+    "the robot",
+    "a student",
+    "the captain",
+    "her brother",
+    "the model",
+    "the server",
+    "a farmer",
+    "the scientist",
 )
 _VERBS = (
-    "found", "watched", "built", "painted", "carried", "opened", "wanted", "remembered",
-    "followed", "cleaned", "counted", "described", "ignored", "borrowed", "repaired", "visited",
+    "found",
+    "watched",
+    "built",
+    "painted",
+    "carried",
+    "opened",
+    "wanted",
+    "remembered",
+    "followed",
+    "cleaned",
+    "counted",
+    "described",
+    "ignored",
+    "borrowed",
+    "repaired",
+    "visited",
 )
 _OBJECTS = (
-    "a red box", "the old house", "three apples", "the long road", "a strange letter",
-    "the blue door", "every window", "a broken chair", "the river", "some fresh bread",
-    "the last train", "a quiet garden", "the new computer", "two green bottles",
-    "the morning paper", "a warm blanket",
+    "a red box",
+    "the old house",
+    "three apples",
+    "the long road",
+    "a strange letter",
+    "the blue door",
+    "every window",
+    "a broken chair",
+    "the river",
+    "some fresh bread",
+    "the last train",
+    "a quiet garden",
+    "the new computer",
+    "two green bottles",
+    "the morning paper",
+    "a warm blanket",
 )
 _ENDINGS = (
-    "before dinner", "after the rain", "in the morning", "at night", "without a word",
-    "with great care", "near the station", "for the first time", "again and again",
-    "on a sunny day", "because it was late", "while everyone slept", "", "", "", "",
+    "before dinner",
+    "after the rain",
+    "in the morning",
+    "at night",
+    "without a word",
+    "with great care",
+    "near the station",
+    "for the first time",
+    "again and again",
+    "on a sunny day",
+    "because it was late",
+    "while everyone slept",
+    "",
+    "",
+    "",
+    "",
 )
 
 
@@ -314,9 +366,7 @@ def _wrap_tokenizer(tokenizer: Tokenizer, max_length: int) -> PreTrainedTokenize
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_args(
-    family: str, vocab_size: int, hidden_size: int, num_heads: int, num_kv_heads: int
-) -> None:
+def _check_args(family: str, vocab_size: int, hidden_size: int, num_heads: int, num_kv_heads: int) -> None:
     """Raise ``ValueError`` for arguments that cannot make a model."""
     if family not in _CONFIG_CLASSES:
         raise ValueError(f"unknown model family {family!r}; expected one of {', '.join(FAMILIES)}")
