@@ -19,7 +19,7 @@ from asyncllm.device import DeviceWorker
 from asyncllm.errors import EngineDeadError
 from asyncllm.output_processor import OutputProcessor
 from asyncllm.request import Request
-from asyncllm.runner import ModelRunner, SequenceInput, StepBatch
+from asyncllm.runner import ModelRunner, SequenceInput, StepBatch, StepOutput
 from asyncllm.scheduler import Scheduler, SchedulerOutput, TokenEvent
 from asyncllm.stream import RequestStream
 
@@ -122,7 +122,7 @@ class EngineCore:
         ]
         return StepBatch(sequences, step.finished_request_ids)
 
-    def _update(self, step: SchedulerOutput, sampled: list[int]) -> list[TokenEvent]:
+    def _update(self, step: SchedulerOutput, sampled: StepOutput) -> list[TokenEvent]:
         self.num_steps += 1
         for item in step.scheduled:
             prompt_len = len(item.request.prompt_token_ids)

@@ -29,6 +29,7 @@ from asyncllm.device import DeviceWorker
 from asyncllm.errors import EngineClosedError, EngineDeadError
 from asyncllm.input_processor import InputProcessor
 from asyncllm.kv.manager import KVCacheManager
+from asyncllm.metrics import EngineMetrics
 from asyncllm.output_processor import OutputProcessor
 from asyncllm.outputs import Completion, EngineStatistics, FinishReason
 from asyncllm.runner import ModelRunner, RunnerInfo
@@ -294,6 +295,17 @@ class Engine:
         return Completion("".join(texts), tuple(token_ids), tuple(stream.prompt_token_ids), finish_reason)
 
     # -- introspection ---------------------------------------------------------------------------
+
+    @property
+    def metrics(self) -> EngineMetrics:
+        """Live latency histograms and token counters (what ``/metrics`` exports).
+
+        Raises:
+            EngineClosedError: The engine was never entered.
+        """
+        if self._core is None:
+            raise EngineClosedError("the engine is not running")
+        return self._core.outputs.metrics
 
     @property
     def max_model_len(self) -> int:

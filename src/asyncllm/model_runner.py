@@ -19,7 +19,7 @@ from asyncllm.errors import DeviceOutOfMemoryError
 from asyncllm.layers.attention import AttentionMetadata, PrefillChunk
 from asyncllm.layers.rotary import RotaryEmbedding
 from asyncllm.models import DecoderForCausalLM, build_model
-from asyncllm.runner import RunnerInfo, SequenceInput, StepBatch
+from asyncllm.runner import RunnerInfo, SequenceInput, StepBatch, StepOutput
 from asyncllm.sampler import Sampler
 from asyncllm.weights import load_config, load_eos_token_ids, load_state_dict
 
@@ -134,19 +134,19 @@ class TorchModelRunner:
             num_blocks = min(num_blocks, -(-self.max_tokens_in_cache // self.block_size))
         return num_blocks
 
-    def execute(self, batch: StepBatch) -> list[int]:
+    def execute(self, batch: StepBatch) -> StepOutput:
         """Run one step on the flat batch; return the sampled ids (see ``ModelRunner.execute``)."""
         assert self.model is not None and self.sampler is not None, "load() first"
         self.sampler.forget(batch.finished_request_ids)
         if not batch.sequences:
-            return []
+            return StepOutput([])
         try:
             with torch.inference_mode():
                 return self._execute(batch.sequences)
         except torch.OutOfMemoryError as exc:
             raise DeviceOutOfMemoryError(f"the device ran out of memory during a step: {exc}") from exc
 
-    def _execute(self, sequences: list[SequenceInput]) -> list[int]:
+    def _execute(self, sequences: list[SequenceInput]) -> StepOutput:
         assert self.model is not None and self.sampler is not None
         input_ids, positions, slot_mapping, sample_index = _flatten(sequences, self.block_size)
         meta = _attention_metadata(
@@ -159,12 +159,11 @@ class TorchModelRunner:
             meta,
         )
         if not sample_index:
-            return []
+            return StepOutput([])
         logits = self.model.logits(hidden[torch.tensor(sample_index, device=self.device)])
         sampling = [s for s in sequences if s.sample]
         tokens = self.sampler.sample(logits, [s.request_id for s in sampling], [s.params for s in sampling])
-        result: list[int] = tokens.tolist()
-        return result
+        return StepOutput(tokens.tolist())
 
     def close(self) -> None:
         """Drop weights and KV tensors so their memory can be returned."""

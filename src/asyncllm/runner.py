@@ -8,7 +8,7 @@ layers above can be tested without weights. Everything here is plain Python: no 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from asyncllm.sampling_params import SamplingParams
 
@@ -43,6 +43,18 @@ class SequenceInput:
 
 
 @dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What a step produced."""
+
+    sampled_token_ids: list[int]
+    """One id per sequence with ``sample=True``, in batch order."""
+    logprobs: list[Any] | None = None
+    """Aligned with ``sampled_token_ids`` when a request asked for logprobs (None entries otherwise)."""
+    prompt_logprobs: dict[int, list[Any]] | None = None
+    """Per request id, the logprobs of the prompt tokens this step computed (when asked for)."""
+
+
+@dataclass(frozen=True, slots=True)
 class StepBatch:
     """Everything one model step computes."""
 
@@ -58,8 +70,8 @@ class ModelRunner(Protocol):
         """Load weights, allocate the KV cache and report its shape."""
         ...
 
-    def execute(self, batch: StepBatch) -> list[int]:
-        """Run one step; return a sampled token id for each sequence with ``sample=True``, in order."""
+    def execute(self, batch: StepBatch) -> StepOutput:
+        """Run one step; sample a token for each sequence with ``sample=True``."""
         ...
 
     def close(self) -> None:

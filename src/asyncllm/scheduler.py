@@ -9,12 +9,14 @@ blocks are freed and it goes back to the front of the queue to be recomputed lat
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from asyncllm.kv.manager import KVCacheManager
 from asyncllm.outputs import FinishReason
 from asyncllm.request import Request, RequestStatus
+from asyncllm.runner import StepOutput
 
 
 @dataclass(slots=True)
@@ -105,6 +107,8 @@ class Scheduler:
             if self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
                 break
             self.waiting.popleft()
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(self._scheduled(request, num_new))
@@ -112,18 +116,19 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(scheduled, finished)
 
-    def update(self, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[TokenEvent]:
+    def update(self, output: SchedulerOutput, step_output: StepOutput) -> list[TokenEvent]:
         """Advance the scheduled requests by a finished step.
 
         Args:
             output: The step's schedule, as ``schedule()`` returned it.
-            sampled_token_ids: One token per scheduled request with ``sample=True``, in order.
+            step_output: What the runner returned: one token per scheduled request with
+                ``sample=True``, in order.
 
         Returns:
             One event per request that got a token; finished requests have freed their blocks.
         """
         events: list[TokenEvent] = []
-        samples = iter(sampled_token_ids)
+        samples = iter(step_output.sampled_token_ids)
         for item in output.scheduled:
             request = item.request
             if request.finished:  # aborted while the step ran; its token is discarded

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from asyncllm.runner import RunnerInfo, SequenceInput, StepBatch
+from asyncllm.runner import RunnerInfo, SequenceInput, StepBatch, StepOutput
 
 EOS_ID = 256
 """The ``ByteTokenizer``'s end-of-sequence id."""
@@ -93,13 +93,13 @@ class ScriptedRunner:
         self.thread_ids.add(threading.get_ident())
         return self.info
 
-    def execute(self, batch: StepBatch) -> list[int]:
+    def execute(self, batch: StepBatch) -> StepOutput:
         """Record the step and return the script's tokens for the sampling sequences."""
         self.thread_ids.add(threading.get_ident())
         if self.fail_at_step is not None and len(self.steps) == self.fail_at_step:
             raise RuntimeError(f"scripted failure at step {self.fail_at_step}")
         self.steps.append(RecordedStep(tuple(batch.sequences), tuple(batch.finished_request_ids)))
-        return [self.script(seq) for seq in batch.sequences if seq.sample]
+        return StepOutput([self.script(seq) for seq in batch.sequences if seq.sample])
 
     def close(self) -> None:
         """Mark the runner closed."""
