@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +26,7 @@ from anyio.from_thread import BlockingPortal
 from asyncllm.core import EngineCore
 from asyncllm.detokenizer import Tokenizer
 from asyncllm.device import DeviceWorker
-from asyncllm.errors import EngineClosedError, EngineDeadError
+from asyncllm.errors import ChatTemplateError, EngineClosedError, EngineDeadError
 from asyncllm.input_processor import InputProcessor
 from asyncllm.kv.manager import KVCacheManager
 from asyncllm.metrics import EngineMetrics
@@ -53,6 +53,7 @@ class EngineOptions:
     max_model_len: int | None
     kv_cache_blocks: int | None
     seed: int | None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -101,6 +102,7 @@ class Engine:
         max_model_len: int | None = None,
         kv_cache_blocks: int | None = None,
         seed: int | None = None,
+        enable_prefix_caching: bool = True,
         runner: ModelRunner | None = None,
         tokenizer: Tokenizer | None = None,
     ) -> Engine:
@@ -119,6 +121,8 @@ class Engine:
                 (capped by what the KV cache holds).
             kv_cache_blocks: Number of KV blocks; None sizes the cache from memory.
             seed: Seed of the generator that unseeded sampling requests share.
+            enable_prefix_caching: Reuse the KV cache of identical prompt prefixes (full blocks)
+                across requests; on by default.
             runner: A ``ModelRunner`` to use instead of the torch one (tests: ``asyncllm.testing``).
             tokenizer: The tokenizer to use with ``runner`` (by default loaded from ``model``).
 
@@ -129,7 +133,16 @@ class Engine:
             ValueError: An option is out of range.
         """
         options = EngineOptions(
-            model, device, dtype, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, kv_cache_blocks, seed
+            model,
+            device,
+            dtype,
+            block_size,
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len,
+            kv_cache_blocks,
+            seed,
+            enable_prefix_caching,
         )
         if runner is not None and tokenizer is None:
             raise ValueError("a custom runner needs a tokenizer too")
@@ -175,7 +188,9 @@ class Engine:
         stack.push_async_callback(worker.run, runner.close)
         self._info = info
         self._max_model_len = self._resolve_max_model_len(info)
-        kv_cache = KVCacheManager(info.num_kv_blocks, info.block_size)
+        kv_cache = KVCacheManager(
+            info.num_kv_blocks, info.block_size, enable_prefix_caching=self.options.enable_prefix_caching
+        )
         scheduler = Scheduler(
             kv_cache, max_num_seqs=self.options.max_num_seqs, max_num_batched_tokens=self.options.max_num_batched_tokens
         )
@@ -244,7 +259,9 @@ class Engine:
             raise EngineDeadError("the engine died earlier") from core.dead
         return core, inputs
 
-    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> RequestStream:
+    def stream(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, *, cache_salt: str | None = None
+    ) -> RequestStream:
         """Submit a request and return its live output.
 
         Validation happens here, at the call: nothing is scheduled for a bad request.
@@ -252,6 +269,8 @@ class Engine:
         Args:
             prompt: Text (tokenized with the model's tokenizer) or a sequence of token ids.
             params: How to sample; defaults to ``SamplingParams()``.
+            cache_salt: Requests share prefix-cache entries only when their salts are equal: give
+                each tenant that must not share cached KV (or timing) its own salt.
 
         Returns:
             A ``RequestStream``: iterate it for ``StreamChunk`` deltas. Leaving it early (break,
@@ -263,17 +282,20 @@ class Engine:
             EngineDeadError: The engine died.
         """
         core, inputs = self._require_running()
-        request = inputs.process(prompt, params if params is not None else SamplingParams())
+        request = inputs.process(prompt, params if params is not None else SamplingParams(), cache_salt=cache_salt)
         stream = RequestStream(request.request_id, request.prompt_token_ids, core.abort_nowait)
         core.add(request, stream)
         return stream
 
-    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Completion:
+    async def generate(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, *, cache_salt: str | None = None
+    ) -> Completion:
         """Run a request to the end and return its whole output.
 
         Args:
             prompt: Text or token ids, as for ``stream``.
             params: How to sample.
+            cache_salt: As for ``stream``.
 
         Returns:
             The ``Completion``. Cancelling the call aborts the request.
@@ -286,7 +308,7 @@ class Engine:
         texts: list[str] = []
         token_ids: list[int] = []
         finish_reason: FinishReason = "abort"
-        async with self.stream(prompt, params) as stream:
+        async with self.stream(prompt, params, cache_salt=cache_salt) as stream:
             async for chunk in stream:
                 texts.append(chunk.text)
                 token_ids.extend(chunk.token_ids)
@@ -294,7 +316,84 @@ class Engine:
                     finish_reason = chunk.finish_reason
         return Completion("".join(texts), tuple(token_ids), tuple(stream.prompt_token_ids), finish_reason)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (running requests keep their blocks).
+
+        Returns:
+            How many cached blocks were forgotten.
+
+        Raises:
+            EngineClosedError: The engine is not running.
+        """
+        core, _ = self._require_running()
+        return core.scheduler.kv_cache.reset_prefix_cache()
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Render a conversation with the model's chat template, the assistant's turn opened.
+
+        Args:
+            messages: ``{"role": ..., "content": ...}`` mappings (content a str), oldest first.
+
+        Returns:
+            The prompt's token ids (``add_generation_prompt=True``).
+
+        Raises:
+            ChatTemplateError: The model has no chat template, the messages are malformed, or the
+                template rejected them (an ``InvalidRequestError``).
+            EngineClosedError: The engine is not running.
+            EngineDeadError: The engine died.
+        """
+        _, inputs = self._require_running()
+        return _render_chat(inputs.tokenizer, messages)
+
+    def chat_stream(
+        self, messages: Sequence[Mapping[str, Any]], params: SamplingParams | None = None
+    ) -> RequestStream:
+        """Submit a conversation (see ``apply_chat_template``) and return the reply's live output.
+
+        Args:
+            messages: The conversation so far, oldest first.
+            params: How to sample.
+
+        Returns:
+            A ``RequestStream``, as ``stream`` returns.
+
+        Raises:
+            ChatTemplateError: As for ``apply_chat_template``.
+            InvalidRequestError: As for ``stream``.
+            EngineClosedError: The engine is not running.
+            EngineDeadError: The engine died.
+        """
+        return self.stream(self.apply_chat_template(messages), params)
+
+    async def chat(self, messages: Sequence[Mapping[str, Any]], params: SamplingParams | None = None) -> Completion:
+        """Run a conversation's next assistant turn to the end (see ``chat_stream``).
+
+        Args:
+            messages: The conversation so far, oldest first.
+            params: How to sample.
+
+        Returns:
+            The reply as a ``Completion``. Cancelling the call aborts the request.
+
+        Raises:
+            ChatTemplateError: As for ``apply_chat_template``.
+            InvalidRequestError: As for ``stream``.
+            EngineClosedError: The engine is not running (or closed while the request ran).
+            EngineDeadError: The engine died.
+        """
+        return await self.generate(self.apply_chat_template(messages), params)
+
     # -- introspection ---------------------------------------------------------------------------
+
+    def check_health(self) -> None:
+        """Return if the engine takes requests; raise why not (what ``GET /health`` asks).
+
+        Raises:
+            EngineClosedError: The engine is not running (not entered yet, or left).
+            EngineDeadError: The engine died.
+        """
+        self._require_running()
 
     @property
     def metrics(self) -> EngineMetrics:
@@ -333,11 +432,17 @@ class Engine:
         if core is None:
             raise EngineClosedError("the engine is not running")
         scheduler = core.scheduler
+        kv = scheduler.kv_cache
         return EngineStatistics(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
-            kv_blocks_total=scheduler.kv_cache.pool.num_blocks,
-            kv_blocks_free=scheduler.kv_cache.num_free_blocks,
+            kv_blocks_total=kv.pool.num_blocks,
+            kv_blocks_free=kv.num_free_blocks,
+            kv_usage=1.0 - kv.num_free_blocks / kv.pool.num_blocks,
+            num_cached_blocks=kv.pool.num_cached_blocks,
+            prefix_cache_queries=kv.num_query_tokens,
+            prefix_cache_hits=kv.num_hit_tokens,
+            prefix_cache_hit_rate=kv.num_hit_tokens / kv.num_query_tokens if kv.num_query_tokens else 0.0,
             num_preemptions=scheduler.num_preemptions,
             num_steps=core.num_steps,
             num_prompt_tokens=core.num_prompt_tokens,
@@ -350,6 +455,25 @@ def _resolve_model(model: str | os.PathLike[str] | None) -> Path:
     from asyncllm.default_model import resolve_model_path
 
     return resolve_model_path(model)
+
+
+def _render_chat(tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    apply = getattr(tokenizer, "apply_chat_template", None)
+    if apply is None or not getattr(tokenizer, "chat_template", None):
+        raise ChatTemplateError("this model's tokenizer has no chat template; send a plain prompt instead")
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+        raise ChatTemplateError("messages must be a non-empty list of {'role': ..., 'content': ...} mappings")
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not all(isinstance(message.get(k), str) for k in ("role", "content")):
+            raise ChatTemplateError(f"messages[{index}] must be a mapping with str 'role' and 'content': {message!r}")
+    from jinja2 import TemplateError  # a dependency of transformers, whose tokenizers have chat templates
+
+    try:
+        encoded = apply([dict(m) for m in messages], add_generation_prompt=True, tokenize=True, return_dict=True)
+    except (TemplateError, ValueError, TypeError, KeyError) as exc:
+        # Templates refuse some conversations on purpose (``raise_exception``), e.g. roles that do not alternate.
+        raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from exc
+    return list(encoded["input_ids"])
 
 
 def _load_tokenizer(model_path: Path) -> Tokenizer:

@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence
 
 from asyncllm.detokenizer import Tokenizer
-from asyncllm.errors import InvalidPromptError, InvalidSamplingParamsError, PromptTooLongError
+from asyncllm.errors import InvalidPromptError, InvalidRequestError, InvalidSamplingParamsError, PromptTooLongError
 from asyncllm.request import Request
 from asyncllm.sampling_params import SamplingParams
 
@@ -52,7 +52,7 @@ class InputProcessor:
                 )
         return ids
 
-    def process(self, prompt: str | Sequence[int], params: SamplingParams) -> Request:
+    def process(self, prompt: str | Sequence[int], params: SamplingParams, *, cache_salt: str | None = None) -> Request:
         """Build the engine's request for ``prompt``.
 
         Raises:
@@ -60,6 +60,8 @@ class InputProcessor:
             InvalidSamplingParamsError: ``params`` is not a SamplingParams, or names ids outside the vocabulary.
             PromptTooLongError: The prompt plus ``max_tokens`` exceeds ``max_model_len``.
         """
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
         if not isinstance(params, SamplingParams):
             raise InvalidSamplingParamsError(f"params must be a SamplingParams, got {type(params).__name__}")
         for token_id in params.stop_token_ids:
@@ -83,4 +85,5 @@ class InputProcessor:
             params=params,
             stop_token_ids=stop_ids,
             max_total_tokens=self.max_model_len,
+            cache_salt=cache_salt,
         )

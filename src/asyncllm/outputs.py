@@ -57,6 +57,11 @@ class EngineStatistics(msgspec.Struct, frozen=True):
         num_prompt_tokens: Prompt tokens computed so far (recomputation after preemption included).
         num_generated_tokens: Tokens sampled so far.
         num_finished_requests: Requests that ended, for any reason.
+        kv_usage: Fraction of KV blocks held by requests (0.0-1.0).
+        num_cached_blocks: Blocks listed in the prefix cache (held or evictable).
+        prefix_cache_queries: Prompt tokens looked up in the prefix cache.
+        prefix_cache_hits: Of those, tokens whose KV was found cached.
+        prefix_cache_hit_rate: hits / queries (0.0 before any query).
     """
 
     num_running: int
@@ -68,3 +73,8 @@ class EngineStatistics(msgspec.Struct, frozen=True):
     num_prompt_tokens: int
     num_generated_tokens: int
     num_finished_requests: int
+    kv_usage: float = 0.0
+    num_cached_blocks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_hit_rate: float = 0.0

@@ -39,6 +39,12 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None
+    """Keeps this request's prefix-cache entries apart from requests with another salt."""
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Chained hashes of the request's full blocks, extended as blocks fill."""
+    num_cached_blocks: int = 0
+    """Leading blocks of the table already listed in the prefix cache."""
     first_scheduled_time: float | None = None
 
     @property

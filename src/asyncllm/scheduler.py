@@ -89,7 +89,7 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
+            while self.kv_cache.allocate_slots(request, request.num_computed_tokens + num_new) is None:
                 preempted = True
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -103,9 +103,11 @@ class Scheduler:
         # Admitting new work right after a preemption would only thrash the cache.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
+            hit = self.kv_cache.find_cached_prefix(request)
+            num_new = min(request.num_tokens - hit.num_tokens, budget)
+            if self.kv_cache.allocate_slots(request, hit.num_tokens + num_new, hit) is None:
                 break
+            request.num_computed_tokens = hit.num_tokens
             self.waiting.popleft()
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
@@ -136,6 +138,7 @@ class Scheduler:
                     next(samples)
                 continue
             request.num_computed_tokens += item.num_new_tokens
+            self.kv_cache.cache_computed_blocks(request)
             if not item.sample:
                 continue
             token_id = next(samples)
@@ -155,7 +158,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        self.kv_cache.free(request.request_id)
+        self.kv_cache.free(request)
         self._finished_ids.append(request.request_id)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
@@ -163,7 +166,7 @@ class Scheduler:
         return ScheduledRequest(request, start, num_new, sample=start + num_new == request.num_tokens)
 
     def _preempt(self, request: Request) -> None:
-        self.kv_cache.free(request.request_id)
+        self.kv_cache.free(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1

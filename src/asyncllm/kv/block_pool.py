@@ -1,4 +1,10 @@
-"""``BlockPool``: fixed-size KV blocks with reference counts and an O(1) free queue."""
+"""``BlockPool``: fixed-size KV blocks with reference counts, an O(1) LRU free queue and a prefix cache.
+
+A block is either held (reference count >= 1) or free (count 0, in the free queue). A free block
+may still hold the KV of a full block of some earlier sequence and be listed in the hash → block
+map; a later request with the same prefix takes it straight out of the free queue (a cache hit).
+Cached free blocks are evicted lazily, only when ``allocate`` needs a block and pops them.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +12,10 @@ from collections import OrderedDict
 
 
 class BlockPool:
-    """Hands out KV cache block ids and takes them back.
+    """Hands out KV cache block ids, takes them back, and remembers which full blocks hold what.
 
-    A block is either free (in the free queue, reference count 0) or held (count >= 1).
-    The free queue is an ``OrderedDict`` used as a linked list: popping the oldest, appending and
-    removing from the middle are all O(1), which is what LRU eviction of cached blocks needs.
+    The free queue is an ``OrderedDict`` used as a doubly linked list: popping the least recently
+    freed block, appending and removing from the middle (a cache hit) are all O(1).
 
     Args:
         num_blocks: How many blocks the cache has.
@@ -22,25 +27,66 @@ class BlockPool:
         self.num_blocks = num_blocks
         self._ref_counts = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[bytes, int] = {}
+        self._hash_of: list[bytes | None] = [None] * num_blocks
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks that nobody holds."""
+        """Blocks that nobody holds (cached ones included: they are evictable)."""
         return len(self._free)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks listed in the prefix cache, held or free."""
+        return len(self._cached)
+
     def allocate(self, count: int) -> list[int] | None:
-        """Take ``count`` free blocks (reference count 1 each), or None if there are not enough."""
+        """Take ``count`` free blocks (reference count 1 each), evicting cached ones as needed.
+
+        Returns:
+            The block ids, or None (and nothing changes) when fewer than ``count`` are free.
+        """
         if count > len(self._free):
             return None
         blocks = [self._free.popitem(last=False)[0] for _ in range(count)]
         for block_id in blocks:
+            self._evict(block_id)
             self._ref_counts[block_id] = 1
         return blocks
+
+    def _evict(self, block_id: int) -> None:
+        block_hash = self._hash_of[block_id]
+        if block_hash is not None:
+            self._hash_of[block_id] = None
+            if self._cached.get(block_hash) == block_id:
+                del self._cached[block_hash]
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        """The block caching ``block_hash``, if any."""
+        return self._cached.get(block_hash)
+
+    def touch(self, block_ids: list[int]) -> None:
+        """Add a holder to each block (cache hits); free ones leave the free queue."""
+        for block_id in block_ids:
+            if self._ref_counts[block_id] == 0:
+                del self._free[block_id]
+            self._ref_counts[block_id] += 1
+
+    def cache(self, block_id: int, block_hash: bytes) -> None:
+        """Record that held block ``block_id`` now holds the full block ``block_hash``.
+
+        The first block to cache a hash keeps it; an identical block computed concurrently by
+        another request simply stays uncached.
+        """
+        if self._hash_of[block_id] is None and block_hash not in self._cached:
+            self._hash_of[block_id] = block_hash
+            self._cached[block_hash] = block_id
 
     def release(self, block_ids: list[int]) -> None:
         """Drop one reference to each block; blocks nobody holds go back to the free queue.
 
-        Blocks are released in reverse so that a sequence's tail blocks are reused first.
+        Blocks are released in reverse so that a sequence's tail blocks are evicted first: a
+        prefix is worth more than the suffix that depends on it.
         """
         for block_id in reversed(block_ids):
             count = self._ref_counts[block_id] - 1
@@ -53,3 +99,14 @@ class BlockPool:
     def ref_count(self, block_id: int) -> int:
         """How many holders the block has (0 means free)."""
         return self._ref_counts[block_id]
+
+    def is_cached(self, block_id: int) -> bool:
+        """True when the block is listed in the prefix cache."""
+        return self._hash_of[block_id] is not None
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (their KV stays until overwritten); return how many were listed."""
+        count = len(self._cached)
+        self._cached.clear()
+        self._hash_of = [None] * self.num_blocks
+        return count

@@ -1,8 +1,12 @@
-"""``KVCacheManager``: the block table of every running request."""
+"""``KVCacheManager``: every running request's block table, over a pool with a prefix cache."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from asyncllm.kv.block_pool import BlockPool
+from asyncllm.kv.hashing import extend_block_hashes
+from asyncllm.request import Request
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -10,53 +14,116 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+@dataclass(frozen=True, slots=True)
+class CacheHit:
+    """The cached prefix of a request: its blocks and how many tokens they cover."""
+
+    block_ids: list[int]
+    num_tokens: int
+
+
+_NO_HIT = CacheHit([], 0)
+
+
 class KVCacheManager:
-    """Grows and frees per-request block tables over a shared ``BlockPool``.
+    """Grows and frees per-request block tables; finds and records cached prefixes.
 
     Args:
         num_blocks: Blocks in the cache.
         block_size: Tokens per block.
+        enable_prefix_caching: Reuse the KV of identical prefixes (full blocks) across requests.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self._tables: dict[int, list[int]] = {}
+        self.num_query_tokens = 0
+        """Prompt tokens looked up in the prefix cache."""
+        self.num_hit_tokens = 0
+        """Of those, tokens found cached."""
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks that no request holds."""
         return self.pool.num_free_blocks
 
-    def allocate_slots(self, request_id: int, num_tokens: int) -> list[int] | None:
+    def find_cached_prefix(self, request: Request) -> CacheHit:
+        """The longest cached run of the request's full blocks.
+
+        At least one token is always left to compute, so the step has logits to sample from.
+        Nothing is taken yet: pass the hit to ``allocate_slots``.
+        """
+        if not self.enable_prefix_caching:
+            return _NO_HIT
+        self._hash_blocks(request, request.num_tokens)
+        usable = (request.num_tokens - 1) // self.block_size
+        blocks: list[int] = []
+        for block_hash in request.block_hashes[:usable]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        self.num_query_tokens += len(request.prompt_token_ids)
+        hit_tokens = len(blocks) * self.block_size
+        self.num_hit_tokens += min(hit_tokens, len(request.prompt_token_ids))
+        return CacheHit(blocks, hit_tokens)
+
+    def allocate_slots(self, request: Request, num_tokens: int, hit: CacheHit = _NO_HIT) -> list[int] | None:
         """Make the request's table cover its first ``num_tokens`` tokens.
 
         Args:
-            request_id: The request whose table grows (created on first use).
+            request: The request whose table grows (created on first use).
             num_tokens: Tokens the request will have KV for after this step.
+            hit: A cached prefix from ``find_cached_prefix`` to start a new table with.
 
         Returns:
-            The newly added block ids (possibly empty), or None when the pool is too small right
-            now; in that case nothing changes.
+            The newly allocated block ids (possibly empty), or None when the pool is too small
+            right now; in that case nothing changes.
         """
-        table = self._tables.setdefault(request_id, [])
-        missing = blocks_needed(num_tokens, self.block_size) - len(table)
-        if missing <= 0:
-            return []
-        new_blocks = self.pool.allocate(missing)
-        if new_blocks is None:
-            if not table:
-                del self._tables[request_id]
+        table = self._tables.get(request.request_id, [])
+        missing = blocks_needed(num_tokens, self.block_size) - len(table) - len(hit.block_ids)
+        # Hit blocks that sit in the free queue stop being available once taken.
+        available = self.pool.num_free_blocks - sum(1 for b in hit.block_ids if self.pool.ref_count(b) == 0)
+        if missing > available:
             return None
-        table.extend(new_blocks)
+        if hit.block_ids:
+            self.pool.touch(hit.block_ids)
+            table = table + hit.block_ids
+        new_blocks = self.pool.allocate(max(missing, 0)) or []
+        self._tables[request.request_id] = table + new_blocks
         return new_blocks
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """List the request's newly completed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        if num_full == 0:
+            return
+        self._hash_blocks(request, num_full * self.block_size)
+        table = self._tables.get(request.request_id, [])
+        for index in range(request.num_cached_blocks, min(num_full, len(table))):
+            self.pool.cache(table[index], request.block_hashes[index])
+        request.num_cached_blocks = max(request.num_cached_blocks, num_full)
+
+    def _hash_blocks(self, request: Request, num_tokens: int) -> None:
+        if len(request.block_hashes) * self.block_size + self.block_size <= num_tokens:
+            tokens = request.token_ids(0, num_tokens)
+            extend_block_hashes(request.block_hashes, tokens, self.block_size, request.cache_salt)
 
     def block_table(self, request_id: int) -> list[int]:
         """The request's blocks in sequence order (empty if it holds none)."""
         return self._tables.get(request_id, [])
 
-    def free(self, request_id: int) -> None:
+    def free(self, request: Request) -> None:
         """Return every block of the request to the pool; a no-op if it holds none."""
-        table = self._tables.pop(request_id, None)
+        table = self._tables.pop(request.request_id, None)
+        request.num_cached_blocks = 0
         if table:
             self.pool.release(table)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block; return how many were listed."""
+        return self.pool.reset_prefix_cache()
