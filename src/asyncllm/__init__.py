@@ -3,9 +3,11 @@
 from asyncllm.engine import Engine
 from asyncllm.errors import (
     AsyncLLMError,
+    ChatTemplateError,
     DeviceOutOfMemoryError,
     EngineClosedError,
     EngineDeadError,
+    EngineOverloadedError,
     InvalidPromptError,
     InvalidRequestError,
     InvalidSamplingParamsError,
@@ -20,11 +22,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncLLMError",
+    "ChatTemplateError",
     "Completion",
     "DeviceOutOfMemoryError",
     "Engine",
     "EngineClosedError",
     "EngineDeadError",
+    "EngineOverloadedError",
     "EngineStatistics",
     "InvalidPromptError",
     "InvalidRequestError",

@@ -26,12 +26,12 @@ from anyio.from_thread import BlockingPortal
 from asyncllm.core import EngineCore
 from asyncllm.detokenizer import Tokenizer
 from asyncllm.device import DeviceWorker
-from asyncllm.errors import ChatTemplateError, EngineClosedError, EngineDeadError
+from asyncllm.errors import ChatTemplateError, EngineClosedError, EngineDeadError, EngineOverloadedError
 from asyncllm.input_processor import InputProcessor
 from asyncllm.kv.manager import KVCacheManager
 from asyncllm.metrics import EngineMetrics
 from asyncllm.output_processor import OutputProcessor
-from asyncllm.outputs import Completion, EngineStatistics, FinishReason
+from asyncllm.outputs import Completion, EngineStatistics, FinishReason, Logprobs
 from asyncllm.runner import ModelRunner, RunnerInfo
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.scheduler import Scheduler
@@ -54,11 +54,15 @@ class EngineOptions:
     kv_cache_blocks: int | None
     seed: int | None
     enable_prefix_caching: bool = True
+    max_waiting_requests: int | None = None
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             _check_positive(name, getattr(self, name))
-        for name in ("max_model_len", "kv_cache_blocks"):
+        for name in ("max_model_len", "kv_cache_blocks", "max_waiting_requests"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
@@ -103,6 +107,8 @@ class Engine:
         kv_cache_blocks: int | None = None,
         seed: int | None = None,
         enable_prefix_caching: bool = True,
+        max_waiting_requests: int | None = None,
+        attention_backend: str = "auto",
         runner: ModelRunner | None = None,
         tokenizer: Tokenizer | None = None,
     ) -> Engine:
@@ -123,6 +129,11 @@ class Engine:
             seed: Seed of the generator that unseeded sampling requests share.
             enable_prefix_caching: Reuse the KV cache of identical prompt prefixes (full blocks)
                 across requests; on by default.
+            max_waiting_requests: Bound of the queue of requests not yet running; beyond it
+                ``stream()`` raises ``EngineOverloadedError`` at once (HTTP 503). None: unbounded.
+            attention_backend: "auto" (the Triton kernels on CUDA when triton is installed, else
+                the torch reference), "torch", or "triton" (on the CPU only under
+                ``TRITON_INTERPRET=1``: slow, for tests). See docs/gpu.md.
             runner: A ``ModelRunner`` to use instead of the torch one (tests: ``asyncllm.testing``).
             tokenizer: The tokenizer to use with ``runner`` (by default loaded from ``model``).
 
@@ -143,6 +154,8 @@ class Engine:
             kv_cache_blocks,
             seed,
             enable_prefix_caching,
+            max_waiting_requests,
+            attention_backend=attention_backend,
         )
         if runner is not None and tokenizer is None:
             raise ValueError("a custom runner needs a tokenizer too")
@@ -223,6 +236,7 @@ class Engine:
             kv_cache_blocks=o.kv_cache_blocks,
             max_tokens_in_cache=o.max_num_seqs * (o.max_model_len or 1 << 20),
             seed=o.seed,
+            attention_backend=o.attention_backend,
         )
 
     def _resolve_max_model_len(self, info: RunnerInfo) -> int:
@@ -260,7 +274,11 @@ class Engine:
         return core, inputs
 
     def stream(
-        self, prompt: str | Sequence[int], params: SamplingParams | None = None, *, cache_salt: str | None = None
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | Mapping[str, Any] | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Submit a request and return its live output.
 
@@ -268,7 +286,8 @@ class Engine:
 
         Args:
             prompt: Text (tokenized with the model's tokenizer) or a sequence of token ids.
-            params: How to sample; defaults to ``SamplingParams()``.
+            params: How to sample: a ``SamplingParams`` or a mapping of its fields (unknown keys
+                are rejected); defaults to ``SamplingParams()``.
             cache_salt: Requests share prefix-cache entries only when their salts are equal: give
                 each tenant that must not share cached KV (or timing) its own salt.
 
@@ -278,17 +297,25 @@ class Engine:
 
         Raises:
             InvalidRequestError: The prompt or parameters are invalid (a ``ValueError``).
+            EngineOverloadedError: ``max_waiting_requests`` requests are already waiting.
             EngineClosedError: The engine is not running.
             EngineDeadError: The engine died.
         """
         core, inputs = self._require_running()
+        limit = self.options.max_waiting_requests
+        if limit is not None and len(core.scheduler.waiting) >= limit:
+            raise EngineOverloadedError(f"{limit} requests are already waiting (max_waiting_requests); retry later")
         request = inputs.process(prompt, params if params is not None else SamplingParams(), cache_salt=cache_salt)
         stream = RequestStream(request.request_id, request.prompt_token_ids, core.abort_nowait)
         core.add(request, stream)
         return stream
 
     async def generate(
-        self, prompt: str | Sequence[int], params: SamplingParams | None = None, *, cache_salt: str | None = None
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | Mapping[str, Any] | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> Completion:
         """Run a request to the end and return its whole output.
 
@@ -308,13 +335,30 @@ class Engine:
         texts: list[str] = []
         token_ids: list[int] = []
         finish_reason: FinishReason = "abort"
+        logprobs: list[Logprobs] | None = None
+        prompt_logprobs: tuple[Logprobs | None, ...] | None = None
+        stop_reason: int | str | None = None
         async with self.stream(prompt, params, cache_salt=cache_salt) as stream:
             async for chunk in stream:
                 texts.append(chunk.text)
                 token_ids.extend(chunk.token_ids)
+                if chunk.logprobs is not None:
+                    logprobs = logprobs if logprobs is not None else []
+                    logprobs.extend(chunk.logprobs)
+                if chunk.prompt_logprobs is not None:
+                    prompt_logprobs = chunk.prompt_logprobs
                 if chunk.finish_reason is not None:
                     finish_reason = chunk.finish_reason
-        return Completion("".join(texts), tuple(token_ids), tuple(stream.prompt_token_ids), finish_reason)
+                    stop_reason = chunk.stop_reason
+        return Completion(
+            "".join(texts),
+            tuple(token_ids),
+            tuple(stream.prompt_token_ids),
+            finish_reason,
+            logprobs=None if logprobs is None else tuple(logprobs),
+            prompt_logprobs=prompt_logprobs,
+            stop_reason=stop_reason,
+        )
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (running requests keep their blocks).

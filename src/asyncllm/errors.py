@@ -5,8 +5,10 @@ AsyncLLMError(Exception)
 ├── InvalidRequestError(ValueError)         bad input; raised before anything is scheduled
 │   ├── InvalidSamplingParamsError          a SamplingParams field is out of range or of the wrong type
 │   ├── InvalidPromptError                  empty prompt, or token ids outside the vocabulary
-│   └── PromptTooLongError                  prompt (+ max_tokens) does not fit max_model_len
+│   ├── PromptTooLongError                  prompt (+ max_tokens) does not fit max_model_len
+│   └── ChatTemplateError                   the model has no chat template, or it rejected the messages
 ├── ModelNotFoundError(FileNotFoundError)   the model folder or the default model's package is missing
+├── EngineOverloadedError(RuntimeError)     the waiting queue is full (max_waiting_requests); retry later
 ├── EngineClosedError(RuntimeError)         the engine is not open (not entered yet, or already left)
 └── EngineDeadError(RuntimeError)           a model step failed; the cause is chained (``__cause__``)
     └── DeviceOutOfMemoryError              the device ran out of memory during a step
@@ -39,8 +41,17 @@ class PromptTooLongError(InvalidRequestError):
     """The prompt, plus the tokens asked for, does not fit the engine's ``max_model_len``."""
 
 
+class ChatTemplateError(InvalidRequestError):
+    """``Engine.chat()`` cannot build a prompt: the model's tokenizer has no chat template, the
+    messages are malformed, or the template itself rejected them (e.g. roles that do not alternate)."""
+
+
 class ModelNotFoundError(AsyncLLMError, FileNotFoundError):
     """The model folder (or the default model's package) cannot be found."""
+
+
+class EngineOverloadedError(AsyncLLMError, RuntimeError):
+    """The engine's waiting queue is full (``max_waiting_requests``); the request was not queued."""
 
 
 class EngineClosedError(AsyncLLMError, RuntimeError):

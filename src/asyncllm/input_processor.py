@@ -3,12 +3,34 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from asyncllm.detokenizer import Tokenizer
 from asyncllm.errors import InvalidPromptError, InvalidRequestError, InvalidSamplingParamsError, PromptTooLongError
 from asyncllm.request import Request
 from asyncllm.sampling_params import SamplingParams
+
+
+def sampling_params_from(params: object) -> SamplingParams:
+    """``params`` as a ``SamplingParams``: taken as is, or built from a mapping of its fields.
+
+    Raises:
+        InvalidSamplingParamsError: Neither, an unknown key, or an invalid value.
+    """
+    if isinstance(params, SamplingParams):
+        return params
+    if not isinstance(params, Mapping):
+        raise InvalidSamplingParamsError(
+            f"params must be a SamplingParams or a mapping of its fields, got {type(params).__name__}"
+        )
+    unknown = sorted(str(key) for key in params if key not in SamplingParams.__struct_fields__)
+    if unknown:
+        raise InvalidSamplingParamsError(f"unknown sampling option(s): {', '.join(unknown)}")
+    try:
+        return SamplingParams(**params)
+    except TypeError as exc:  # e.g. a positional-only mistake msgspec reports as TypeError
+        raise InvalidSamplingParamsError(str(exc)) from exc
 
 
 class InputProcessor:
@@ -52,23 +74,30 @@ class InputProcessor:
                 )
         return ids
 
-    def process(self, prompt: str | Sequence[int], params: SamplingParams, *, cache_salt: str | None = None) -> Request:
+    def process(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | Mapping[str, Any],
+        *,
+        cache_salt: str | None = None,
+    ) -> Request:
         """Build the engine's request for ``prompt``.
+
+        Args:
+            prompt: Text or token ids.
+            params: A ``SamplingParams``, or a mapping of its fields (unknown keys are rejected).
+            cache_salt: See ``Engine.stream``.
 
         Raises:
             InvalidPromptError: See ``tokenize``.
-            InvalidSamplingParamsError: ``params`` is not a SamplingParams, or names ids outside the vocabulary.
+            InvalidSamplingParamsError: ``params`` is invalid, has unknown keys, or names ids
+                outside the vocabulary.
             PromptTooLongError: The prompt plus ``max_tokens`` exceeds ``max_model_len``.
         """
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
-        if not isinstance(params, SamplingParams):
-            raise InvalidSamplingParamsError(f"params must be a SamplingParams, got {type(params).__name__}")
-        for token_id in params.stop_token_ids:
-            if token_id >= self.vocab_size:
-                raise InvalidSamplingParamsError(
-                    f"stop_token_ids holds {token_id}, outside the vocabulary [0, {self.vocab_size})"
-                )
+        params = sampling_params_from(params)
+        self.check_token_ids(params)
         prompt_ids = self.tokenize(prompt)
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_model_len:
@@ -86,4 +115,41 @@ class InputProcessor:
             stop_token_ids=stop_ids,
             max_total_tokens=self.max_model_len,
             cache_salt=cache_salt,
+            bad_words_token_ids=self.bad_words_token_ids(params),
         )
+
+    def check_token_ids(self, params: SamplingParams) -> None:
+        """Check the token ids ``params`` names, and its logprob counts, against the vocabulary.
+
+        Raises:
+            InvalidSamplingParamsError: An id (or a logprobs count) is beyond the vocabulary.
+        """
+        named = [
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", tuple(params.logit_bias or ())),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+        ]
+        for name, token_ids in named:
+            for token_id in token_ids:
+                if token_id >= self.vocab_size:
+                    raise InvalidSamplingParamsError(
+                        f"{name} holds {token_id}, outside the vocabulary [0, {self.vocab_size})"
+                    )
+        for name in ("logprobs", "prompt_logprobs"):
+            count = getattr(params, name)
+            if count is not None and count > self.vocab_size:
+                raise InvalidSamplingParamsError(f"{name}={count} is more than the vocabulary ({self.vocab_size})")
+
+    def bad_words_token_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        """``params.bad_words`` as token sequences: each word alone and after a space (as vLLM does),
+        special tokens a tokenizer adds (BOS) left out, duplicates and out-of-vocabulary ones dropped."""
+        if not params.bad_words:
+            return ()
+        special = frozenset(getattr(self.tokenizer, "all_special_ids", None) or ())
+        sequences: dict[tuple[int, ...], None] = {}
+        for word in params.bad_words:
+            for variant in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(t for t in self.tokenizer.encode(variant) if t not in special)
+                if ids and all(t < self.vocab_size for t in ids):
+                    sequences[ids] = None
+        return tuple(sequences)

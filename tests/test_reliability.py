@@ -1,0 +1,167 @@
+"""Reliability: faults end every request cleanly, cancellation never leaks, load is bounded."""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import pytest
+
+from asyncllm import (
+    DeviceOutOfMemoryError,
+    Engine,
+    EngineDeadError,
+    EngineOverloadedError,
+    SamplingParams,
+)
+from asyncllm.runner import StepBatch, StepOutput
+from asyncllm.testing import ByteTokenizer, ScriptedRunner
+
+pytestmark = pytest.mark.anyio
+
+LONG = SamplingParams(max_tokens=400, ignore_eos=True)
+
+
+def _scripted(**kwargs: object) -> tuple[Engine, ScriptedRunner]:
+    runner = ScriptedRunner(b"abc", **kwargs)  # type: ignore[arg-type]
+    return Engine.open(runner=runner, tokenizer=ByteTokenizer()), runner
+
+
+def _device_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "asyncllm-device"]
+
+
+async def test_a_failing_step_kills_the_engine_cleanly() -> None:
+    engine, _ = _scripted(fail_at_step=3)
+    errors: list[BaseException] = []
+    with pytest.raises(EngineDeadError) as exited:
+        async with engine:
+
+            async def consume(prompt: str) -> None:
+                try:
+                    async for _ in engine.stream(prompt, LONG):
+                        pass
+                except EngineDeadError as exc:
+                    errors.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                for prompt in ("one", "two", "three"):
+                    tg.start_soon(consume, prompt)
+            with pytest.raises(EngineDeadError):
+                engine.stream("after death", LONG)
+    assert len(errors) == 3
+    assert isinstance(errors[0].__cause__, RuntimeError)
+    assert "scripted failure" in str(errors[0].__cause__)
+    assert isinstance(exited.value.__cause__, RuntimeError)
+    assert _device_threads() == []
+
+
+class _OutOfMemoryRunner(ScriptedRunner):
+    def execute(self, batch: StepBatch) -> StepOutput:
+        if self.steps:
+            raise DeviceOutOfMemoryError("CUDA out of memory (simulated)")
+        return super().execute(batch)
+
+
+async def test_device_out_of_memory_is_a_dead_engine() -> None:
+    runner = _OutOfMemoryRunner(b"x")
+    with pytest.raises(DeviceOutOfMemoryError):
+        async with Engine.open(runner=runner, tokenizer=ByteTokenizer()) as engine:
+            with pytest.raises(DeviceOutOfMemoryError):
+                await engine.generate("hello", LONG)
+    assert runner.closed
+    assert _device_threads() == []
+
+
+async def test_torch_oom_is_translated_by_the_model_runner(tiny_llama: object) -> None:
+    import torch
+
+    from asyncllm.model_runner import TorchModelRunner
+
+    class Exploding(TorchModelRunner):
+        def _execute(self, sequences):  # type: ignore[no-untyped-def]
+            raise torch.OutOfMemoryError("simulated allocation failure")
+
+    runner = Exploding(tiny_llama, device="cpu", kv_cache_blocks=16)  # type: ignore[arg-type]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    with pytest.raises(DeviceOutOfMemoryError) as raised:
+        async with Engine.open(runner=runner, tokenizer=tokenizer) as engine:
+            await engine.generate("hello", SamplingParams(max_tokens=4))
+    assert isinstance(raised.value.__cause__, torch.OutOfMemoryError)
+
+
+async def test_overload_is_refused_at_once_and_the_engine_keeps_serving() -> None:
+    runner = ScriptedRunner(b"z", num_kv_blocks=4, block_size=16)
+    async with Engine.open(runner=runner, tokenizer=ByteTokenizer(), max_num_seqs=1, max_waiting_requests=2) as engine:
+        running = engine.stream("r", SamplingParams(max_tokens=40, ignore_eos=True))
+        first = await running.__anext__()  # admitted: no longer waiting
+        queued = [engine.stream(f"w{i}", SamplingParams(max_tokens=3, ignore_eos=True)) for i in range(2)]
+        with pytest.raises(EngineOverloadedError, match="max_waiting_requests"):
+            engine.stream("one too many", SamplingParams(max_tokens=3))
+        results = [[c async for c in s] for s in [running, *queued]]
+        stats = engine.statistics()
+    assert [sum(len(c.token_ids) for c in r) for r in results] == [40 - len(first.token_ids), 3, 3]
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+@pytest.mark.parametrize("point", ["before-first", "after-first", "generate", "start-of-generate", "nested-timeout"])
+async def test_cancellation_at_every_await_point_leaks_nothing(point: str) -> None:
+    engine, _ = _scripted(num_kv_blocks=32)
+    async with engine:
+        if point == "before-first":
+            with anyio.move_on_after(0):  # cancelled at the first checkpoint: the first __anext__
+                async for _ in engine.stream("x" * 40, LONG):
+                    pytest.fail("no chunk can arrive inside an expired scope")
+        elif point == "after-first":
+            with anyio.CancelScope() as scope:
+                async for _ in engine.stream("x" * 40, LONG):
+                    scope.cancel()
+        elif point == "generate":
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(engine.generate, "x" * 40, LONG)
+                await anyio.wait_all_tasks_blocked()
+                tg.cancel_scope.cancel()
+        elif point == "start-of-generate":
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await engine.generate("x" * 40, LONG)
+        elif point == "nested-timeout":
+            with pytest.raises(TimeoutError):
+                with anyio.fail_after(3600) as outer:
+                    async with engine.stream("x" * 40, LONG) as stream:
+                        first = await stream.__anext__()
+                        assert first.token_ids
+                        outer.deadline = anyio.current_time()
+                        await stream.__anext__()
+        await engine.generate("barrier", SamplingParams(max_tokens=1))
+        stats = engine.statistics()
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+    assert stats.num_running == stats.num_waiting == 0
+    assert stats.num_finished_requests == 2
+
+
+async def test_a_stalled_consumer_does_not_slow_the_others() -> None:
+    engine, runner = _scripted(num_kv_blocks=64)
+    async with engine:
+        stalled = engine.stream("stalled", SamplingParams(max_tokens=200, ignore_eos=True))
+        others = [await engine.generate(f"other {i}", SamplingParams(max_tokens=50, ignore_eos=True)) for i in range(3)]
+        steps_while_stalled = len(runner.steps)
+        chunks = [c async for c in stalled]
+    assert [len(o.token_ids) for o in others] == [50, 50, 50]
+    # The stalled request kept running (it was stepped with the others) ...
+    assert steps_while_stalled >= 150
+    # ... and its deltas were merged: far fewer chunks than tokens, every token there.
+    assert len(chunks) < 60
+    assert sum(len(c.token_ids) for c in chunks) == 200
+    assert "".join(c.text for c in chunks) == ("abc" * 67)[:200]
+
+
+async def test_device_work_stays_on_one_thread() -> None:
+    engine, runner = _scripted()
+    async with engine:
+        await engine.generate("hello", SamplingParams(max_tokens=5))
+    assert len(runner.thread_ids) == 1
+    assert threading.get_ident() not in runner.thread_ids
+    assert runner.closed
