@@ -160,7 +160,7 @@ async def test_bad_requests_fail_at_the_call_and_the_engine_keeps_serving(tiny_l
             engine.stream([1, 2, 10**6], GREEDY)
         with pytest.raises(InvalidSamplingParamsError, match="params must be a SamplingParams"):
             engine.stream("x", 42)  # type: ignore[arg-type]
-        with pytest.raises(InvalidSamplingParamsError, match="unknown sampling option.*bogus"):
+        with pytest.raises(InvalidSamplingParamsError, match=r"unknown sampling option.*bogus"):
             engine.stream("x", {"max_tokens": 3, "bogus": 1})
         with pytest.raises(InvalidRequestError):
             await engine.generate([], GREEDY)

@@ -100,7 +100,9 @@ async def test_overload_is_refused_at_once_and_the_engine_keeps_serving() -> Non
         queued = [engine.stream(f"w{i}", SamplingParams(max_tokens=3, ignore_eos=True)) for i in range(2)]
         with pytest.raises(EngineOverloadedError, match="max_waiting_requests"):
             engine.stream("one too many", SamplingParams(max_tokens=3))
-        results = [[c async for c in s] for s in [running, *queued]]
+        results = []
+        for stream in [running, *queued]:
+            results.append([c async for c in stream])
         stats = engine.statistics()
     assert [sum(len(c.token_ids) for c in r) for r in results] == [40 - len(first.token_ids), 3, 3]
     assert stats.kv_blocks_free == stats.kv_blocks_total

@@ -51,7 +51,7 @@ async def _one(engine: Engine, rng: random.Random, index: int, outcome: dict[str
     with anyio.CancelScope() as scope:
         try:
             with anyio.fail_after(3600) as deadline:
-                async for chunk in engine.stream(prompt, params):
+                async for _ in engine.stream(prompt, params):
                     chunks += 1
                     if chunks >= cancel_after:
                         if cancel_how == "break":
@@ -93,7 +93,8 @@ async def test_soak_random_cancellations(tiny_llama: Path, anyio_backend: str) -
     growth_mb = (rss_end - rss_middle) / 2**20
     print(
         f"\nsoak[{anyio_backend}]: {SOAK_REQUESTS} requests, {total['cancelled']} cancelled, "
-        f"{total['completed']} completed in {elapsed:.1f} s; blocks free {stats.kv_blocks_free}/{stats.kv_blocks_total}; "
+        f"{total['completed']} completed in {elapsed:.1f} s; "
+        f"blocks free {stats.kv_blocks_free}/{stats.kv_blocks_total}; "
         f"preemptions {stats.num_preemptions}; RSS growth over the second half {growth_mb:.1f} MiB"
     )
     assert total["completed"] + total["cancelled"] == SOAK_REQUESTS
