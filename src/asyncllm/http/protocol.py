@@ -1,0 +1,212 @@
+"""The OpenAI wire format: request and response bodies as msgspec structs.
+
+Requests are decoded strictly (``forbid_unknown_fields``): a field this server does not know is a
+400 naming it, not a silently ignored option that changes what the client gets. Fields the OpenAI
+API defines but the engine cannot honour yet are declared here and refused by the handlers with a
+"not supported yet" 400 when given a non-neutral value. A few vLLM extensions (``top_k``,
+``ignore_eos``, ...) are accepted too, because clients of OpenAI-compatible servers send them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+# -- requests ------------------------------------------------------------------------------------
+
+
+class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``stream_options``: ``include_usage`` adds a last chunk carrying the usage."""
+
+    include_usage: bool = False
+
+
+class SamplingRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # Extensions, named as vLLM names them.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+
+
+class CompletionRequest(SamplingRequest, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``POST /v1/completions``. ``prompt`` is a str, a list of str, a list of token ids or a
+    list of lists of token ids (msgspec unions hold one array type, so it is checked by hand)."""
+
+    prompt: str | list[Any]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(msgspec.Struct, frozen=True):
+    """One part of a message's content; only ``{"type": "text", "text": ...}`` is understood."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, frozen=True):
+    """One message. Unknown keys are ignored here (unlike in the request itself), because
+    clients echo back the assistant messages they received, with ``refusal: null`` and the like."""
+
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+
+
+class ChatCompletionRequest(SamplingRequest, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+
+
+# -- responses -----------------------------------------------------------------------------------
+
+
+class Usage(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(msgspec.Struct, frozen=True):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(msgspec.Struct, frozen=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(msgspec.Struct, frozen=True):
+    """A whole completion, and (with ``usage`` None or only usage) each streamed chunk."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    object: Literal["text_completion"] = "text_completion"
+
+
+class ChatTopLogprob(msgspec.Struct, frozen=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(msgspec.Struct, frozen=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct, frozen=True):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(msgspec.Struct, frozen=True):
+    content: str
+    role: Literal["assistant"] = "assistant"
+
+
+class ChatChoice(msgspec.Struct, frozen=True):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(msgspec.Struct, frozen=True):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: Literal["chat.completion"] = "chat.completion"
+
+
+class ChatDelta(msgspec.Struct, frozen=True, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct, frozen=True):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, frozen=True):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+
+
+class ModelCard(msgspec.Struct, frozen=True):
+    id: str
+    created: int
+    max_model_len: int
+    owned_by: str = "asyncllm"
+    object: Literal["model"] = "model"
+
+
+class ModelList(msgspec.Struct, frozen=True):
+    data: list[ModelCard]
+    object: Literal["list"] = "list"
+
+
+class ErrorBody(msgspec.Struct, frozen=True):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(msgspec.Struct, frozen=True):
+    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorBody
