@@ -2,6 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
+import torch
+
+# Triton kernels (tests/kernels, the triton attention backend) run in triton's CPU interpreter when
+# there is no GPU. The switch is read when triton is imported, and importing transformers' model
+# classes (below) already imports it through torch._dynamo, so it is set here, first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from pathlib import Path
 
 import pytest

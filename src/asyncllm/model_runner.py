@@ -17,6 +17,8 @@ import torch
 
 from asyncllm.errors import DeviceOutOfMemoryError
 from asyncllm.layers.attention import AttentionMetadata, PrefillChunk
+from asyncllm.layers.attention_triton import TritonAttentionMetadata
+from asyncllm.layers.attention_triton import build_metadata as build_triton_metadata
 from asyncllm.layers.rotary import RotaryEmbedding
 from asyncllm.models import DecoderForCausalLM, build_model
 from asyncllm.runner import RunnerInfo, SequenceInput, StepBatch, StepOutput
@@ -45,6 +47,30 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def resolve_attention_backend(backend: str, device: torch.device) -> str:
+    """``"auto"`` is triton on CUDA when triton is installed, else torch.
+
+    Raises:
+        ValueError: Unknown backend, or triton asked for where it cannot run.
+    """
+    from asyncllm.kernels import interpreting, triton_available
+
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if backend == "triton":
+        if not triton_available():
+            raise ValueError("attention_backend='triton' needs triton installed (pip install 'asyncllm[gpu]')")
+        if device.type != "cuda" and not interpreting():
+            raise ValueError(
+                f"attention_backend='triton' runs on CUDA; on {device.type} only in triton's interpreter "
+                "(TRITON_INTERPRET=1, slow, for tests)"
+            )
+        return backend
+    if backend != "torch":
+        raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    return backend
+
+
 class TorchModelRunner:
     """Runs one of ``asyncllm.models`` over a paged KV cache.
 
@@ -57,6 +83,8 @@ class TorchModelRunner:
         max_tokens_in_cache: An upper bound on the tokens the cache need ever hold (it is not
             sized beyond that).
         seed: Seed of the generator unseeded requests share.
+        attention_backend: "auto" (triton on CUDA when it is installed, else torch), "torch" or
+            "triton" (on the CPU only under ``TRITON_INTERPRET=1``, for tests).
     """
 
     def __init__(
@@ -69,6 +97,7 @@ class TorchModelRunner:
         kv_cache_blocks: int | None = None,
         max_tokens_in_cache: int | None = None,
         seed: int | None = None,
+        attention_backend: str = "auto",
     ) -> None:
         self.model_path = Path(model_path)
         self.device_name = device
@@ -77,6 +106,7 @@ class TorchModelRunner:
         self.kv_cache_blocks = kv_cache_blocks
         self.max_tokens_in_cache = max_tokens_in_cache
         self.seed = seed
+        self.attention_backend = attention_backend
         self.model: DecoderForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler: Sampler | None = None
@@ -85,6 +115,7 @@ class TorchModelRunner:
         """Build the model, load its weights and allocate the KV cache (on the device thread)."""
         device = resolve_device(self.device_name)
         dtype = resolve_dtype(self.dtype_name, device)
+        self.attention_backend = resolve_attention_backend(self.attention_backend, device)
         config = load_config(self.model_path)
         with torch.device("meta"):
             model = build_model(config)
@@ -114,7 +145,8 @@ class TorchModelRunner:
             vocab_size=spec.vocab_size,
             max_model_len=int(getattr(config, "max_position_embeddings", 2048)),
             eos_token_ids=load_eos_token_ids(self.model_path, config),
-            description=f"{spec.architecture} on {device} ({str(dtype).removeprefix('torch.')})",
+            description=f"{spec.architecture} on {device} ({str(dtype).removeprefix('torch.')}, "
+            f"{self.attention_backend} attention)",
         )
 
     def _kv_bytes_per_block(self, model: DecoderForCausalLM, dtype: torch.dtype) -> int:
@@ -149,9 +181,19 @@ class TorchModelRunner:
     def _execute(self, sequences: list[SequenceInput]) -> StepOutput:
         assert self.model is not None and self.sampler is not None
         input_ids, positions, slot_mapping, sample_index = _flatten(sequences, self.block_size)
-        meta = _attention_metadata(
-            sequences, slot_mapping, self.block_size, self.model.spec.sliding_window, self.device
-        )
+        spec = self.model.spec
+        meta: AttentionMetadata | TritonAttentionMetadata
+        if self.attention_backend == "triton":
+            meta = build_triton_metadata(
+                sequences,
+                slot_mapping,
+                block_size=self.block_size,
+                num_kv_heads=spec.num_kv_heads,
+                device=self.device,
+                sliding_window=spec.sliding_window,
+            )
+        else:
+            meta = _attention_metadata(sequences, slot_mapping, self.block_size, spec.sliding_window, self.device)
         hidden = self.model(
             torch.from_numpy(input_ids).to(self.device),
             torch.from_numpy(positions).to(self.device),

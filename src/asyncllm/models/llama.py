@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncllm.layers import attention_triton
 from asyncllm.layers.attention import AttentionMetadata, paged_attention, write_kv
+from asyncllm.layers.attention_triton import TritonAttentionMetadata
 from asyncllm.layers.norm import RMSNorm
 from asyncllm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
@@ -92,7 +94,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | TritonAttentionMetadata,
     ) -> torch.Tensor:
         tokens = x.shape[0]
         q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
@@ -101,10 +103,15 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos_sin
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        if isinstance(meta, TritonAttentionMetadata):
+            attention_triton.apply_rotary_(q, k, cos, sin)
+            attention_triton.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            out = attention_triton.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        else:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            out = paged_attention(q, k_cache, v_cache, meta, self.scale)
         result: torch.Tensor = self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
         return result
 
@@ -140,7 +147,7 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | TritonAttentionMetadata,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
         result: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
@@ -174,7 +181,7 @@ class DecoderForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | TritonAttentionMetadata,
     ) -> torch.Tensor:
         """Run the flat batch ([tokens] ids and positions); return normed hidden states [tokens, hidden]."""
         x = self.model.embed_tokens(input_ids)

@@ -1,0 +1,172 @@
+"""Attention against the paged KV cache: the ``triton`` backend (kernels in ``asyncllm.kernels``).
+
+Same cache layout and the same call shapes as the ``torch`` backend (``asyncllm.layers.attention``):
+``write_kv(k_cache, v_cache, k, v, slots)`` and ``paged_attention(q, k_cache, v_cache, meta, scale)``,
+plus ``apply_rotary_`` (rotary in place on q and k, one kernel). What differs is the metadata: instead
+of per-sequence masks and gathered slot lists, ``TritonAttentionMetadata`` is four small integer
+tensors (query offsets, sequence lengths, block tables, slot mapping), built once per step by
+``build_metadata`` and shared by every layer; the kernels derive causal and sliding-window masks and
+key slots from them on the device.
+
+Importing this module does not import triton (so ``models/`` can refer to it on a CPU-only
+install); the kernels are imported on first use.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncllm.runner import SequenceInput
+
+__all__ = ["TritonAttentionMetadata", "apply_rotary_", "build_metadata", "paged_attention", "write_kv"]
+
+
+@dataclass(frozen=True, slots=True)
+class TritonAttentionMetadata:
+    """What the triton kernels need to know about a step's flat batch (see ``kernels.paged_attention``)."""
+
+    slot_mapping: torch.Tensor
+    """[tokens] int32 the cache slot each new token's K/V is written to."""
+    query_start_loc: torch.Tensor
+    """[num_seqs + 1] int32 where each sequence's tokens start in the flat batch."""
+    seq_lens: torch.Tensor
+    """[num_seqs] int32 tokens cached per sequence once this step's are written."""
+    block_tables: torch.Tensor
+    """[num_seqs, max_blocks] int32 each sequence's physical blocks (zero-padded)."""
+    block_size: int
+    max_query_len: int
+    """Host copy of the longest query (picks the kernel's tile shape; no device read)."""
+    max_seq_len: int
+    """Host copy of the longest context."""
+    num_kv_splits: int
+    """1: one program walks a sequence's whole context; more: the split-KV (flash-decoding) kernels."""
+    sliding_window: int | None = None
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def build_metadata(
+    sequences: Sequence[SequenceInput],
+    slot_mapping: np.ndarray[Any, Any],
+    *,
+    block_size: int,
+    num_kv_heads: int,
+    device: torch.device,
+    sliding_window: int | None = None,
+    num_kv_splits: int | None = None,
+) -> TritonAttentionMetadata:
+    """Build a step's metadata on the host and move it to the device in one copy.
+
+    On CUDA the integers are packed into one pinned host buffer and copied with ``non_blocking=True``,
+    so building the metadata never waits for the device.
+
+    Args:
+        sequences: The step's sequences in batch order (their tokens are the flat batch).
+        slot_mapping: [tokens] the cache slot of every new token, in batch order.
+        block_size: Tokens per KV block.
+        num_kv_heads: The model's KV heads (sizes the split-KV decision).
+        device: Where the kernels run.
+        sliding_window: The model's sliding window, if any.
+        num_kv_splits: Force the number of KV splits; None decides: split only decode-only steps
+            whose batch is too small to fill the GPU (never on the CPU).
+    """
+    num_seqs = len(sequences)
+    query_lens = np.fromiter((len(s.token_ids) for s in sequences), dtype=np.int32, count=num_seqs)
+    seq_lens = np.fromiter((s.start_position + len(s.token_ids) for s in sequences), dtype=np.int32, count=num_seqs)
+    max_query_len = int(query_lens.max(initial=0))
+    max_seq_len = int(seq_lens.max(initial=0))
+    max_blocks = max(1, -(-max_seq_len // block_size))
+    # One int32 buffer: [query_start_loc | seq_lens | block_tables | slot_mapping].
+    tokens = int(query_lens.sum())
+    table_at = 2 * num_seqs + 1
+    slots_at = table_at + num_seqs * max_blocks
+    packed = np.zeros(slots_at + tokens, dtype=np.int32)
+    np.cumsum(query_lens, out=packed[1 : num_seqs + 1])
+    packed[num_seqs + 1 : table_at] = seq_lens
+    tables = packed[table_at:slots_at].reshape(num_seqs, max_blocks)
+    for row, seq in enumerate(sequences):
+        used = min(len(seq.block_table), max_blocks)
+        tables[row, :used] = seq.block_table[:used]
+    packed[slots_at:] = slot_mapping
+    host = torch.from_numpy(packed)
+    on_device = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+    if num_kv_splits is None:
+        num_kv_splits = 1
+        if device.type == "cuda" and max_query_len == 1:
+            from asyncllm.kernels.split_kv_decode import num_kv_splits as decide
+
+            num_kv_splits = decide(num_seqs, num_kv_heads, max_seq_len, _num_sms(device))
+    return TritonAttentionMetadata(
+        slot_mapping=on_device[slots_at:],
+        query_start_loc=on_device[: num_seqs + 1],
+        seq_lens=on_device[num_seqs + 1 : table_at],
+        block_tables=on_device[table_at:slots_at].view(num_seqs, max_blocks),
+        block_size=block_size,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        num_kv_splits=num_kv_splits,
+        sliding_window=sliding_window,
+    )
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Store a step's new keys and values ([tokens, kv_heads, head_dim]) at their slots."""
+    from asyncllm.kernels.reshape_and_cache import reshape_and_cache
+
+    reshape_and_cache(k, v, k_cache, v_cache, slots)
+
+
+def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate q and k ([tokens, heads, head_dim]) in place by cos/sin of [tokens, head_dim]."""
+    from asyncllm.kernels.rotary import rotary_embedding_
+
+    rotary_embedding_(q, k, cos, sin)
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TritonAttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Attention of every query in the flat batch against its sequence's cached K/V.
+
+    Args:
+        q: [tokens, heads, head_dim] queries (rotary already applied).
+        k_cache: [slots, kv_heads, head_dim] the layer's key cache, this step's keys written.
+        v_cache: Like ``k_cache``, for values.
+        meta: The step's metadata.
+        scale: Softmax scale.
+
+    Returns:
+        [tokens, heads, head_dim] attention outputs.
+    """
+    args = (q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables)
+    if meta.num_kv_splits > 1:
+        from asyncllm.kernels.split_kv_decode import split_kv_attention
+
+        return split_kv_attention(
+            *args,
+            block_size=meta.block_size,
+            max_query_len=meta.max_query_len,
+            scale=scale,
+            num_splits=meta.num_kv_splits,
+            sliding_window=meta.sliding_window,
+        )
+    from asyncllm.kernels.paged_attention import paged_attention as kernel
+
+    return kernel(
+        *args,
+        block_size=meta.block_size,
+        max_query_len=meta.max_query_len,
+        scale=scale,
+        sliding_window=meta.sliding_window,
+    )
