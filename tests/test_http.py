@@ -174,6 +174,21 @@ async def test_seed_and_engine_extensions_are_passed_on(scripted_engine: Engine)
     assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 40
 
 
+async def test_cache_salt_separates_prefix_cache_entries(scripted_engine: Engine) -> None:
+    prompt = "p" * 64  # four full blocks of 16 tokens
+
+    async def hits_after(salt: str) -> int:
+        before = scripted_engine.statistics().prefix_cache_hits
+        body = {"prompt": prompt, "max_tokens": 1, "cache_salt": salt}
+        assert (await http.post("/v1/completions", json=body)).status_code == 200
+        return scripted_engine.statistics().prefix_cache_hits - before
+
+    async with client(create_app(scripted_engine)) as http:
+        assert await hits_after("tenant-a") == 0
+        assert await hits_after("tenant-b") == 0  # same prompt, another tenant: nothing shared
+        assert await hits_after("tenant-a") > 0
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [("n", 2), ("echo", True), ("suffix", "tail"), ("best_of", 3), ("logprobs", 2), ("presence_penalty", 0.5)],

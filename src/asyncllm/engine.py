@@ -391,13 +391,18 @@ class Engine:
         return _render_chat(inputs.tokenizer, messages)
 
     def chat_stream(
-        self, messages: Sequence[Mapping[str, Any]], params: SamplingParams | None = None
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Submit a conversation (see ``apply_chat_template``) and return the reply's live output.
 
         Args:
             messages: The conversation so far, oldest first.
             params: How to sample.
+            cache_salt: As for ``stream``.
 
         Returns:
             A ``RequestStream``, as ``stream`` returns.
@@ -408,14 +413,21 @@ class Engine:
             EngineClosedError: The engine is not running.
             EngineDeadError: The engine died.
         """
-        return self.stream(self.apply_chat_template(messages), params)
+        return self.stream(self.apply_chat_template(messages), params, cache_salt=cache_salt)
 
-    async def chat(self, messages: Sequence[Mapping[str, Any]], params: SamplingParams | None = None) -> Completion:
+    async def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> Completion:
         """Run a conversation's next assistant turn to the end (see ``chat_stream``).
 
         Args:
             messages: The conversation so far, oldest first.
             params: How to sample.
+            cache_salt: As for ``stream``.
 
         Returns:
             The reply as a ``Completion``. Cancelling the call aborts the request.
@@ -426,7 +438,7 @@ class Engine:
             EngineClosedError: The engine is not running (or closed while the request ran).
             EngineDeadError: The engine died.
         """
-        return await self.generate(self.apply_chat_template(messages), params)
+        return await self.generate(self.apply_chat_template(messages), params, cache_salt=cache_salt)
 
     # -- introspection ---------------------------------------------------------------------------
 

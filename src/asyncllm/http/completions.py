@@ -288,11 +288,13 @@ class CompletionHandlers:
         self.app = app
         self.engine = app.engine
 
-    async def _open(self, prompts: Sequence[str | list[int]], params: SamplingParams) -> list[RequestStream]:
+    async def _open(
+        self, prompts: Sequence[str | list[int]], params: SamplingParams, cache_salt: str | None
+    ) -> list[RequestStream]:
         streams: list[RequestStream] = []
         try:
             for prompt in prompts:
-                streams.append(self.engine.stream(prompt, params))
+                streams.append(self.engine.stream(prompt, params, cache_salt=cache_salt))
         except BaseException:
             for stream in streams:
                 await stream.aclose()
@@ -316,7 +318,7 @@ class CompletionHandlers:
         prompts = _prompts(body.prompt)
         max_tokens = _COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
-        streams = await self._open(prompts, params)
+        streams = await self._open(prompts, params, body.cache_salt)
         request_id, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.app.model_name
         prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
         choices = _Choices(len(prompts) * body.n, body.n)
@@ -390,7 +392,7 @@ class CompletionHandlers:
                 )
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs)
-        (stream,) = await self._open([prompt_ids], params)
+        (stream,) = await self._open([prompt_ids], params, body.cache_salt)
         request_id, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.app.model_name
         prompt_tokens = len(stream.prompt_token_ids)
         choices = _Choices(body.n, body.n)

@@ -48,6 +48,8 @@ class SamplingRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     bad_words: list[str] | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
+    cache_salt: str | None = None
+    """Requests share prefix-cache entries only with requests of the same salt (per tenant)."""
 
 
 class CompletionRequest(SamplingRequest, frozen=True, kw_only=True, forbid_unknown_fields=True):
