@@ -501,6 +501,24 @@ async def test_disconnect_mid_stream_aborts_and_frees_the_blocks(chat_engine: En
     assert chat_engine.metrics.finished_requests["abort"] == 1
 
 
+async def test_disconnect_aborts_every_prompt_of_a_batch(scripted_engine: Engine) -> None:
+    body = {"prompt": ["a", "b", "c"], "max_tokens": 500, "ignore_eos": True, "stream": True}
+    await _run_until_disconnect(create_app(scripted_engine), "/v1/completions", body, after_events=4)
+    await scripted_engine.generate("y", SamplingParams(max_tokens=1))
+    assert scripted_engine.metrics.finished_requests["abort"] == 3
+    stats = scripted_engine.statistics()
+    assert stats.num_running == 0 and stats.kv_blocks_free == stats.kv_blocks_total
+
+
+async def test_an_error_in_one_prompt_of_a_batch_is_answered_unwrapped() -> None:
+    runner = ScriptedRunner([104], fail_at_step=2)
+    with pytest.raises(asyncllm_errors.EngineDeadError):
+        async with Engine.open(runner=runner, tokenizer=ByteTokenizer()) as engine:
+            async with client(create_app(engine)) as http:
+                whole = await http.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 9})
+    assert error_of(whole, 503)["code"] == "engine_dead"
+
+
 async def test_disconnect_while_waiting_for_a_whole_completion_aborts(scripted_engine: Engine) -> None:
     app = create_app(scripted_engine)
     body = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True}

@@ -9,6 +9,7 @@ streams, which aborts the requests and frees their KV blocks at the next step.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import uuid
@@ -188,8 +189,11 @@ async def each_chunk(streams: Sequence[RequestStream], on_chunk: OnChunk) -> Non
                 try:
                     async for chunk in stream:
                         out.send_nowait((index, chunk, None))
+                except anyio.BrokenResourceError:
+                    return  # the consumer is gone; leaving `async with stream` aborts the request
                 except Exception as exc:
-                    out.send_nowait((index, None, exc))
+                    with contextlib.suppress(anyio.BrokenResourceError):
+                        out.send_nowait((index, None, exc))
 
     error: Exception | None = None
     async with anyio.create_task_group() as task_group:
