@@ -191,17 +191,48 @@ async def test_cache_salt_separates_prefix_cache_entries(scripted_engine: Engine
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("n", 2), ("echo", True), ("suffix", "tail"), ("best_of", 3), ("logprobs", 2), ("presence_penalty", 0.5)],
+    [("n", 2), ("echo", True), ("suffix", "tail"), ("best_of", 3)],
 )
 async def test_what_the_engine_cannot_do_yet_is_a_clean_400(scripted_engine: Engine, field: str, value: Any) -> None:
-    supported = field in SamplingParams.__struct_fields__ and field not in ("echo", "suffix", "best_of")
-    if supported:
+    if field in SamplingParams.__struct_fields__:
         pytest.skip(f"the engine supports {field} now")
     async with client(create_app(scripted_engine)) as http:
         response = await http.post("/v1/completions", json={"prompt": "x", field: value})
     error = error_of(response, 400)
     assert "not supported yet" in error["message"] and error["code"] == "unsupported_parameter"
     assert error["param"] == field
+
+
+@pytest.mark.parametrize("chat", [False, True])
+async def test_sampling_fields_reach_the_engine(scripted_runner: ScriptedRunner, chat: bool) -> None:
+    fields = {
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "repetition_penalty": 1.2,
+        "min_p": 0.1,
+        "min_tokens": 2,
+        "top_k": 5,
+        "logit_bias": {"104": 3.0},
+        "bad_words": ["zz"],
+        "allowed_token_ids": [104, 105, 256],
+        "stop_token_ids": [7],
+        "include_stop_str_in_output": True,
+        "skip_special_tokens": False,
+    }
+    missing = set(fields) - set(SamplingParams.__struct_fields__)
+    if missing:
+        pytest.skip(f"the engine lacks {sorted(missing)} yet")
+    prompt: dict[str, Any] = {"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"}
+    async with Engine.open(runner=scripted_runner, tokenizer=ChatByteTokenizer()) as engine:
+        async with client(create_app(engine)) as http:
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            response = await http.post(path, json={**prompt, "max_tokens": 3, "seed": 9, **fields})
+    assert response.status_code == 200, response.text
+    params = scripted_runner.steps[0].sequences[0].params
+    expected = {**fields, "logit_bias": {104: 3.0}, "seed": 9, "max_tokens": 3}
+    for name, value in expected.items():
+        got = getattr(params, name)
+        assert (list(got) if isinstance(got, tuple) else got) == value, name
 
 
 async def test_neutral_values_of_unsupported_fields_are_fine(scripted_engine: Engine) -> None:
@@ -408,7 +439,7 @@ async def test_streamed_chat_starts_with_the_role_and_ends_with_done(chat_engine
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, None),
         ({"messages": []}, "messages"),
-        ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
         ({"n": 3}, "n"),
     ],
 )
