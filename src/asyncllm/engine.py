@@ -56,6 +56,7 @@ class EngineOptions:
     enable_prefix_caching: bool = True
     max_waiting_requests: int | None = None
     attention_backend: str = "auto"
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ("auto", "torch", "triton"):
@@ -109,6 +110,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         max_waiting_requests: int | None = None,
         attention_backend: str = "auto",
+        enforce_eager: bool = False,
         runner: ModelRunner | None = None,
         tokenizer: Tokenizer | None = None,
     ) -> Engine:
@@ -134,6 +136,9 @@ class Engine:
             attention_backend: "auto" (the Triton kernels on CUDA when triton is installed, else
                 the torch reference), "torch", or "triton" (on the CPU only under
                 ``TRITON_INTERPRET=1``: slow, for tests). See docs/gpu.md.
+            enforce_eager: Never use CUDA graphs. By default, on CUDA with the triton backend,
+                decode-only steps replay graphs captured at start-up for batch sizes up to
+                ``max_num_seqs`` (capture takes a few seconds, logged).
             runner: A ``ModelRunner`` to use instead of the torch one (tests: ``asyncllm.testing``).
             tokenizer: The tokenizer to use with ``runner`` (by default loaded from ``model``).
 
@@ -156,6 +161,7 @@ class Engine:
             enable_prefix_caching,
             max_waiting_requests,
             attention_backend=attention_backend,
+            enforce_eager=enforce_eager,
         )
         if runner is not None and tokenizer is None:
             raise ValueError("a custom runner needs a tokenizer too")
@@ -237,6 +243,9 @@ class Engine:
             max_tokens_in_cache=o.max_num_seqs * (o.max_model_len or 1 << 20),
             seed=o.seed,
             attention_backend=o.attention_backend,
+            enforce_eager=o.enforce_eager,
+            max_num_seqs=o.max_num_seqs,
+            max_model_len=o.max_model_len,
         )
 
     def _resolve_max_model_len(self, info: RunnerInfo) -> int:

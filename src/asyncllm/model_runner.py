@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from asyncllm.errors import DeviceOutOfMemoryError
+from asyncllm.graphs import DecodeGraphs, capture_sizes, to_device
 from asyncllm.layers.attention import AttentionMetadata, PrefillChunk
 from asyncllm.layers.attention_triton import TritonAttentionMetadata
 from asyncllm.layers.attention_triton import build_metadata as build_triton_metadata
@@ -85,6 +86,10 @@ class TorchModelRunner:
         seed: Seed of the generator unseeded requests share.
         attention_backend: "auto" (triton on CUDA when it is installed, else torch), "torch" or
             "triton" (on the CPU only under ``TRITON_INTERPRET=1``, for tests).
+        enforce_eager: Never use CUDA graphs (by default decode-only steps replay graphs captured
+            at load, on CUDA with the triton backend).
+        max_num_seqs: The largest decode batch (the largest captured graph).
+        max_model_len: The longest sequence (sizes the graphs' block tables); None: the model's.
     """
 
     def __init__(
@@ -98,6 +103,9 @@ class TorchModelRunner:
         max_tokens_in_cache: int | None = None,
         seed: int | None = None,
         attention_backend: str = "auto",
+        enforce_eager: bool = False,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
     ) -> None:
         self.model_path = Path(model_path)
         self.device_name = device
@@ -107,6 +115,10 @@ class TorchModelRunner:
         self.max_tokens_in_cache = max_tokens_in_cache
         self.seed = seed
         self.attention_backend = attention_backend
+        self.enforce_eager = enforce_eager
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.graphs: DecodeGraphs | None = None
         self.model: DecoderForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler: Sampler | None = None
@@ -116,6 +128,11 @@ class TorchModelRunner:
         device = resolve_device(self.device_name)
         dtype = resolve_dtype(self.dtype_name, device)
         self.attention_backend = resolve_attention_backend(self.attention_backend, device)
+        if device.type == "cuda":
+            # This runs on the device thread, and torch's current stream is per thread: every later
+            # call of this runner (all on the same thread) issues its work to this one stream.
+            torch.cuda.set_device(device)
+            torch.cuda.set_stream(torch.cuda.Stream(device))
         config = load_config(self.model_path)
         with torch.device("meta"):
             model = build_model(config)
@@ -138,6 +155,9 @@ class TorchModelRunner:
             )
             for _ in range(spec.num_layers)
         ]
+        max_model_len = int(getattr(config, "max_position_embeddings", 2048))
+        if device.type == "cuda" and self.attention_backend == "triton" and not self.enforce_eager:
+            self.graphs = self._capture_graphs(model, min(max_model_len, self.max_model_len or max_model_len, slots))
         self.sampler = Sampler(device, self.seed)
         return RunnerInfo(
             num_kv_blocks=num_blocks,
@@ -148,6 +168,26 @@ class TorchModelRunner:
             description=f"{spec.architecture} on {device} ({str(dtype).removeprefix('torch.')}, "
             f"{self.attention_backend} attention)",
         )
+
+    def _capture_graphs(self, model: DecoderForCausalLM, max_seq_len: int) -> DecodeGraphs:
+        from asyncllm.kernels.split_kv_decode import num_kv_splits
+
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        kv_heads = model.spec.num_kv_heads
+        # Split graphs are captured for the batch sizes that leave the GPU idle at a 4k context.
+        context = min(max_seq_len, 4096)
+        split_kv = {b: num_kv_splits(b, kv_heads, context, sms) for b in capture_sizes(self.max_num_seqs)}
+        graphs = DecodeGraphs(
+            model,
+            self.kv_caches,
+            block_size=self.block_size,
+            max_seq_len=max_seq_len,
+            max_batch=self.max_num_seqs,
+            device=self.device,
+            split_kv={b: s for b, s in split_kv.items() if s > 1},
+        )
+        graphs.capture()
+        return graphs
 
     def _kv_bytes_per_block(self, model: DecoderForCausalLM, dtype: torch.dtype) -> int:
         spec = model.spec
@@ -181,6 +221,25 @@ class TorchModelRunner:
     def _execute(self, sequences: list[SequenceInput]) -> StepOutput:
         assert self.model is not None and self.sampler is not None
         input_ids, positions, slot_mapping, sample_index = _flatten(sequences, self.block_size)
+        if self.graphs is not None and self.graphs.fits(sequences):
+            hidden = self._replay(sequences, input_ids, positions, slot_mapping)
+        else:
+            hidden = self._forward(sequences, input_ids, positions, slot_mapping)
+        if not sample_index:
+            return StepOutput([])
+        logits = self.model.logits(hidden[to_device(np.asarray(sample_index, dtype=np.int64), self.device)])
+        sampling = [s for s in sequences if s.sample]
+        tokens = self.sampler.sample(logits, [s.request_id for s in sampling], [s.params for s in sampling])
+        return StepOutput(tokens.tolist())
+
+    def _forward(
+        self,
+        sequences: list[SequenceInput],
+        input_ids: np.ndarray[Any, Any],
+        positions: np.ndarray[Any, Any],
+        slot_mapping: np.ndarray[Any, Any],
+    ) -> torch.Tensor:
+        assert self.model is not None
         spec = self.model.spec
         meta: AttentionMetadata | TritonAttentionMetadata
         if self.attention_backend == "triton":
@@ -194,21 +253,33 @@ class TorchModelRunner:
             )
         else:
             meta = _attention_metadata(sequences, slot_mapping, self.block_size, spec.sliding_window, self.device)
-        hidden = self.model(
-            torch.from_numpy(input_ids).to(self.device),
-            torch.from_numpy(positions).to(self.device),
-            self.kv_caches,
-            meta,
+        # One pinned, non-blocking copy for ids and positions: the host does not wait for the device.
+        ids_positions = to_device(np.concatenate((input_ids, positions)), self.device)
+        n = len(input_ids)
+        hidden: torch.Tensor = self.model(ids_positions[:n], ids_positions[n:], self.kv_caches, meta)
+        return hidden
+
+    def _replay(
+        self,
+        sequences: list[SequenceInput],
+        input_ids: np.ndarray[Any, Any],
+        positions: np.ndarray[Any, Any],
+        slot_mapping: np.ndarray[Any, Any],
+    ) -> torch.Tensor:
+        from asyncllm.kernels.split_kv_decode import num_kv_splits
+
+        assert self.graphs is not None and self.model is not None
+        splits = num_kv_splits(
+            len(sequences),
+            self.model.spec.num_kv_heads,
+            int(positions.max()) + 1,
+            torch.cuda.get_device_properties(self.device).multi_processor_count,
         )
-        if not sample_index:
-            return StepOutput([])
-        logits = self.model.logits(hidden[torch.tensor(sample_index, device=self.device)])
-        sampling = [s for s in sequences if s.sample]
-        tokens = self.sampler.sample(logits, [s.request_id for s in sampling], [s.params for s in sampling])
-        return StepOutput(tokens.tolist())
+        return self.graphs.run(sequences, input_ids, positions, slot_mapping, splits)
 
     def close(self) -> None:
         """Drop weights and KV tensors so their memory can be returned."""
+        self.graphs = None
         self.model = None
         self.kv_caches = []
         self.sampler = None
