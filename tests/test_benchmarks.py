@@ -1,0 +1,213 @@
+"""Smoke tests of the benchmark scripts in benchmarks/: each runs end to end with ``--quick`` on a tiny model.
+
+No test looks at a time: the numbers are noise at these sizes. They check that every system ran the
+whole workload, that the tables have their rows, and that the ratios are positive numbers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import math
+import stat
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+# The engine would size its KV cache from memory (1 GiB on CPU); a --quick workload needs a few
+# dozen blocks, and allocating less keeps these tests fast.
+SMALL_KV = ["--engine-opt", "kv_cache_blocks=256"]
+
+
+def load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"asyncllm_bench_{name}", BENCHMARKS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(name: str, argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[str, dict[str, Any]]:
+    out_json = tmp_path / f"{name}.json"
+    assert load(name).main([*argv, "--quick", "--json", str(out_json), *SMALL_KV]) == 0
+    return capsys.readouterr().out, json.loads(out_json.read_text())
+
+
+def positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def test_throughput_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, result = run("throughput", ["--model", str(tiny_llama)], tmp_path, capsys)
+    for row in ("| asyncllm ", "| HF generate() static batches ", "| HF continuous batching "):
+        assert row in out
+    assert "asyncllm / peer" in out and "machine:" in out and "versions:" in out
+    assert set(result["ratios"]) == {"hf-static", "hf-cb"}
+    assert all(positive(r) for r in result["ratios"].values())
+    requested = result["workload"]["output_tokens"]
+    assert result["workload"]["num_requests"] == 8
+    for system in ("asyncllm", "hf-static", "hf-cb"):
+        assert positive(result["results"][system]["tokens_per_s"])
+        assert [run["output_tokens"] for run in result["results"][system]["runs"]] == [requested]
+    # Static batches compute more than they deliver; only the requested tokens count.
+    assert result["results"]["hf-static"]["runs"][0]["computed_tokens"] >= requested
+    assert "only those count" in out
+
+
+def test_latency_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, result = run("latency", ["--model", str(tiny_llama)], tmp_path, capsys)
+    for row in ("| asyncllm ", "| HF generate() ", "| HF continuous batching "):
+        assert row in out
+    assert "TTFT ms" in out and "mean ITL ms" in out
+    for system in ("asyncllm", "hf-static", "hf-cb"):
+        assert positive(result["results"][system]["ttft"]) and positive(result["results"][system]["itl"])
+        assert [run["output_tokens"] for run in result["results"][system]["runs"]] == [16]
+    for peer in ("hf-static", "hf-cb"):
+        assert positive(result["ratios"][peer]["ttft"]) and positive(result["ratios"][peer]["itl"])
+
+
+def test_serving_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, result = run("serving", ["--model", str(tiny_llama), "--backend", "trio"], tmp_path, capsys)
+    for row in ("| asyncllm ", "| HF generate() static batches ", "| HF continuous batching "):
+        assert out.count(row) == 2  # the percentile table and the goodput table
+    assert "TTFT p99 ms" in out and "goodput req/s" in out
+    for system in ("asyncllm", "hf-static", "hf-cb"):
+        median = result["results"][system]["median"]
+        for key in ("ttft_p50", "ttft_p90", "ttft_p99", "itl_p50", "itl_p99", "e2e_p50", "e2e_p99"):
+            assert positive(median[key]), (system, key)
+        assert median["ttft_p50"] <= median["ttft_p99"] and median["e2e_p50"] <= median["e2e_p99"]
+        assert 0 <= median["good_fraction"] <= 1
+    for peer in ("hf-static", "hf-cb"):
+        ratios = result["ratios"][peer]
+        for key in ("ttft_p50", "itl_p50", "e2e_p50"):
+            assert positive(ratios[key])
+        assert ratios["goodput"] is None or positive(ratios["goodput"])
+
+
+FAKE_VLLM = """
+__version__ = "0.0.0+fake"
+
+
+class SamplingParams:
+    def __init__(self, temperature=1.0, max_tokens=16, min_tokens=0, ignore_eos=False):
+        assert temperature == 0.0 and ignore_eos and min_tokens == max_tokens
+        self.max_tokens = max_tokens
+
+
+class _Completion:
+    def __init__(self, token_ids):
+        self.token_ids = token_ids
+
+
+class _RequestOutput:
+    def __init__(self, token_ids):
+        self.outputs = [_Completion(token_ids)]
+
+
+class LLM:
+    def __init__(self, model, dtype, **options):
+        assert dtype == "float32", dtype
+
+    def reset_prefix_cache(self):
+        return True
+
+    def generate(self, prompts, sampling_params, use_tqdm=True):
+        assert len(prompts) == len(sampling_params)
+        assert all(isinstance(p["prompt_token_ids"], list) for p in prompts)
+        return [_RequestOutput([7] * p.max_tokens) for p in sampling_params]
+"""
+
+
+@pytest.fixture
+def fake_vllm_python(tmp_path: Path) -> Path:
+    """An "interpreter" whose ``import vllm`` finds a stand-in that generates instantly."""
+    package = tmp_path / "fake-site" / "vllm"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(FAKE_VLLM)
+    (package / "inputs.py").write_text("def TokensPrompt(**fields):\n    return dict(fields)\n")
+    python = tmp_path / "vllm-python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH="{package.parent}" exec "{sys.executable}" "$@"\n')
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    return python
+
+
+def test_vllm_peer_runs_in_its_interpreter(
+    tiny_llama: Path, fake_vllm_python: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--model", str(tiny_llama), "--peers", "none", "--vllm-python", str(fake_vllm_python)]
+    out, result = run("throughput", argv, tmp_path, capsys)
+    assert "| vLLM CPU " in out and "vLLM LD_PRELOAD" in out
+    assert result["machine"]["vllm"] == "0.0.0+fake"
+    assert result["results"]["vllm"]["runs"][0]["output_tokens"] == result["workload"]["output_tokens"]
+    assert positive(result["ratios"]["vllm"])
+
+
+def test_vllm_peer_is_skipped_when_absent(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "no-such-python"
+    argv = ["--model", str(tiny_llama), "--peers", "none", "--vllm-python", str(missing)]
+    out, result = run("latency", argv, tmp_path, capsys)
+    assert "vLLM skipped" in out and "does not exist" in out
+    assert set(result["results"]) == {"asyncllm"} and result["ratios"] == {}
+
+
+# -- common.py helpers ---------------------------------------------------------------------------
+
+common = load("throughput").common  # the very module the scripts use
+
+
+def test_workload_is_seeded_and_in_range() -> None:
+    first = common.make_workload(64, (32, 512), (16, 256), 32000, seed=0)
+    assert first == common.make_workload(64, (32, 512), (16, 256), 32000, seed=0)
+    assert first != common.make_workload(64, (32, 512), (16, 256), 32000, seed=1)
+    assert all(32 <= len(r.prompt_ids) <= 512 and 16 <= r.output_len <= 256 for r in first)
+    assert all(3 <= t < 32000 for r in first for t in r.prompt_ids)
+
+
+def test_poisson_arrivals_are_seeded_and_increasing() -> None:
+    times = common.poisson_arrivals(200, rate=4.0, seed=0)
+    assert times == common.poisson_arrivals(200, rate=4.0, seed=0)
+    assert times[0] == 0 and all(a < b for a, b in itertools.pairwise(times))
+    assert 20 < times[-1] < 80  # about 200 / 4 = 50 s
+
+
+def test_percentile_and_ratio() -> None:
+    assert common.percentile([3, 1, 2], 50) == 2
+    assert common.percentile([0, 10], 90) == 9
+    assert math.isnan(common.percentile([], 50))
+    assert common.ratio(6.0, 3.0) == 2.0 and common.ratio(1.0, 0.0) is None
+
+
+def test_static_batches_group_by_output_length() -> None:
+    workload = common.make_workload(10, (4, 8), (1, 50), 100, seed=3)
+    batches = common.static_batches(workload, 4, sort=True)
+    assert sorted(i for b in batches for i in b) == list(range(10)) and [len(b) for b in batches] == [4, 4, 2]
+    lengths = [workload[i].output_len for b in batches for i in b]
+    assert lengths == sorted(lengths, reverse=True)
+    assert common.static_batches(workload, 4, sort=False)[0] == [0, 1, 2, 3]
+
+
+def test_format_table_and_key_values() -> None:
+    table = common.format_table(["system", "tok/s"], [["a", 1234.5], ["b", None]])
+    header, rule, first, second = table.splitlines()
+    assert header.split("|")[1].strip() == "system" and set(rule) == {"|", "-"}
+    assert first.split("|")[2].strip() == "1234" and second.split("|")[2].strip() == "-"
+    assert common.parse_key_values(["a=1", "b=x", "c=[1, 2]"]) == {"a": 1, "b": "x", "c": [1, 2]}
+
+
+def test_synthetic_model_is_the_one_issue_7_asks_for() -> None:
+    assert common.SYNTHETIC_FAMILY == "llama"
+    assert {k: v for k, v in common.SYNTHETIC_MODEL.items() if k != "seed"} == {
+        "hidden_size": 512,
+        "num_layers": 8,
+        "num_heads": 8,
+        "num_kv_heads": 4,
+        "intermediate_size": 1536,
+        "vocab_size": 32000,
+        "max_position_embeddings": 2048,
+    }
