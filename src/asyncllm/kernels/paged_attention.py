@@ -35,7 +35,7 @@ import triton.language as tl
 
 from asyncllm.kernels import interpreting
 
-__all__ = ["SUPPORTED_HEAD_SIZES", "launch_config", "paged_attention"]
+__all__ = ["SUPPORTED_HEAD_SIZES", "dot_dtype", "dot_precision", "launch_config", "paged_attention"]
 
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 128, 256)
 _LOG2E = 1.4426950408889634
@@ -83,6 +83,7 @@ def attend_tiles(
     TILE_N: tl.constexpr,
     SLIDING: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Fold the key tiles ``tile_lo .. tile_hi`` into the running softmax state (m_i, l_i, acc)."""
     offs_n = tl.arange(0, TILE_N)
@@ -96,7 +97,7 @@ def attend_tiles(
             mask=kv_valid[None, :] & d_mask[:, None],
             other=0.0,
         )
-        s = tl.dot(q, k.to(DOT_DTYPE), input_precision="ieee") * scale_log2e
+        s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * scale_log2e
         allowed = row_valid[:, None] & kv_valid[None, :] & (kv_pos[None, :] <= q_pos[:, None])
         if SLIDING:
             allowed = allowed & (kv_pos[None, :] > q_pos[:, None] - sliding_window)
@@ -112,7 +113,7 @@ def attend_tiles(
             mask=kv_valid[:, None] & d_mask[None, :],
             other=0.0,
         )
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         m_i = m_new
     return m_i, l_i, acc
 
@@ -190,6 +191,7 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,
     SLIDING: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -210,7 +212,7 @@ def _paged_attention_kernel(
     m_i, l_i, acc = attend_tiles(
         q, q_pos, row_valid, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt_seq,
         kv_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, tile_lo, tile_hi, kv_end,
-        scale_log2e, sliding_window, offs_d, d_mask, BLOCK_SIZE, TILE_N, SLIDING, DOT_DTYPE,
+        scale_log2e, sliding_window, offs_d, d_mask, BLOCK_SIZE, TILE_N, SLIDING, DOT_DTYPE, DOT_PRECISION,
     )  # fmt: skip
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
@@ -233,6 +235,12 @@ def dot_dtype(dtype: torch.dtype) -> tl.dtype:
     if dtype == torch.bfloat16:
         return tl.float32 if interpreting() else tl.bfloat16
     raise TypeError(f"the attention kernels take float32, float16 or bfloat16, not {dtype}")
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s input precision: exact float32 products for float32 (the tests' reference dtype;
+    TF32 would cost accuracy there), the default for half types, where it does not apply."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def launch_config(queries_per_kv: int, max_query_len: int, head_dim: int) -> tuple[int, int, int]:
@@ -315,6 +323,7 @@ def paged_attention(
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n or default_n,
         SLIDING=sliding_window is not None, DOT_DTYPE=dot_dtype(k_cache.dtype),
+        DOT_PRECISION=dot_precision(k_cache.dtype),
         num_warps=4 if block_m * triton.next_power_of_2(head_dim) <= 8192 else 8,
     )  # fmt: skip
     return out

@@ -23,6 +23,7 @@ from asyncllm.kernels.paged_attention import (
     attend_tiles,
     check_shapes,
     dot_dtype,
+    dot_precision,
     find_sequence,
     launch_config,
     query_tile,
@@ -67,6 +68,7 @@ def _split_kv_kernel(
     TILE_N: tl.constexpr,
     SLIDING: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -93,7 +95,7 @@ def _split_kv_kernel(
     m_i, l_i, acc = attend_tiles(
         q, q_pos, row_valid, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt_seq,
         kv_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, my_lo, my_hi, kv_end,
-        scale_log2e, sliding_window, offs_d, d_mask, BLOCK_SIZE, TILE_N, SLIDING, DOT_DTYPE,
+        scale_log2e, sliding_window, offs_d, d_mask, BLOCK_SIZE, TILE_N, SLIDING, DOT_DTYPE, DOT_PRECISION,
     )  # fmt: skip
     token64 = token.to(tl.int64)
     tl.store(
@@ -217,6 +219,7 @@ def split_kv_attention(
         NUM_SPLITS=num_splits, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n or default_n,
         SLIDING=sliding_window is not None, DOT_DTYPE=dot_dtype(k_cache.dtype),
+        DOT_PRECISION=dot_precision(k_cache.dtype),
         num_warps=4 if block_m * head_dim_pad <= 8192 else 8,
     )  # fmt: skip
     _reduce_kernel[(num_tokens, num_heads)](
