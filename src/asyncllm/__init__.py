@@ -14,7 +14,7 @@ from asyncllm.errors import (
     ModelNotFoundError,
     PromptTooLongError,
 )
-from asyncllm.outputs import Completion, EngineStatistics, StreamChunk
+from asyncllm.outputs import Completion, EngineStatistics, Logprobs, StreamChunk, TokenLogprob
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.stream import RequestStream
 
@@ -33,10 +33,12 @@ __all__ = [
     "InvalidPromptError",
     "InvalidRequestError",
     "InvalidSamplingParamsError",
+    "Logprobs",
     "ModelNotFoundError",
     "PromptTooLongError",
     "RequestStream",
     "SamplingParams",
     "StreamChunk",
+    "TokenLogprob",
     "__version__",
 ]

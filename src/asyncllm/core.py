@@ -89,12 +89,12 @@ class EngineCore:
         while True:
             pending += self._apply_aborts()
             if self._stopping:
-                self.outputs.process(pending)
+                self._finish_stopped(self.outputs.process(pending))
                 return
             step = self.scheduler.schedule() if self.scheduler.has_work() else None
             if step is None or not step.scheduled:
                 if pending:
-                    self.outputs.process(pending)
+                    self._finish_stopped(self.outputs.process(pending))
                     pending = []
                     continue
                 await self._wakeup.wait()
@@ -102,8 +102,11 @@ class EngineCore:
                 continue
             call = self.worker.submit(functools.partial(self.runner.execute, self._batch(step)))
             # The overlap: the previous step's tokens reach their streams while this one computes.
-            self.outputs.process(pending)
+            stopped = self.outputs.process(pending)
             sampled = await call.wait()
+            # Requests a stop string ended are finished only now: their blocks are not freed while
+            # the step in flight still writes to them, and update() drops their tokens of that step.
+            self._finish_stopped(stopped)
             pending = self._update(step, sampled)
 
     def _batch(self, step: SchedulerOutput) -> StepBatch:
@@ -117,6 +120,8 @@ class EngineCore:
                 sample=s.sample,
                 params=s.request.params,
                 num_generated=len(s.request.output_token_ids),
+                prompt_token_ids=s.request.prompt_token_ids,
+                bad_words_token_ids=s.request.bad_words_token_ids,
             )
             for s in step.scheduled
         ]
@@ -144,6 +149,13 @@ class EngineCore:
             self._forget(request)
             events.append(TokenEvent(request, [], "abort"))
         return events
+
+    def _finish_stopped(self, requests: list[Request]) -> None:
+        """End in the scheduler the requests the output processor stopped (on a stop string)."""
+        for request in requests:
+            if not request.finished:
+                self.scheduler.finish(request, "stop")
+                self._forget(request)
 
     def _forget(self, request: Request) -> None:
         self.requests.pop(request.request_id, None)

@@ -5,6 +5,10 @@ byte-fallback ``<0xE2>`` tokens). Instead we decode a short window twice: the to
 emitted (``prefix``) and the window including the new tokens; the delta is the difference. While
 the window ends in U+FFFD (an incomplete UTF-8 sequence) nothing is emitted, so a character is
 never split; the held bytes come out with the token that completes them, or at ``flush()``.
+
+With ``skip_special_tokens=False`` and ``spaces_between_special_tokens=True`` (vLLM's defaults
+for the latter) special tokens and the runs of text between them are decoded apart and joined
+by spaces, as HF's slow tokenizers do; fast tokenizers ignore that option, so it is done here.
 """
 
 from __future__ import annotations
@@ -26,17 +30,41 @@ class IncrementalDetokenizer:
     Args:
         tokenizer: The model's tokenizer.
         skip_special_tokens: Leave special tokens (EOS, chat markers) out of the text.
+        spaces_between_special_tokens: When special tokens are kept, separate them from the text
+            around them by spaces (needs the tokenizer's ``all_special_ids``).
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
+        special: frozenset[int] = frozenset()
+        if not skip_special_tokens and spaces_between_special_tokens:
+            special = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
+        self._spaced_ids = special
         self._ids: list[int] = []
         self._prefix_offset = 0  # start of the context window
         self._read_offset = 0  # ids before this are already emitted as text
 
     def _decode(self, start: int, end: int | None = None) -> str:
-        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip_special)
+        ids = self._ids[start:end]
+        spaced = self._spaced_ids
+        if not spaced or spaced.isdisjoint(ids):
+            return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+        parts: list[str] = []
+        run: list[int] = []
+        for token_id in ids:
+            if token_id in spaced:
+                if run:
+                    parts.append(self._tokenizer.decode(run, skip_special_tokens=False))
+                    run = []
+                parts.append(self._tokenizer.decode([token_id], skip_special_tokens=False))
+            else:
+                run.append(token_id)
+        if run:
+            parts.append(self._tokenizer.decode(run, skip_special_tokens=False))
+        return " ".join(part for part in parts if part)
 
     def push(self, token_ids: list[int]) -> str:
         """Add generated ids; return the text they complete (possibly empty)."""

@@ -158,13 +158,14 @@ class TorchModelRunner:
         max_model_len = int(getattr(config, "max_position_embeddings", 2048))
         if device.type == "cuda" and self.attention_backend == "triton" and not self.enforce_eager:
             self.graphs = self._capture_graphs(model, min(max_model_len, self.max_model_len or max_model_len, slots))
-        self.sampler = Sampler(device, self.seed)
+        eos_token_ids = load_eos_token_ids(self.model_path, config)
+        self.sampler = Sampler(device, spec.vocab_size, eos_token_ids, self.seed)
         return RunnerInfo(
             num_kv_blocks=num_blocks,
             block_size=self.block_size,
             vocab_size=spec.vocab_size,
             max_model_len=int(getattr(config, "max_position_embeddings", 2048)),
-            eos_token_ids=load_eos_token_ids(self.model_path, config),
+            eos_token_ids=eos_token_ids,
             description=f"{spec.architecture} on {device} ({str(dtype).removeprefix('torch.')}, "
             f"{self.attention_backend} attention)",
         )
@@ -225,12 +226,15 @@ class TorchModelRunner:
             hidden = self._replay(sequences, input_ids, positions, slot_mapping)
         else:
             hidden = self._forward(sequences, input_ids, positions, slot_mapping)
+        model = self.model
+        self.sampler.record(sequences)
+        offsets = np.cumsum([0] + [len(s.token_ids) for s in sequences[:-1]]).tolist()
+        prompt_logprobs = self.sampler.prompt_logprobs(sequences, offsets, lambda rows: model.logits(hidden[rows]))
         if not sample_index:
-            return StepOutput([])
+            return StepOutput([], prompt_logprobs=prompt_logprobs)
         logits = self.model.logits(hidden[to_device(np.asarray(sample_index, dtype=np.int64), self.device)])
-        sampling = [s for s in sequences if s.sample]
-        tokens = self.sampler.sample(logits, [s.request_id for s in sampling], [s.params for s in sampling])
-        return StepOutput(tokens.tolist())
+        sampled = self.sampler.sample(logits, [s for s in sequences if s.sample])
+        return StepOutput(sampled.token_ids.tolist(), sampled.logprobs, prompt_logprobs)
 
     def _forward(
         self,

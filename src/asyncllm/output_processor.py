@@ -1,13 +1,25 @@
-"""``OutputProcessor``: sampled tokens in, text deltas into each request's stream, metrics stamped."""
+"""``OutputProcessor``: sampled tokens in, text deltas into each request's stream, metrics stamped.
+
+It also ends requests on stop strings, which only the detokenized text can show. While the end
+of the text could still grow into a stop string it is held back, so no chunk ever carries text
+that a later match removes; on a match the text is cut before the string (after it with
+``include_stop_str_in_output``), the stream gets its last chunk (finish_reason "stop",
+``stop_reason`` the string) and ``process`` returns the request so the core ends it in the
+scheduler too.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from asyncllm.detokenizer import IncrementalDetokenizer, Tokenizer
 from asyncllm.metrics import EngineMetrics
+from asyncllm.outputs import FinishReason, Logprobs, TokenLogprob
 from asyncllm.request import Request
+from asyncllm.runner import PositionLogprobs
+from asyncllm.sampling_params import SamplingParams
 from asyncllm.scheduler import TokenEvent
 from asyncllm.stream import RequestStream
 
@@ -15,8 +27,14 @@ from asyncllm.stream import RequestStream
 @dataclass(slots=True)
 class _Output:
     stream: RequestStream
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None = None  # built at the first event, from the request's params
     last_token_time: float | None = None
+    num_tokens: int = 0
+    held: str = ""
+    """Text not sent yet because it could be the start of a stop string."""
+    tail: str = ""
+    """With ``include_stop_str_in_output``: sent text that could be the start of a stop string."""
+    prompt_logprobs_sent: bool = False
 
 
 class OutputProcessor:
@@ -31,26 +49,78 @@ class OutputProcessor:
         self._tokenizer = tokenizer
         self.metrics = metrics if metrics is not None else EngineMetrics()
         self._outputs: dict[int, _Output] = {}
+        self._token_texts: dict[int, str] = {}  # decoded single tokens, for logprobs
 
     def register(self, request_id: int, stream: RequestStream) -> None:
         """Start routing a request's output to ``stream``."""
-        self._outputs[request_id] = _Output(stream, IncrementalDetokenizer(self._tokenizer))
+        self._outputs[request_id] = _Output(stream)
 
-    def process(self, events: list[TokenEvent]) -> None:
-        """Deliver one step's events; a finished request's held-back text is flushed and it is forgotten."""
+    def process(self, events: list[TokenEvent]) -> list[Request]:
+        """Deliver one step's events; a finished request's held-back text is flushed and it is forgotten.
+
+        Returns:
+            The requests a stop string ended that the scheduler still runs: the caller must finish
+            them (``Scheduler.finish(request, "stop")``) so their blocks come back.
+        """
         now = time.monotonic()
+        stopped: list[Request] = []
         for event in events:
-            output = self._outputs.get(event.request.request_id)
+            request = event.request
+            output = self._outputs.get(request.request_id)
             if output is None:
                 continue
+            params = request.params
+            if output.detokenizer is None:
+                output.detokenizer = IncrementalDetokenizer(
+                    self._tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens
+                )
             if event.new_token_ids:
-                self._record_tokens(event.request, output, len(event.new_token_ids), now)
+                self._record_tokens(request, output, len(event.new_token_ids), now)
+                output.num_tokens += len(event.new_token_ids)
+            finish_reason: FinishReason | None = event.finish_reason
+            stop_reason = request.stop_reason if finish_reason == "stop" else None
             text = output.detokenizer.push(event.new_token_ids)
-            if event.finish_reason is not None:
+            if finish_reason is not None:
                 text += output.detokenizer.flush()
-                del self._outputs[event.request.request_id]
-                self._record_finish(event.request, event.finish_reason, now)
-            output.stream._push(text, event.new_token_ids, event.finish_reason)
+            if params.stop:
+                text, matched = _apply_stop_strings(output, params, text, finished=finish_reason is not None)
+                if matched is not None:
+                    if finish_reason is None:
+                        stopped.append(request)
+                    finish_reason, stop_reason = "stop", matched
+            logprobs = None
+            if event.logprobs is not None:
+                logprobs = [self._logprobs(entry) for entry in event.logprobs if entry is not None]
+            prompt_logprobs = None
+            if event.prompt_logprobs is not None and not output.prompt_logprobs_sent:
+                output.prompt_logprobs_sent = True
+                prompt_logprobs = tuple(None if e is None else self._logprobs(e) for e in event.prompt_logprobs)
+            if finish_reason is not None:
+                del self._outputs[request.request_id]
+                self._record_finish(request, finish_reason, now)
+            output.stream._push(
+                text,
+                event.new_token_ids,
+                finish_reason,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                stop_reason=stop_reason,
+            )
+        return stopped
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def _logprobs(self, entry: PositionLogprobs) -> Logprobs:
+        token = TokenLogprob(entry.token_id, entry.logprob, entry.rank, self._token_text(entry.token_id))
+        top = tuple(
+            TokenLogprob(token_id, logprob, rank, self._token_text(token_id))
+            for rank, (token_id, logprob) in enumerate(zip(entry.top_token_ids, entry.top_logprobs), start=1)
+        )
+        return Logprobs(token, top)
 
     def _record_tokens(self, request: Request, output: _Output, count: int, now: float) -> None:
         metrics = self.metrics
@@ -80,3 +150,48 @@ class OutputProcessor:
     def num_open(self) -> int:
         """Requests whose streams are still fed."""
         return len(self._outputs)
+
+
+def _apply_stop_strings(
+    output: _Output, params: SamplingParams, text: str, *, finished: bool
+) -> tuple[str, str | None]:
+    """Look for the stop strings in the text not yet searched; return the text to send and the match.
+
+    A match can only begin in the text held back (or, with ``include_stop_str_in_output``, in the
+    sent ``tail``) or in the new text: any earlier start would have been held back or kept as tail.
+    """
+    if output.num_tokens < params.min_tokens:
+        return text, None  # stop strings count only once min_tokens are out
+    window = output.tail + output.held + text
+    sent = len(output.tail)  # the window's first `sent` characters already went out
+    output.tail = output.held = ""
+    match: tuple[int, str] | None = None
+    for stop in params.stop:
+        index = window.find(stop)
+        if index >= 0 and (match is None or index < match[0]):
+            match = (index, stop)
+    if match is not None:
+        index, stop = match
+        end = index + len(stop) if params.include_stop_str_in_output else index
+        return window[sent:end], stop
+    if finished:
+        return window[sent:], None
+    partial = _partial_stop_length(window, params.stop)
+    if params.include_stop_str_in_output:
+        # The stop string will stay in the text, so nothing needs holding back; only remember the
+        # end of the text to find a string that straddles two steps.
+        output.tail = window[len(window) - partial :] if partial else ""
+        return window[sent:], None
+    output.held = window[len(window) - partial :] if partial else ""
+    return window[: len(window) - partial], None
+
+
+def _partial_stop_length(text: str, stops: Sequence[str]) -> int:
+    """The length of the longest end of ``text`` that begins one of ``stops`` (without being all of it)."""
+    best = 0
+    for stop in stops:
+        for length in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:length]):
+                best = length
+                break
+    return best

@@ -9,6 +9,35 @@ import msgspec
 FinishReason = Literal["stop", "length", "abort"]
 
 
+class TokenLogprob(msgspec.Struct, frozen=True):
+    """One token's log-probability at one position, from the model's raw logits.
+
+    Attributes:
+        token_id: The token.
+        logprob: Its natural-log probability (before penalties, biases and temperature).
+        rank: 1 + the number of tokens that were more likely.
+        text: The token decoded on its own (special tokens included).
+    """
+
+    token_id: int
+    logprob: float
+    rank: int
+    text: str
+
+
+class Logprobs(msgspec.Struct, frozen=True):
+    """The log-probabilities at one position of the prompt or the output.
+
+    Attributes:
+        token: The token that is at this position (the sampled one, or the prompt's).
+        top: The most likely tokens at this position, best first (ranks 1, 2, ...); as many as the
+            request's ``logprobs`` (or ``prompt_logprobs``) asked for.
+    """
+
+    token: TokenLogprob
+    top: tuple[TokenLogprob, ...] = ()
+
+
 class StreamChunk(msgspec.Struct, frozen=True):
     """One step's worth of new output of a request (more when the consumer lagged).
 
@@ -19,6 +48,11 @@ class StreamChunk(msgspec.Struct, frozen=True):
         finish_reason: "stop" (EOS or a stop token), "length" (max_tokens or max_model_len)
             or "abort"; None until finished.
         index: Which of the request's samples this chunk belongs to (0 unless n > 1).
+        logprobs: With ``SamplingParams.logprobs``, one entry per token of ``token_ids``; else None.
+        prompt_logprobs: With ``SamplingParams.prompt_logprobs``, on the first chunk only: one entry per
+            prompt token (None for the first token, which nothing predicts); else None.
+        stop_reason: On the last chunk of a request that finished with "stop": the stop string that
+            matched, or the ``stop_token_ids`` id; None for EOS and other reasons.
     """
 
     text: str
@@ -26,6 +60,9 @@ class StreamChunk(msgspec.Struct, frozen=True):
     finished: bool = False
     finish_reason: FinishReason | None = None
     index: int = 0
+    logprobs: tuple[Logprobs, ...] | None = None
+    prompt_logprobs: tuple[Logprobs | None, ...] | None = None
+    stop_reason: int | str | None = None
 
 
 class Completion(msgspec.Struct, frozen=True):
@@ -36,12 +73,18 @@ class Completion(msgspec.Struct, frozen=True):
         token_ids: The generated token ids (an EOS or stop token that ended it included).
         prompt_token_ids: The prompt as the model saw it.
         finish_reason: "stop", "length" or "abort".
+        logprobs: Per generated token, with ``SamplingParams.logprobs``; else None.
+        prompt_logprobs: Per prompt token (None first), with ``SamplingParams.prompt_logprobs``; else None.
+        stop_reason: The stop string or ``stop_token_ids`` id that ended it (None for EOS and the rest).
     """
 
     text: str
     token_ids: tuple[int, ...]
     prompt_token_ids: tuple[int, ...]
     finish_reason: FinishReason
+    logprobs: tuple[Logprobs, ...] | None = None
+    prompt_logprobs: tuple[Logprobs | None, ...] | None = None
+    stop_reason: int | str | None = None
 
 
 class EngineStatistics(msgspec.Struct, frozen=True):

@@ -46,6 +46,10 @@ class Request:
     num_cached_blocks: int = 0
     """Leading blocks of the table already listed in the prefix cache."""
     first_scheduled_time: float | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    """``params.bad_words`` tokenized (by the input processor, which has the tokenizer)."""
+    stop_reason: int | str | None = None
+    """The ``stop_token_ids`` id or stop string that finished the request, if one did."""
 
     @property
     def num_tokens(self) -> int:
@@ -69,7 +73,10 @@ class Request:
     def append_token(self, token_id: int) -> FinishReason | None:
         """Record a sampled token; return why the request must now stop, if it must."""
         self.output_token_ids.append(token_id)
-        if token_id in self.stop_token_ids:
+        # Before min_tokens the sampler masks stop ids out; a runner that emits one anyway goes on.
+        if token_id in self.stop_token_ids and len(self.output_token_ids) > self.params.min_tokens:
+            if token_id in self.params.stop_token_ids:
+                self.stop_reason = token_id
             return "stop"
         if len(self.output_token_ids) >= self.params.max_tokens:
             return "length"

@@ -7,8 +7,9 @@ layers above can be tested without weights. Everything here is plain Python: no 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from asyncllm.sampling_params import SamplingParams
 
@@ -40,6 +41,26 @@ class SequenceInput:
     params: SamplingParams
     num_generated: int = 0
     """Tokens the request has generated so far (a seeded sampler may key its stream on it)."""
+    prompt_token_ids: Sequence[int] = ()
+    """The request's whole prompt, by reference (never mutated). It tells prompt positions from
+    output ones (penalties, ``min_tokens``), gives prompt tokens whose KV came from elsewhere (a
+    prefix cache) and the targets of ``prompt_logprobs``."""
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    """``params.bad_words`` tokenized (each word alone and after a space)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PositionLogprobs:
+    """Log-probabilities at one position, from the model's raw logits (no text yet)."""
+
+    token_id: int
+    """The token at this position: the sampled one, or the prompt's."""
+    logprob: float
+    rank: int
+    """1 + the number of tokens with a strictly higher log-probability."""
+    top_token_ids: tuple[int, ...]
+    """The most likely tokens, best first (their ranks are 1, 2, ...)."""
+    top_logprobs: tuple[float, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,10 +69,11 @@ class StepOutput:
 
     sampled_token_ids: list[int]
     """One id per sequence with ``sample=True``, in batch order."""
-    logprobs: list[Any] | None = None
+    logprobs: list[PositionLogprobs | None] | None = None
     """Aligned with ``sampled_token_ids`` when a request asked for logprobs (None entries otherwise)."""
-    prompt_logprobs: dict[int, list[Any]] | None = None
-    """Per request id, the logprobs of the prompt tokens this step computed (when asked for)."""
+    prompt_logprobs: dict[int, list[PositionLogprobs | None]] | None = None
+    """Per request id that asked for them, its prompt logprobs, complete (aligned with the prompt; None
+    for the first token and for positions never computed), in the step that samples after its prompt."""
 
 
 @dataclass(frozen=True, slots=True)

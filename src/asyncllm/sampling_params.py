@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 from asyncllm.errors import InvalidSamplingParamsError
@@ -26,18 +28,58 @@ def _check_float(name: str, value: object, *, low: float, high: float, low_open:
         raise InvalidSamplingParamsError(f"{name} must be in {bracket}{low}, {high}], got {value}")
 
 
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise InvalidSamplingParamsError(f"{name} must be a bool, got {value!r}")
+
+
+def _as_tuple(name: str, value: object, item: str) -> tuple[object, ...]:
+    # Lists are accepted for convenience (and from JSON) but stored as tuples: the params are immutable.
+    if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)):
+        raise InvalidSamplingParamsError(f"{name} must be a sequence of {item}, got {value!r}")
+    return tuple(value)
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """How to sample one request. Immutable; every field is checked at construction.
 
+    The logits of a step go through these stages, in this order (as in vLLM): ``allowed_token_ids``,
+    ``bad_words``, ``min_tokens`` and ``logit_bias``; then the penalties; then greedy argmax, or
+    ``temperature``, ``min_p``, ``top_k``/``top_p`` and a random draw. ``logprobs`` and
+    ``prompt_logprobs`` are computed from the model's raw logits, before all of that.
+
     Attributes:
         max_tokens: The most tokens to generate (>= 1).
+        min_tokens: Generate at least this many tokens before EOS or a ``stop_token_ids`` id may be
+            sampled (they are masked out until then), and before ``stop`` strings are looked for.
         temperature: 0 means greedy (argmax); higher flattens the distribution.
         top_k: Keep only the k most likely tokens; 0 or -1 disables the filter.
         top_p: Keep the smallest set of tokens whose probability reaches top_p (0 < top_p <= 1).
+        min_p: Drop tokens whose probability is below ``min_p`` times the most likely token's (0 disables).
+        repetition_penalty: As in HF transformers: the logit of every token already in the prompt or the
+            output is divided by it when positive and multiplied by it when negative (1 disables).
+        presence_penalty: As in the OpenAI API: subtracted once from the logit of every token already
+            generated (prompt excluded); in [-2, 2].
+        frequency_penalty: As in the OpenAI API: subtracted from a token's logit once per time it was
+            generated (prompt excluded); in [-2, 2].
+        logit_bias: Token id to a value in [-100, 100] added to its logit (+100 all but forces it).
+        allowed_token_ids: Only these ids may be sampled (None: any).
+        bad_words: Words never generated. Each is tokenized alone and after a space; a one-token word is
+            masked out always, a longer one when the output so far ends with all but its last token.
+        stop: Strings that end the request (finish_reason "stop", ``stop_reason`` the string); the text
+            ends before the string unless ``include_stop_str_in_output``. While the end of the text could
+            still become one of them, it is held back from the stream.
+        stop_token_ids: Token ids that end the request (finish_reason "stop"), besides EOS.
+        include_stop_str_in_output: Keep the matched stop string at the end of the text.
+        ignore_eos: Keep generating past the model's end-of-sequence token.
         seed: Seeds this request's own random generator, so its tokens do not depend on what else
             is in the batch.
-        stop_token_ids: Token ids that end the request (finish_reason "stop"), besides EOS.
-        ignore_eos: Keep generating past the model's end-of-sequence token.
+        logprobs: Return, for each generated token, its log-probability and rank, and the ``logprobs``
+            most likely alternatives (0: the chosen token only; None: nothing).
+        prompt_logprobs: The same for each prompt token after the first (None: nothing).
+        skip_special_tokens: Leave special tokens (EOS, chat markers) out of the text.
+        spaces_between_special_tokens: With ``skip_special_tokens=False``, put a space between a special
+            token and the text around it (as HF's slow tokenizers and vLLM do).
 
     Raises:
         InvalidSamplingParamsError: A field is out of range or of the wrong type; the message
@@ -45,27 +87,87 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     max_tokens: int = 16
+    min_tokens: int = 0
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
-    seed: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
+    stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.min_tokens > self.max_tokens:
+            raise InvalidSamplingParamsError(
+                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} > max_tokens={self.max_tokens}"
+            )
         _check_float("temperature", self.temperature, low=0.0, high=100.0)
         _check_int("top_k", self.top_k, minimum=-1)
         _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
-        _check_int("seed", self.seed, minimum=0, allow_none=True)
-        if not isinstance(self.stop_token_ids, (tuple, list)):
-            raise InvalidSamplingParamsError(f"stop_token_ids must be a sequence of ints, got {self.stop_token_ids!r}")
-        for token_id in self.stop_token_ids:
+        _check_float("min_p", self.min_p, low=0.0, high=1.0)
+        _check_float("repetition_penalty", self.repetition_penalty, low=0.0, high=100.0, low_open=True)
+        _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        self._check_logit_bias()
+        if self.allowed_token_ids is not None:
+            allowed = _as_tuple("allowed_token_ids", self.allowed_token_ids, "token ids")
+            if not allowed:
+                raise InvalidSamplingParamsError("allowed_token_ids must not be empty (None allows every token)")
+            for token_id in allowed:
+                _check_int("allowed_token_ids[...]", token_id, minimum=0)
+            msgspec.structs.force_setattr(self, "allowed_token_ids", allowed)
+        for name in ("bad_words", "stop"):
+            value = getattr(self, name)
+            if isinstance(value, str):  # stop="###" means one string, not three characters
+                value = (value,)
+            strings = _as_tuple(name, value, "strings")
+            for string in strings:
+                if not isinstance(string, str) or not string:
+                    raise InvalidSamplingParamsError(f"{name} must hold non-empty strings, got {string!r}")
+            msgspec.structs.force_setattr(self, name, strings)
+        stop_ids = _as_tuple("stop_token_ids", self.stop_token_ids, "ints")
+        for token_id in stop_ids:
             _check_int("stop_token_ids[...]", token_id, minimum=0)
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidSamplingParamsError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        msgspec.structs.force_setattr(self, "stop_token_ids", stop_ids)
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            _check_bool(name, getattr(self, name))
+        _check_bool("spaces_between_special_tokens", self.spaces_between_special_tokens)
+        _check_int("seed", self.seed, minimum=0, allow_none=True)
+        _check_int("logprobs", self.logprobs, minimum=0, allow_none=True)
+        _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0, allow_none=True)
+
+    def _check_logit_bias(self) -> None:
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            raise InvalidSamplingParamsError(f"logit_bias must be a dict of token id to bias, got {self.logit_bias!r}")
+        for token_id, bias in self.logit_bias.items():
+            _check_int("logit_bias key", token_id, minimum=0)
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+                raise InvalidSamplingParamsError(f"logit_bias[{token_id}] must be a finite number, got {bias!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise InvalidSamplingParamsError(f"logit_bias[{token_id}] must be in [-100, 100], got {bias}")
 
     @property
     def greedy(self) -> bool:
         """True when the request takes the argmax at every step."""
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when a repetition, presence or frequency penalty is set."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

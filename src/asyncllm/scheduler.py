@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from asyncllm.kv.manager import KVCacheManager
 from asyncllm.outputs import FinishReason
 from asyncllm.request import Request, RequestStatus
-from asyncllm.runner import StepOutput
+from asyncllm.runner import PositionLogprobs, StepOutput
 
 
 @dataclass(slots=True)
@@ -52,6 +52,10 @@ class TokenEvent:
     request: Request
     new_token_ids: list[int]
     finish_reason: FinishReason | None
+    logprobs: list[PositionLogprobs | None] | None = None
+    """Aligned with ``new_token_ids`` when the request asked for logprobs."""
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    """The whole prompt's logprobs, on the event of the step that completed the prompt."""
 
 
 class Scheduler:
@@ -131,21 +135,33 @@ class Scheduler:
         """
         events: list[TokenEvent] = []
         samples = iter(step_output.sampled_token_ids)
+        logprobs = iter(step_output.logprobs or ())
+        prompt_logprobs = step_output.prompt_logprobs or {}
         for item in output.scheduled:
             request = item.request
             if request.finished:  # aborted while the step ran; its token is discarded
                 if item.sample:
                     next(samples)
+                    next(logprobs, None)
                 continue
             request.num_computed_tokens += item.num_new_tokens
             self.kv_cache.cache_computed_blocks(request)
             if not item.sample:
                 continue
             token_id = next(samples)
+            token_logprobs = next(logprobs, None)
             finish_reason = request.append_token(token_id)
             if finish_reason is not None:
                 self.finish(request, finish_reason)
-            events.append(TokenEvent(request, [token_id], finish_reason))
+            events.append(
+                TokenEvent(
+                    request,
+                    [token_id],
+                    finish_reason,
+                    None if token_logprobs is None else [token_logprobs],
+                    prompt_logprobs.get(request.request_id),
+                )
+            )
         return events
 
     def finish(self, request: Request, reason: FinishReason) -> None:

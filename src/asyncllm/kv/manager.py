@@ -53,9 +53,10 @@ class KVCacheManager:
         """The longest cached run of the request's full blocks.
 
         At least one token is always left to compute, so the step has logits to sample from.
-        Nothing is taken yet: pass the hit to ``allocate_slots``.
+        Nothing is taken yet: pass the hit to ``allocate_slots``. A request that wants
+        ``prompt_logprobs`` gets no hit: it needs the logits of every prompt position.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
             return _NO_HIT
         self._hash_blocks(request, request.num_tokens)
         usable = (request.num_tokens - 1) // self.block_size
