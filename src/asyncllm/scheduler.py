@@ -111,6 +111,7 @@ class Scheduler:
             num_new = min(request.num_tokens - hit.num_tokens, budget)
             if self.kv_cache.allocate_slots(request, hit.num_tokens + num_new, hit) is None:
                 break
+            self.kv_cache.record_lookup(request, hit)
             request.num_computed_tokens = hit.num_tokens
             self.waiting.popleft()
             if request.first_scheduled_time is None:

@@ -88,10 +88,12 @@ class BlockPool:
         Blocks are released in reverse so that a sequence's tail blocks are evicted first: a
         prefix is worth more than the suffix that depends on it.
         """
+        # Check everything first: a bad id must not leave the pool half-released.
+        for block_id in block_ids:
+            if not 0 <= block_id < self.num_blocks or self._ref_counts[block_id] < 1:
+                raise RuntimeError(f"block {block_id} released more often than allocated (or not a block)")
         for block_id in reversed(block_ids):
             count = self._ref_counts[block_id] - 1
-            if count < 0:
-                raise RuntimeError(f"block {block_id} released more often than allocated")
             self._ref_counts[block_id] = count
             if count == 0:
                 self._free[block_id] = None

@@ -66,10 +66,13 @@ class KVCacheManager:
             if block_id is None:
                 break
             blocks.append(block_id)
-        self.num_query_tokens += len(request.prompt_token_ids)
-        hit_tokens = len(blocks) * self.block_size
-        self.num_hit_tokens += min(hit_tokens, len(request.prompt_token_ids))
-        return CacheHit(blocks, hit_tokens)
+        return CacheHit(blocks, len(blocks) * self.block_size)
+
+    def record_lookup(self, request: Request, hit: CacheHit) -> None:
+        """Count an admitted request's prefix-cache lookup (failed admissions are not counted)."""
+        if self.enable_prefix_caching:
+            self.num_query_tokens += len(request.prompt_token_ids)
+            self.num_hit_tokens += min(hit.num_tokens, len(request.prompt_token_ids))
 
     def allocate_slots(self, request: Request, num_tokens: int, hit: CacheHit = _NO_HIT) -> list[int] | None:
         """Make the request's table cover its first ``num_tokens`` tokens.
