@@ -534,3 +534,61 @@ def test_a_seeded_row_draws_the_same_alone_and_in_any_batch(seeded: bool) -> Non
     reversed_batch = run(everything[::-1])
     if seeded:
         assert reversed_batch == together
+
+
+async def test_penalties_survive_preemption_and_prefix_cache_hits(tiny_llama: Path) -> None:
+    # The sampler's token history is rebuilt when a preempted request is fed again from position 0,
+    # and filled from the prompt when a prefix-cache hit skips the first positions.
+    params = SamplingParams(
+        temperature=0.0, max_tokens=40, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.4, min_tokens=5
+    )
+    prompts = [f"{word} the quick brown fox jumps over the lazy dog again and again" for word in ("one", "two", "six")]
+    async with _open(tiny_llama) as engine:
+        alone = [await engine.generate(prompt, params) for prompt in prompts]
+        hits_before = engine.statistics().prefix_cache_hits
+        cached = await engine.generate(prompts[0], params)  # the prompt's full blocks are cached now
+        hits = engine.statistics().prefix_cache_hits - hits_before
+    async with Engine.open(tiny_llama, device="cpu", kv_cache_blocks=10, block_size=8, seed=0) as engine:
+        crowd: dict[int, Completion] = {}
+        async with anyio.create_task_group() as tg:
+
+            async def run(i: int) -> None:
+                crowd[i] = await engine.generate(prompts[i], params)
+
+            for i in range(len(prompts)):
+                tg.start_soon(run, i)
+        preemptions = engine.statistics().num_preemptions
+    assert cached.token_ids == alone[0].token_ids
+    assert hits > 0
+    assert preemptions > 0
+    for i, completion in enumerate(alone):
+        assert crowd[i].token_ids == completion.token_ids
+
+
+def test_spaces_between_special_tokens_stream_adds_up(tiny_llama: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from asyncllm.detokenizer import IncrementalDetokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    rng = random.Random(0)
+    text_ids = tokenizer.encode("héllo wörld, the end")
+    for _ in range(30):
+        ids = [rng.choice([*text_ids, 0, 1, 2]) for _ in range(rng.randrange(1, 20))]
+        for spaced in (True, False):
+            detokenizer = IncrementalDetokenizer(tokenizer, False, spaced)
+            deltas = [detokenizer.push([i]) for i in ids] + [detokenizer.flush()]
+            # The reference: special tokens and the runs of text between them, joined by spaces or not.
+            parts: list[str] = []
+            run: list[int] = []
+            for i in [*ids, None]:
+                if i is None or i in (0, 1, 2):
+                    if run:
+                        parts.append(tokenizer.decode(run))
+                        run = []
+                    if i is not None:
+                        parts.append(tokenizer.decode([i]))
+                else:
+                    run.append(i)
+            expected = (" " if spaced else "").join(part for part in parts if part)
+            assert "".join(deltas) == expected

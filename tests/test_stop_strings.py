@@ -231,3 +231,15 @@ async def test_stop_string_on_a_real_model(tiny_llama: Path) -> None:
     ids = tuple(t for c in chunks for t in c.token_ids)
     assert ids == free.token_ids[: len(ids)] and len(ids) < len(free.token_ids)
     assert stats.kv_blocks_free == stats.kv_blocks_total and stats.num_running == 0
+
+
+@pytest.mark.anyio
+async def test_min_tokens_holds_off_eos_and_stop_ids_even_from_a_runner_that_emits_them() -> None:
+    runner = ScriptedRunner([ord("a"), EOS_ID])
+    async with Engine.open(runner=runner, tokenizer=TOKENIZER) as engine:
+        early = await engine.generate("x", SamplingParams(max_tokens=50))
+        held = await engine.generate("x", SamplingParams(max_tokens=50, min_tokens=3))
+        by_id = await engine.generate("x", SamplingParams(max_tokens=50, min_tokens=2, stop_token_ids=(ord("a"),)))
+    assert early.token_ids == (ord("a"), EOS_ID) and early.finish_reason == "stop"
+    assert held.token_ids == (ord("a"), EOS_ID, ord("a"), EOS_ID) and held.text == "aa"
+    assert by_id.token_ids == (ord("a"), EOS_ID, ord("a")) and by_id.stop_reason == ord("a")
