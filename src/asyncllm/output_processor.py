@@ -88,6 +88,7 @@ class OutputProcessor:
                     if finish_reason is None:
                         stopped.append(request)
                     finish_reason, stop_reason = "stop", matched
+                    request.stop_reason = matched
             logprobs = None
             if event.logprobs is not None:
                 logprobs = [self._logprobs(entry) for entry in event.logprobs if entry is not None]
