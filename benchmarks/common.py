@@ -428,7 +428,7 @@ _GAUGES = frozenset({"num_running", "num_waiting", "num_cached_blocks"})
 
 
 def statistics_delta(before: Any, after: Any) -> dict[str, Any]:
-    """The numeric fields of two ``EngineStatistics`` snapshots that changed, as after - before.
+    """The counters of two ``EngineStatistics`` snapshots (numeric fields, not gauges), as after - before.
 
     Fields added to ``EngineStatistics`` later (step timings, device idle time) show up here with no
     change to the benchmarks.
@@ -442,8 +442,7 @@ def statistics_delta(before: Any, after: Any) -> dict[str, Any]:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and isinstance(old, (int, float)):
             if key in _GAUGES or key.startswith("kv_") or key.endswith("_rate"):
                 continue  # gauges, not counters
-            if value != old:
-                delta[key] = value - old
+            delta[key] = value - old
     return delta
 
 
@@ -640,8 +639,13 @@ class HFContinuousBatching:
             record_timestamps=record_timestamps,
         )
 
-    def collect(self, count: int, progress: Progress | None = None, timeout: float = 600.0) -> dict[str, Any]:
-        """Wait for ``count`` finished requests; return their ``GenerationOutput`` by request id."""
+    def collect(self, count: int, progress: Progress | None = None, timeout: float = 900.0) -> dict[str, Any]:
+        """Wait for ``count`` finished requests; return their ``GenerationOutput`` by request id.
+
+        Raises:
+            TimeoutError: No request finished for ``timeout`` seconds.
+            RuntimeError: The manager stopped, or a request failed.
+        """
         results: dict[str, Any] = {}
         deadline = time.perf_counter() + timeout
         while len(results) < count:
@@ -650,12 +654,15 @@ class HFContinuousBatching:
                 if not self.manager.is_running():
                     raise RuntimeError("HF continuous batching stopped before every request finished")
                 if time.perf_counter() > deadline:
-                    raise TimeoutError(f"HF continuous batching: {len(results)}/{count} requests after {timeout}s")
+                    raise TimeoutError(
+                        f"HF continuous batching: no request finished for {timeout}s ({len(results)}/{count})"
+                    )
                 continue
             if result.is_finished():
                 if result.error is not None:
                     raise RuntimeError(f"HF continuous batching failed request {result.request_id}: {result.error}")
                 results[result.request_id] = result
+                deadline = time.perf_counter() + timeout
                 if progress is not None:
                     progress.update()
         return results
@@ -694,6 +701,7 @@ class VLLMResult:
     version: str | None = None
     skipped: str | None = None
     preload: str | None = None
+    """LD_PRELOAD and the VLLM_CPU_* environment variables the worker ran with."""
 
 
 def _preload_libraries(python: str) -> list[str]:
@@ -739,7 +747,7 @@ def run_vllm(
     dtype: str,
     options: dict[str, Any],
 ) -> VLLMResult:
-    """Run ``vllm_worker.py`` under ``python`` (a virtual environment with ``vllm-cpu``).
+    """Run ``_vllm_worker.py`` under ``python`` (a virtual environment with ``vllm-cpu``).
 
     The worker gets the same workload (as JSON) and reports per-repeat numbers. tcmalloc and Intel
     OpenMP are preloaded (``LD_PRELOAD``) when found. Never raises for a missing or failing vLLM:
@@ -760,7 +768,7 @@ def run_vllm(
     preload = _preload_libraries(python)
     if preload:
         env["LD_PRELOAD"] = ":".join([*preload, *([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else [])])
-    worker = Path(__file__).with_name("vllm_worker.py")
+    worker = Path(__file__).with_name("_vllm_worker.py")
     with tempfile.TemporaryDirectory(prefix="asyncllm-bench-") as tmp:
         spec_path, out_path = Path(tmp) / "workload.json", Path(tmp) / "result.json"
         spec_path.write_text(
@@ -776,11 +784,19 @@ def run_vllm(
             )
         )
         log(f"  vLLM {probe.stdout.strip()} subprocess ({mode}), LD_PRELOAD={env.get('LD_PRELOAD', '')!r}")
-        done = subprocess.run([python, str(worker), str(spec_path), str(out_path)], env=env)
+        # vLLM logs to stdout; stdout is for the results table, so the worker's goes to stderr (file
+        # descriptor 2 when sys.stderr is not a file, as under pytest's capture).
+        try:
+            sink = sys.stderr.fileno()
+        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the last two
+            sink = 2
+        done = subprocess.run([python, str(worker), str(spec_path), str(out_path)], env=env, stdout=sink)
         if done.returncode != 0 or not out_path.exists():
             return VLLMResult(skipped=f"the vLLM worker failed (exit status {done.returncode}); see its stderr above")
         result = json.loads(out_path.read_text())
-    return VLLMResult(runs=result["runs"], version=result.get("version"), preload=env.get("LD_PRELOAD"))
+    settings = [f"LD_PRELOAD={env.get('LD_PRELOAD', '(nothing found)')}"]
+    settings += [f"{k}={v}" for k, v in sorted(env.items()) if k.startswith("VLLM_CPU_")]
+    return VLLMResult(runs=result["runs"], version=result.get("version"), preload=", ".join(settings))
 
 
 def run_blocking(fn: Callable[..., Any], *args: Any) -> Any:
@@ -788,3 +804,10 @@ def run_blocking(fn: Callable[..., Any], *args: Any) -> Any:
     import anyio
 
     return anyio.to_thread.run_sync(lambda: fn(*args))
+
+
+if __name__ == "__main__":
+    sys.exit(
+        "benchmarks/common.py holds what the benchmark scripts share; run one of them instead: "
+        "throughput.py, latency.py or serving.py (or `asyncllm bench NAME`)"
+    )

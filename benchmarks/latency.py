@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             runs[common.VLLM] = vllm.runs
             info["vllm"] = vllm.version
-            notes.append(f"vLLM LD_PRELOAD: {vllm.preload or '(nothing found to preload)'}")
+            notes.append(f"vLLM ran with {vllm.preload}")
 
     ttft0 = common.median_of_runs(runs["asyncllm"], "ttft")
     itl0 = common.median_of_runs(runs["asyncllm"], "itl")

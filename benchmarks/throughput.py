@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             runs[common.VLLM] = vllm.runs
             info["vllm"] = vllm.version
-            notes.append(f"vLLM LD_PRELOAD: {vllm.preload or '(nothing found to preload)'}")
+            notes.append(f"vLLM ran with {vllm.preload}")
 
     requested = sum(r.output_len for r in workload)
     prompt_tokens = sum(len(r.prompt_ids) for r in workload)
