@@ -21,6 +21,8 @@ from asyncllm import (
 pytestmark = pytest.mark.anyio
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+# Too long to finish on its own during a test: only an abort can free its blocks.
+ABANDONED = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
 
 
 def _open(model: Path, **options: object) -> Engine:
@@ -53,12 +55,12 @@ async def _early_exit(engine: Engine, how: str) -> int:
     """Leave a stream after two chunks in the way named; return how many chunks were read."""
     read = 0
     if how == "break":
-        async for _ in engine.stream("abandoned", GREEDY):
+        async for _ in engine.stream("abandoned", ABANDONED):
             read += 1
             if read == 2:
                 break
     elif how == "aclose":
-        stream = engine.stream("abandoned", GREEDY)
+        stream = engine.stream("abandoned", ABANDONED)
         async for _ in stream:
             read += 1
             if read == 2:
@@ -66,7 +68,7 @@ async def _early_exit(engine: Engine, how: str) -> int:
         assert stream.finished is False or read == 2
     elif how == "cancel":
         with anyio.CancelScope() as scope:
-            async with engine.stream("abandoned", GREEDY) as stream:
+            async with engine.stream("abandoned", ABANDONED) as stream:
                 async for _ in stream:
                     read += 1
                     if read == 2:
@@ -75,7 +77,7 @@ async def _early_exit(engine: Engine, how: str) -> int:
     elif how == "timeout":
         with pytest.raises(TimeoutError):
             with anyio.fail_after(3600) as scope:
-                async for _ in engine.stream("abandoned", GREEDY):
+                async for _ in engine.stream("abandoned", ABANDONED):
                     read += 1
                     if read == 2:
                         scope.deadline = anyio.current_time()  # expire at the next checkpoint
@@ -84,7 +86,7 @@ async def _early_exit(engine: Engine, how: str) -> int:
 
             async def consume() -> None:
                 nonlocal read
-                async for _ in engine.stream("abandoned", GREEDY):
+                async for _ in engine.stream("abandoned", ABANDONED):
                     read += 1
                     if read == 2:
                         tg.cancel_scope.cancel()

@@ -35,7 +35,7 @@ class _Recorder:
 
     pushes: list[tuple[str, str | None, Any]] = field(default_factory=list)
 
-    def _push(self, text: str, token_ids: list[int], finish_reason: str | None, **extra: Any) -> None:
+    def _push(self, index: int, text: str, token_ids: list[int], finish_reason: str | None, **extra: Any) -> None:
         self.pushes.append((text, finish_reason, extra.get("stop_reason")))
 
     @property

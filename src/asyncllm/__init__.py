@@ -14,7 +14,7 @@ from asyncllm.errors import (
     ModelNotFoundError,
     PromptTooLongError,
 )
-from asyncllm.outputs import Completion, EngineStatistics, Logprobs, StreamChunk, TokenLogprob
+from asyncllm.outputs import Completion, EngineStatistics, Logprobs, Sample, StreamChunk, TokenLogprob
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.stream import RequestStream
 
@@ -37,6 +37,7 @@ __all__ = [
     "ModelNotFoundError",
     "PromptTooLongError",
     "RequestStream",
+    "Sample",
     "SamplingParams",
     "StreamChunk",
     "TokenLogprob",

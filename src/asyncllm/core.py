@@ -55,9 +55,10 @@ class EngineCore:
         self._loop_thread = threading.get_ident()
 
     def add(self, request: Request, stream: RequestStream) -> None:
-        """Queue a validated request; its output goes to ``stream``."""
-        self.requests[request.request_id] = request
-        self.outputs.register(request.request_id, stream)
+        """Queue a validated request (with its other samples when n > 1); output goes to ``stream``."""
+        for sample in request.group or [request]:
+            self.requests[sample.request_id] = sample
+            self.outputs.register(sample.request_id, stream, sample.sample_index)
         self.scheduler.add(request)
         self._wake()
 
@@ -142,12 +143,15 @@ class EngineCore:
     def _apply_aborts(self) -> list[TokenEvent]:
         events = []
         while self._aborts:
-            request = self.requests.get(self._aborts.popleft())
-            if request is None or request.finished:
+            aborted = self.requests.get(self._aborts.popleft())
+            if aborted is None:
                 continue
-            self.scheduler.finish(request, "abort")
-            self._forget(request)
-            events.append(TokenEvent(request, [], "abort"))
+            # A stream is one request id; with n > 1 aborting it ends every sample.
+            for request in aborted.group or [aborted]:
+                if not request.finished:
+                    self.scheduler.finish(request, "abort")
+                    self._forget(request)
+                    events.append(TokenEvent(request, [], "abort"))
         return events
 
     def _finish_stopped(self, requests: list[Request]) -> None:

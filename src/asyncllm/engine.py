@@ -15,7 +15,7 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -31,7 +31,7 @@ from asyncllm.input_processor import InputProcessor
 from asyncllm.kv.manager import KVCacheManager
 from asyncllm.metrics import EngineMetrics
 from asyncllm.output_processor import OutputProcessor
-from asyncllm.outputs import Completion, EngineStatistics, FinishReason, Logprobs
+from asyncllm.outputs import Completion, EngineStatistics, FinishReason, Logprobs, Sample, StreamChunk
 from asyncllm.runner import ModelRunner, RunnerInfo
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.scheduler import Scheduler
@@ -315,7 +315,9 @@ class Engine:
         if limit is not None and len(core.scheduler.waiting) >= limit:
             raise EngineOverloadedError(f"{limit} requests are already waiting (max_waiting_requests); retry later")
         request = inputs.process(prompt, params if params is not None else SamplingParams(), cache_salt=cache_salt)
-        stream = RequestStream(request.request_id, request.prompt_token_ids, core.abort_nowait)
+        stream = RequestStream(
+            request.request_id, request.prompt_token_ids, core.abort_nowait, num_samples=len(request.group) or 1
+        )
         core.add(request, stream)
         return stream
 
@@ -341,32 +343,25 @@ class Engine:
             EngineClosedError: The engine is not running (or closed while the request ran).
             EngineDeadError: The engine died.
         """
-        texts: list[str] = []
-        token_ids: list[int] = []
-        finish_reason: FinishReason = "abort"
-        logprobs: list[Logprobs] | None = None
+        parts: list[_SampleParts] = []
         prompt_logprobs: tuple[Logprobs | None, ...] | None = None
-        stop_reason: int | str | None = None
         async with self.stream(prompt, params, cache_salt=cache_salt) as stream:
+            parts = [_SampleParts() for _ in range(stream.num_samples)]
             async for chunk in stream:
-                texts.append(chunk.text)
-                token_ids.extend(chunk.token_ids)
-                if chunk.logprobs is not None:
-                    logprobs = logprobs if logprobs is not None else []
-                    logprobs.extend(chunk.logprobs)
+                parts[chunk.index].add(chunk)
                 if chunk.prompt_logprobs is not None:
                     prompt_logprobs = chunk.prompt_logprobs
-                if chunk.finish_reason is not None:
-                    finish_reason = chunk.finish_reason
-                    stop_reason = chunk.stop_reason
+        samples = tuple(part.sample(index) for index, part in enumerate(parts))
+        first = samples[0]
         return Completion(
-            "".join(texts),
-            tuple(token_ids),
+            first.text,
+            first.token_ids,
             tuple(stream.prompt_token_ids),
-            finish_reason,
-            logprobs=None if logprobs is None else tuple(logprobs),
+            first.finish_reason,
+            logprobs=first.logprobs,
             prompt_logprobs=prompt_logprobs,
-            stop_reason=stop_reason,
+            stop_reason=first.stop_reason,
+            samples=samples,
         )
 
     def reset_prefix_cache(self) -> int:
@@ -514,6 +509,31 @@ class Engine:
             num_generated_tokens=core.num_generated_tokens,
             num_finished_requests=core.num_finished,
         )
+
+
+@dataclass(slots=True)
+class _SampleParts:
+    """One sample's chunks, gathered by ``Engine.generate``."""
+
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprobs] | None = None
+    finish_reason: FinishReason = "abort"
+    stop_reason: int | str | None = None
+
+    def add(self, chunk: StreamChunk) -> None:
+        self.texts.append(chunk.text)
+        self.token_ids.extend(chunk.token_ids)
+        if chunk.logprobs is not None:
+            self.logprobs = self.logprobs if self.logprobs is not None else []
+            self.logprobs.extend(chunk.logprobs)
+        if chunk.finish_reason is not None:
+            self.finish_reason = chunk.finish_reason
+            self.stop_reason = chunk.stop_reason
+
+    def sample(self, index: int) -> Sample:
+        logprobs = None if self.logprobs is None else tuple(self.logprobs)
+        return Sample(index, "".join(self.texts), tuple(self.token_ids), self.finish_reason, logprobs, self.stop_reason)
 
 
 def _resolve_model(model: str | os.PathLike[str] | None) -> Path:

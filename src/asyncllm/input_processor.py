@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import msgspec
 
 from asyncllm.detokenizer import Tokenizer
 from asyncllm.errors import InvalidPromptError, InvalidRequestError, InvalidSamplingParamsError, PromptTooLongError
@@ -108,7 +111,7 @@ class InputProcessor:
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
-        return Request(
+        request = Request(
             request_id=next(self._ids),
             prompt_token_ids=prompt_ids,
             params=params,
@@ -117,6 +120,35 @@ class InputProcessor:
             cache_salt=cache_salt,
             bad_words_token_ids=self.bad_words_token_ids(params),
         )
+        if params.n > 1:
+            self._add_samples(request)
+        return request
+
+    def _add_samples(self, first: Request) -> None:
+        # Samples 1..n-1 are requests of their own (their own ids, stops and seeds) that start from
+        # sample 0's prompt blocks; the scheduler holds them until sample 0 has computed the prompt.
+        params = first.params
+        first.params = msgspec.structs.replace(params, n=1)
+        first.group.append(first)
+        for index in range(1, params.n):
+            sample_params = msgspec.structs.replace(
+                params,
+                n=1,
+                seed=None if params.seed is None else params.seed + index,
+                prompt_logprobs=None,  # reported once, with sample 0
+            )
+            sample = dataclasses.replace(
+                first,
+                request_id=next(self._ids),
+                params=sample_params,
+                sample_index=index,
+                output_token_ids=[],
+                block_hashes=[],
+                group=first.group,
+                forks=[],
+            )
+            first.group.append(sample)
+            first.forks.append(sample)
 
     def check_token_ids(self, params: SamplingParams) -> None:
         """Check the token ids ``params`` names, and its logprob counts, against the vocabulary.

@@ -11,6 +11,7 @@ scheduler too.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,7 +27,11 @@ from asyncllm.stream import RequestStream
 
 @dataclass(slots=True)
 class _Output:
-    stream: RequestStream
+    stream: weakref.ref[RequestStream]
+    """Weak, so that a consumer dropping its stream (``break``) lets it be collected: that is how
+    the engine hears of the abort (``RequestStream.__del__``)."""
+    index: int
+    """Which of the stream's samples this request is."""
     detokenizer: IncrementalDetokenizer | None = None  # built at the first event, from the request's params
     last_token_time: float | None = None
     num_tokens: int = 0
@@ -51,9 +56,9 @@ class OutputProcessor:
         self._outputs: dict[int, _Output] = {}
         self._token_texts: dict[int, str] = {}  # decoded single tokens, for logprobs
 
-    def register(self, request_id: int, stream: RequestStream) -> None:
+    def register(self, request_id: int, stream: RequestStream, index: int = 0) -> None:
         """Start routing a request's output to ``stream``."""
-        self._outputs[request_id] = _Output(stream)
+        self._outputs[request_id] = _Output(weakref.ref(stream), index)
 
     def process(self, events: list[TokenEvent]) -> list[Request]:
         """Deliver one step's events; a finished request's held-back text is flushed and it is forgotten.
@@ -99,7 +104,11 @@ class OutputProcessor:
             if finish_reason is not None:
                 del self._outputs[request.request_id]
                 self._record_finish(request, finish_reason, now)
-            output.stream._push(
+            stream = output.stream()
+            if stream is None:  # dropped by its consumer; its abort is on the way
+                continue
+            stream._push(
+                output.index,
                 text,
                 event.new_token_ids,
                 finish_reason,
@@ -145,7 +154,9 @@ class OutputProcessor:
         """End every open stream with ``error``."""
         outputs, self._outputs = self._outputs, {}
         for output in outputs.values():
-            output.stream._fail(error)
+            stream = output.stream()
+            if stream is not None:
+                stream._fail(error)
 
     @property
     def num_open(self) -> int:

@@ -65,8 +65,31 @@ class StreamChunk(msgspec.Struct, frozen=True):
     stop_reason: int | str | None = None
 
 
+class Sample(msgspec.Struct, frozen=True):
+    """One of a request's ``n`` samples, whole.
+
+    Attributes:
+        index: The sample's position (0 to n-1).
+        text: Its generated text.
+        token_ids: Its generated token ids.
+        finish_reason: "stop", "length" or "abort".
+        logprobs: Per generated token, with ``SamplingParams.logprobs``; else None.
+        stop_reason: The stop string or id that ended it, if one did.
+    """
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    logprobs: tuple[Logprobs, ...] | None = None
+    stop_reason: int | str | None = None
+
+
 class Completion(msgspec.Struct, frozen=True):
     """The whole result of one request.
+
+    The top-level fields describe sample 0; with ``SamplingParams(n=...)`` every sample is in
+    ``samples`` (sample 0 included), in index order.
 
     Attributes:
         text: The generated text.
@@ -76,6 +99,7 @@ class Completion(msgspec.Struct, frozen=True):
         logprobs: Per generated token, with ``SamplingParams.logprobs``; else None.
         prompt_logprobs: Per prompt token (None first), with ``SamplingParams.prompt_logprobs``; else None.
         stop_reason: The stop string or ``stop_token_ids`` id that ended it (None for EOS and the rest).
+        samples: Every sample (one when n == 1).
     """
 
     text: str
@@ -85,6 +109,7 @@ class Completion(msgspec.Struct, frozen=True):
     logprobs: tuple[Logprobs, ...] | None = None
     prompt_logprobs: tuple[Logprobs | None, ...] | None = None
     stop_reason: int | str | None = None
+    samples: tuple[Sample, ...] = ()
 
 
 class EngineStatistics(msgspec.Struct, frozen=True):

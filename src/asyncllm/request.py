@@ -50,6 +50,12 @@ class Request:
     """``params.bad_words`` tokenized (by the input processor, which has the tokenizer)."""
     stop_reason: int | str | None = None
     """The ``stop_token_ids`` id or stop string that finished the request, if one did."""
+    sample_index: int = 0
+    """Which of its group's ``n`` samples this request is."""
+    group: list[Request] = field(default_factory=list)
+    """Every sample of the same prompt (this one included), in index order; empty when n == 1."""
+    forks: list[Request] = field(default_factory=list)
+    """The other samples, held back until this one (sample 0) has computed the prompt."""
 
     @property
     def num_tokens(self) -> int:

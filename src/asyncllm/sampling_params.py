@@ -8,6 +8,9 @@ import msgspec
 
 from asyncllm.errors import InvalidSamplingParamsError
 
+MAX_N = 64
+"""The most samples one request may ask for."""
+
 
 def _check_int(name: str, value: object, *, minimum: int, allow_none: bool = False) -> None:
     if value is None and allow_none:
@@ -49,6 +52,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     ``prompt_logprobs`` are computed from the model's raw logits, before all of that.
 
     Attributes:
+        n: How many independent samples of the prompt to generate (1-64). The prompt's full KV
+            blocks are computed once and shared; with a seed, sample i uses ``seed + i``.
         max_tokens: The most tokens to generate (>= 1).
         min_tokens: Generate at least this many tokens before EOS or a ``stop_token_ids`` id may be
             sampled (they are masked out until then), and before ``stop`` strings are looked for.
@@ -86,6 +91,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             names the field.
     """
 
+    n: int = 1
     max_tokens: int = 16
     min_tokens: int = 0
     temperature: float = 1.0
@@ -109,6 +115,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        _check_int("n", self.n, minimum=1)
+        if self.n > MAX_N:
+            raise InvalidSamplingParamsError(f"n must be <= {MAX_N}, got {self.n}")
         _check_int("max_tokens", self.max_tokens, minimum=1)
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens > self.max_tokens:

@@ -13,7 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from asyncllm.kv.manager import KVCacheManager
+from asyncllm.kv.manager import NO_HIT, KVCacheManager
 from asyncllm.outputs import FinishReason
 from asyncllm.request import Request, RequestStatus
 from asyncllm.runner import PositionLogprobs, StepOutput
@@ -107,12 +107,16 @@ class Scheduler:
         # Admitting new work right after a preemption would only thrash the cache.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            hit = self.kv_cache.find_cached_prefix(request)
-            num_new = min(request.num_tokens - hit.num_tokens, budget)
-            if self.kv_cache.allocate_slots(request, hit.num_tokens + num_new, hit) is None:
+            # A forked sample already holds its first sample's prompt blocks; others ask the cache.
+            forked = request.num_computed_tokens > 0
+            hit = NO_HIT if forked else self.kv_cache.find_cached_prefix(request)
+            start = max(request.num_computed_tokens, hit.num_tokens)
+            num_new = min(request.num_tokens - start, budget)
+            if self.kv_cache.allocate_slots(request, start + num_new, hit) is None:
                 break
-            self.kv_cache.record_lookup(request, hit)
-            request.num_computed_tokens = hit.num_tokens
+            if not forked:
+                self.kv_cache.record_lookup(request, hit)
+            request.num_computed_tokens = start
             self.waiting.popleft()
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
@@ -147,6 +151,8 @@ class Scheduler:
                 continue
             request.num_computed_tokens += item.num_new_tokens
             self.kv_cache.cache_computed_blocks(request)
+            if request.forks and request.num_computed_tokens >= len(request.prompt_token_ids):
+                self._release_forks(request)
             if not item.sample:
                 continue
             token_id = next(samples)
@@ -171,12 +177,26 @@ class Scheduler:
             return
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-        else:
+        elif request in self.waiting:
             self.waiting.remove(request)
+        # else: a sample held until its first sample computes the prompt; it holds nothing yet.
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.kv_cache.free(request)
         self._finished_ids.append(request.request_id)
+
+    def _release_forks(self, first: Request) -> None:
+        # Sample 0 has computed the prompt: the other samples share its full prompt blocks by
+        # reference and each computes only the partial last block (at least one token, to have
+        # logits of its own to sample from), where their different continuations will be written.
+        shared_blocks = (len(first.prompt_token_ids) - 1) // self.kv_cache.block_size
+        for sample in reversed(first.forks):
+            if sample.finished:
+                continue
+            self.kv_cache.fork(first, sample, shared_blocks)
+            sample.num_computed_tokens = shared_blocks * self.kv_cache.block_size
+            self.waiting.appendleft(sample)
+        first.forks = []
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens

@@ -9,6 +9,7 @@ them merged into one chunk (memory stays bounded by the text itself). Leaving it
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from types import TracebackType
 
 import anyio
@@ -16,36 +17,82 @@ import anyio
 from asyncllm.outputs import FinishReason, Logprobs, StreamChunk
 
 
+@dataclass(slots=True, eq=False)
+class _Pending:
+    """One sample's output not yet handed to the consumer."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprobs] | None = None  # a list once the engine sends any
+    prompt_logprobs: tuple[Logprobs | None, ...] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    delivered_last: bool = False
+
+    @property
+    def ready(self) -> bool:
+        return not self.delivered_last and bool(self.text or self.token_ids or self.finish_reason)
+
+    def take(self, index: int) -> StreamChunk:
+        text, ids = "".join(self.text), tuple(self.token_ids)
+        self.text.clear()
+        self.token_ids.clear()
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = tuple(self.logprobs)
+            self.logprobs.clear()
+        prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
+        finished = self.finish_reason is not None
+        self.delivered_last = finished
+        return StreamChunk(
+            text,
+            ids,
+            finished,
+            self.finish_reason,
+            index=index,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            stop_reason=self.stop_reason if finished else None,
+        )
+
+
 class RequestStream:
     """The live output of one request.
 
-    Iterate it (``async for chunk in stream``) to receive ``StreamChunk`` deltas; the last one has
-    ``finished=True``. Use it as ``async with engine.stream(...) as stream:`` to make the abort on
-    early exit explicit; a stream dropped mid-way aborts too (when it is garbage collected), and so
-    does a cancellation (or timeout) that hits while waiting for the next chunk.
+    Iterate it (``async for chunk in stream``) to receive ``StreamChunk`` deltas; each sample's
+    last chunk has ``finished=True`` (with ``SamplingParams(n=...)`` chunks of the samples
+    interleave, told apart by ``chunk.index``). Use it as ``async with engine.stream(...) as
+    stream:`` to make the abort on early exit explicit; a stream dropped mid-way aborts too (when it
+    is garbage collected), and so does a cancellation (or timeout) that hits while waiting for the
+    next chunk.
     """
 
-    def __init__(self, request_id: int, prompt_token_ids: list[int], abort: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        request_id: int,
+        prompt_token_ids: list[int],
+        abort: Callable[[int], None],
+        *,
+        num_samples: int = 1,
+    ) -> None:
         self.request_id = request_id
         """The engine's id for this request."""
         self.prompt_token_ids = prompt_token_ids
         """The prompt as the model sees it."""
+        self.num_samples = num_samples
+        """How many samples (``SamplingParams.n``) the stream carries."""
         self._abort = abort
-        self._text: list[str] = []
-        self._token_ids: list[int] = []
-        self._finish_reason: FinishReason | None = None
-        self._logprobs: list[Logprobs] | None = None  # a list once the engine sends any
-        self._prompt_logprobs: tuple[Logprobs | None, ...] | None = None
-        self._stop_reason: int | str | None = None
+        self._samples = [_Pending() for _ in range(num_samples)]
+        self._next = 0  # round-robin start, so one busy sample cannot starve the others
         self._error: BaseException | None = None
         self._wakeup = anyio.Event()
-        self._delivered_last = False  # the consumer has received the final chunk
         self._closed = False
 
     # -- producer side (the engine's loop) -------------------------------------------------------
 
     def _push(
         self,
+        index: int,
         text: str,
         token_ids: list[int],
         finish_reason: FinishReason | None,
@@ -54,18 +101,19 @@ class RequestStream:
         prompt_logprobs: tuple[Logprobs | None, ...] | None = None,
         stop_reason: int | str | None = None,
     ) -> None:
+        pending = self._samples[index]
         if text:
-            self._text.append(text)
-        self._token_ids.extend(token_ids)
+            pending.text.append(text)
+        pending.token_ids.extend(token_ids)
         if logprobs is not None:
-            if self._logprobs is None:
-                self._logprobs = []
-            self._logprobs.extend(logprobs)
+            if pending.logprobs is None:
+                pending.logprobs = []
+            pending.logprobs.extend(logprobs)
         if prompt_logprobs is not None:
-            self._prompt_logprobs = prompt_logprobs
+            pending.prompt_logprobs = prompt_logprobs
         if finish_reason is not None:
-            self._finish_reason = finish_reason
-            self._stop_reason = stop_reason
+            pending.finish_reason = finish_reason
+            pending.stop_reason = stop_reason
         self._wakeup.set()
 
     def _fail(self, error: BaseException) -> None:
@@ -75,17 +123,29 @@ class RequestStream:
     @property
     def finished(self) -> bool:
         """True once the engine has ended the request (the consumer may not have read it all)."""
-        return self._finish_reason is not None or self._error is not None
+        return self._error is not None or all(p.finish_reason is not None for p in self._samples)
 
     # -- consumer side ---------------------------------------------------------------------------
 
     def __aiter__(self) -> RequestStream:
         return self
 
+    def _ready(self) -> int | None:
+        count = len(self._samples)
+        for offset in range(count):
+            index = (self._next + offset) % count
+            if self._samples[index].ready:
+                self._next = (index + 1) % count
+                return index
+        return None
+
     async def __anext__(self) -> StreamChunk:
-        if self._delivered_last or self._closed:
+        if self._closed or all(p.delivered_last for p in self._samples):
             raise StopAsyncIteration
-        while not (self._text or self._token_ids or self.finished):
+        while (index := self._ready()) is None:
+            if self._error is not None:
+                self._closed = True
+                raise self._error
             try:
                 await self._wakeup.wait()
             except anyio.get_cancelled_exc_class():
@@ -95,28 +155,7 @@ class RequestStream:
                 self._close()
                 raise
             self._wakeup = anyio.Event()
-        if self._error is not None and not (self._text or self._token_ids):
-            self._delivered_last = True
-            raise self._error
-        text, ids = "".join(self._text), tuple(self._token_ids)
-        self._text.clear()
-        self._token_ids.clear()
-        logprobs = None
-        if self._logprobs is not None:
-            logprobs = tuple(self._logprobs)
-            self._logprobs.clear()
-        prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, None
-        finished = self._finish_reason is not None
-        self._delivered_last = finished
-        return StreamChunk(
-            text,
-            ids,
-            finished,
-            self._finish_reason,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            stop_reason=self._stop_reason if finished else None,
-        )
+        return self._samples[index].take(index)
 
     async def aclose(self) -> None:
         """Stop reading; abort the request if it has not finished. Safe to call more than once."""

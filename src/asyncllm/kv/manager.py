@@ -22,7 +22,8 @@ class CacheHit:
     num_tokens: int
 
 
-_NO_HIT = CacheHit([], 0)
+NO_HIT = CacheHit([], 0)
+"""No cached prefix."""
 
 
 class KVCacheManager:
@@ -57,7 +58,7 @@ class KVCacheManager:
         ``prompt_logprobs`` gets no hit: it needs the logits of every prompt position.
         """
         if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
-            return _NO_HIT
+            return NO_HIT
         self._hash_blocks(request, request.num_tokens)
         usable = (request.num_tokens - 1) // self.block_size
         blocks: list[int] = []
@@ -74,7 +75,7 @@ class KVCacheManager:
             self.num_query_tokens += len(request.prompt_token_ids)
             self.num_hit_tokens += min(hit.num_tokens, len(request.prompt_token_ids))
 
-    def allocate_slots(self, request: Request, num_tokens: int, hit: CacheHit = _NO_HIT) -> list[int] | None:
+    def allocate_slots(self, request: Request, num_tokens: int, hit: CacheHit = NO_HIT) -> list[int] | None:
         """Make the request's table cover its first ``num_tokens`` tokens.
 
         Args:
@@ -116,6 +117,12 @@ class KVCacheManager:
         if len(request.block_hashes) * self.block_size + self.block_size <= num_tokens:
             tokens = request.token_ids(0, num_tokens)
             extend_block_hashes(request.block_hashes, tokens, self.block_size, request.cache_salt)
+
+    def fork(self, source: Request, target: Request, num_blocks: int) -> None:
+        """Start ``target``'s table with ``source``'s first ``num_blocks`` blocks, shared by reference."""
+        shared = self._tables.get(source.request_id, [])[:num_blocks]
+        self.pool.touch(shared)
+        self._tables[target.request_id] = list(shared)
 
     def block_table(self, request_id: int) -> list[int]:
         """The request's blocks in sequence order (empty if it holds none)."""
