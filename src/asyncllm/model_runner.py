@@ -18,6 +18,8 @@ import torch
 from asyncllm.errors import DeviceOutOfMemoryError
 from asyncllm.graphs import DecodeGraphs, capture_sizes, to_device
 from asyncllm.layers.attention import AttentionMetadata, PrefillChunk
+from asyncllm.layers.attention_cpu import CpuAttentionMetadata
+from asyncllm.layers.attention_cpu import build_metadata as build_cpu_metadata
 from asyncllm.layers.attention_triton import TritonAttentionMetadata
 from asyncllm.layers.attention_triton import build_metadata as build_triton_metadata
 from asyncllm.layers.rotary import RotaryEmbedding
@@ -48,16 +50,25 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def resolve_attention_backend(backend: str, device: torch.device) -> str:
-    """``"auto"`` is triton on CUDA when triton is installed, else torch.
+def resolve_attention_backend(backend: str, device: torch.device, *, compile: bool = False) -> str:
+    """``"auto"`` is triton on CUDA when triton is installed; on the CPU cpu when compiling, else torch.
+
+    The runner still falls back from cpu to torch where the cpu kernel cannot run (no C compiler,
+    a dtype other than float32).
 
     Raises:
-        ValueError: Unknown backend, or triton asked for where it cannot run.
+        ValueError: Unknown backend, or triton or cpu asked for where it cannot run.
     """
     from asyncllm.kernels import interpreting, triton_available
 
     if backend == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
+        if device.type == "cuda":
+            return "triton" if triton_available() else "torch"
+        return "cpu" if compile else "torch"
+    if backend == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend='cpu' runs on the CPU, not on {device.type}")
+        return backend
     if backend == "triton":
         if not triton_available():
             raise ValueError("attention_backend='triton' needs triton installed (pip install 'asyncllm[gpu]')")
@@ -68,7 +79,7 @@ def resolve_attention_backend(backend: str, device: torch.device) -> str:
             )
         return backend
     if backend != "torch":
-        raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+        raise ValueError(f"attention_backend must be 'auto', 'torch', 'cpu' or 'triton', got {backend!r}")
     return backend
 
 
@@ -84,12 +95,21 @@ class TorchModelRunner:
         max_tokens_in_cache: An upper bound on the tokens the cache need ever hold (it is not
             sized beyond that).
         seed: Seed of the generator unseeded requests share.
-        attention_backend: "auto" (triton on CUDA when it is installed, else torch), "torch" or
-            "triton" (on the CPU only under ``TRITON_INTERPRET=1``, for tests).
+        attention_backend: "auto" (triton on CUDA when it is installed; on the CPU cpu when
+            compiling, else torch), "torch" (the reference), "cpu" (a C kernel for decode
+            tokens, float32 on the CPU; see ``layers.attention_cpu``) or "triton" (on the CPU only
+            under ``TRITON_INTERPRET=1``, for tests).
         enforce_eager: Never use CUDA graphs (by default decode-only steps replay graphs captured
             at load, on CUDA with the triton backend).
         max_num_seqs: The largest decode batch (the largest captured graph).
         max_model_len: The longest sequence (sizes the graphs' block tables); None: the model's.
+        compile: ``torch.compile`` the dense parts of every layer at load (once, cached on disk; see
+            ``asyncllm.compile``), and on the CPU pick the cpu attention backend for "auto".
+            False keeps the eager forward.
+        fuse_projections: Run q/k/v and gate/up as one matmul each (``fuse_projections()`` after
+            loading). False keeps HF's separate projections (for comparisons).
+        num_threads: torch's intra-op threads on the CPU, set at load on the device thread; None
+            decides (``asyncllm.compile.configure_cpu_threads``). Ignored on CUDA.
     """
 
     def __init__(
@@ -106,6 +126,9 @@ class TorchModelRunner:
         enforce_eager: bool = False,
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
+        compile: bool = False,
+        fuse_projections: bool = True,
+        num_threads: int | None = None,
     ) -> None:
         self.model_path = Path(model_path)
         self.device_name = device
@@ -118,6 +141,10 @@ class TorchModelRunner:
         self.enforce_eager = enforce_eager
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
+        self.compile = compile
+        self.fuse_projections = fuse_projections
+        self.num_threads = num_threads
+        self.compile_seconds = 0.0
         self.graphs: DecodeGraphs | None = None
         self.model: DecoderForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -127,7 +154,11 @@ class TorchModelRunner:
         """Build the model, load its weights and allocate the KV cache (on the device thread)."""
         device = resolve_device(self.device_name)
         dtype = resolve_dtype(self.dtype_name, device)
-        self.attention_backend = resolve_attention_backend(self.attention_backend, device)
+        self.attention_backend = resolve_attention_backend(self.attention_backend, device, compile=self.compile)
+        if device.type == "cpu":
+            from asyncllm.compile import configure_cpu_threads
+
+            self.num_threads = configure_cpu_threads(self.num_threads)
         if device.type == "cuda":
             # This runs on the device thread, and torch's current stream is per thread: every later
             # call of this runner (all on the same thread) issues its work to this one stream.
@@ -143,6 +174,10 @@ class TorchModelRunner:
             model.lm_head.weight = model.model.embed_tokens.weight
         model.rotary = RotaryEmbedding(model.spec.head_dim, model.spec.rope).to(device)
         model.eval()
+        if self.fuse_projections:
+            model.fuse_projections()
+        if self.attention_backend == "cpu":
+            self.attention_backend = _cpu_backend_or_torch(model.spec.head_dim, dtype)
         self.model = model
         self.device, self.dtype = device, dtype
         num_blocks = self.kv_cache_blocks or self._size_kv_cache(model, device, dtype)
@@ -156,6 +191,10 @@ class TorchModelRunner:
             for _ in range(spec.num_layers)
         ]
         max_model_len = int(getattr(config, "max_position_embeddings", 2048))
+        if self.compile:
+            from asyncllm.compile import compile_dense_parts
+
+            self.compile_seconds = compile_dense_parts(model)
         if device.type == "cuda" and self.attention_backend == "triton" and not self.enforce_eager:
             self.graphs = self._capture_graphs(model, min(max_model_len, self.max_model_len or max_model_len, slots))
         eos_token_ids = load_eos_token_ids(self.model_path, config)
@@ -167,7 +206,8 @@ class TorchModelRunner:
             max_model_len=int(getattr(config, "max_position_embeddings", 2048)),
             eos_token_ids=eos_token_ids,
             description=f"{spec.architecture} on {device} ({str(dtype).removeprefix('torch.')}, "
-            f"{self.attention_backend} attention)",
+            f"{self.attention_backend} attention, {'compiled' if self.compile else 'eager'}"
+            f"{f', {self.num_threads} threads' if device.type == 'cpu' else ''})",
         )
 
     def _capture_graphs(self, model: DecoderForCausalLM, max_seq_len: int) -> DecodeGraphs:
@@ -245,8 +285,12 @@ class TorchModelRunner:
     ) -> torch.Tensor:
         assert self.model is not None
         spec = self.model.spec
-        meta: AttentionMetadata | TritonAttentionMetadata
-        if self.attention_backend == "triton":
+        meta: AttentionMetadata | CpuAttentionMetadata | TritonAttentionMetadata
+        if self.attention_backend == "cpu":
+            meta = build_cpu_metadata(
+                sequences, slot_mapping, block_size=self.block_size, sliding_window=spec.sliding_window
+            )
+        elif self.attention_backend == "triton":
             meta = build_triton_metadata(
                 sequences,
                 slot_mapping,
@@ -289,6 +333,18 @@ class TorchModelRunner:
         self.sampler = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _cpu_backend_or_torch(head_dim: int, dtype: torch.dtype) -> str:
+    from asyncllm.layers.attention_cpu import native_decode_available
+
+    if dtype != torch.float32:
+        logger.warning("the cpu attention backend runs float32 only; using torch attention for %s", dtype)
+        return "torch"
+    if not native_decode_available(head_dim):
+        logger.warning("the cpu attention kernel could not be built (see above); using torch attention")
+        return "torch"
+    return "cpu"
 
 
 def _slots(block_table: np.ndarray[Any, Any], positions: np.ndarray[Any, Any], block_size: int) -> np.ndarray[Any, Any]:

@@ -8,6 +8,7 @@ window (mistral), and tied input/output embeddings.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,11 +16,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncllm.layers import attention_triton
+from asyncllm.layers import attention_cpu, attention_triton
 from asyncllm.layers.attention import AttentionMetadata, paged_attention, write_kv
+from asyncllm.layers.attention_cpu import CpuAttentionMetadata
 from asyncllm.layers.attention_triton import TritonAttentionMetadata
 from asyncllm.layers.norm import RMSNorm
 from asyncllm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+
+AnyAttentionMetadata = AttentionMetadata | CpuAttentionMetadata | TritonAttentionMetadata
+"""The metadata of one of the attention backends: it also picks the backend each layer calls."""
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledParts:
+    """A layer's dense parts as compiled callables (same signatures as the eager methods)."""
+
+    pre_attention: Callable[
+        [torch.Tensor, torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    ]
+    post_attention: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,32 +103,60 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=False)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.qkv_proj: nn.Linear | None = None
+        """q, k and v projections as one matmul, once ``fuse`` ran (the three are then gone)."""
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata | TritonAttentionMetadata,
-    ) -> torch.Tensor:
+    def fuse(self) -> None:
+        """Replace q_proj, k_proj and v_proj by one ``qkv_proj`` with their weights stacked (after loading)."""
+        if self.qkv_proj is not None:
+            return
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_proj = _stacked(parts)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values ([tokens, heads, head_dim]) of normed hidden states; rotated if ``rotate``."""
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.qkv_proj is not None:
+            q_flat, k_flat, v_flat = self.qkv_proj(x).split((q_size, kv_size, kv_size), dim=-1)
+        else:
+            q_flat, k_flat, v_flat = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q_flat.view(tokens, self.num_heads, self.head_dim)
+        k = k_flat.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v_flat.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos_sin
+        if rotate:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return q, k, v
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AnyAttentionMetadata,
+        rotated: bool,
+    ) -> torch.Tensor:
+        """Write this step's K/V to the cache and attend; [tokens, heads * head_dim] (before o_proj)."""
         k_cache, v_cache = kv_cache
         if isinstance(meta, TritonAttentionMetadata):
-            attention_triton.apply_rotary_(q, k, cos, sin)
+            if not rotated:
+                attention_triton.apply_rotary_(q, k, *cos_sin)
             attention_triton.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             out = attention_triton.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        elif isinstance(meta, CpuAttentionMetadata):
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            out = attention_cpu.paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         else:
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             out = paged_attention(q, k_cache, v_cache, meta, self.scale)
-        result: torch.Tensor = self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
-        return result
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
 
 class MLP(nn.Module):
@@ -123,17 +166,54 @@ class MLP(nn.Module):
         super().__init__()
         if spec.hidden_act != "silu":
             raise NotImplementedError(f"hidden_act {spec.hidden_act!r} is not supported (only silu)")
+        self.intermediate_size = spec.intermediate_size
         self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.gate_up_proj: nn.Linear | None = None
+        """gate and up projections as one matmul, once ``fuse`` ran (the two are then gone)."""
+
+    def fuse(self) -> None:
+        """Replace gate_proj and up_proj by one ``gate_up_proj`` with their weights stacked (after loading)."""
+        if self.gate_up_proj is not None:
+            return
+        self.gate_up_proj = _stacked((self.gate_proj, self.up_proj))
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        result: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).split((self.intermediate_size, self.intermediate_size), dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        result: torch.Tensor = self.down_proj(F.silu(gate) * up)
         return result
 
 
+def _stacked(parts: tuple[nn.Linear, ...]) -> nn.Linear:
+    # One Linear whose output is the parts' outputs side by side: same dtype and device, and each
+    # output column computed from the same weights (greedy outputs stay token for token).
+    first = parts[0]
+    fused = nn.Linear(
+        first.in_features,
+        sum(p.out_features for p in parts),
+        bias=first.bias is not None,
+        device=first.weight.device,
+        dtype=first.weight.dtype,
+    )
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([p.weight for p in parts]))
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([p.bias for p in parts if p.bias is not None]))
+    return fused
+
+
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP with residual connections."""
+    """Pre-norm attention and MLP with residual connections.
+
+    The forward is three parts: ``pre_attention`` and ``post_attention`` are dense (norms, matmuls,
+    rotary, activations: what ``torch.compile`` fuses well, see ``asyncllm.compile``), and the
+    attention between them reads and writes the paged KV cache through a backend.
+    """
 
     def __init__(self, spec: DecoderSpec) -> None:
         super().__init__()
@@ -141,17 +221,37 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(spec)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.compiled: CompiledParts | None = None
+        """Compiled twins of ``pre_attention``/``post_attention`` (``asyncllm.compile``), or None: eager."""
+
+    def pre_attention(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Input norm and q/k/v projections (rotary applied if ``rotate``)."""
+        return self.self_attn.project(self.input_layernorm(x), cos, sin, rotate)
+
+    def post_attention(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """o_proj and residual, then the post-attention norm, the MLP and residual."""
+        x = x + self.self_attn.o_proj(attended)
+        result: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return result
 
     def forward(
         self,
         x: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata | TritonAttentionMetadata,
+        meta: AnyAttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
-        result: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
-        return result
+        compiled = self.compiled
+        # The triton backend rotates q and k in place in its own kernel, unless a compiled
+        # pre_attention already fused the rotation into its kernels.
+        rotate = compiled is not None or not isinstance(meta, TritonAttentionMetadata)
+        pre = compiled.pre_attention if compiled is not None else self.pre_attention
+        post = compiled.post_attention if compiled is not None else self.post_attention
+        q, k, v = pre(x, cos_sin[0], cos_sin[1], rotate)
+        attended = self.self_attn.attend(q, k, v, cos_sin, kv_cache, meta, rotated=rotate)
+        return post(x, attended)
 
 
 class DecoderModel(nn.Module):
@@ -181,7 +281,7 @@ class DecoderForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata | TritonAttentionMetadata,
+        meta: AnyAttentionMetadata,
     ) -> torch.Tensor:
         """Run the flat batch ([tokens] ids and positions); return normed hidden states [tokens, hidden]."""
         x = self.model.embed_tokens(input_ids)
@@ -190,6 +290,17 @@ class DecoderForCausalLM(nn.Module):
             x = layer(x, cos_sin, kv_cache, meta)
         result: torch.Tensor = self.model.norm(x)
         return result
+
+    def fuse_projections(self) -> None:
+        """Stack q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` in every layer.
+
+        Call it after ``load_state_dict`` (the checkpoint has HF's separate names; afterwards the
+        state dict has the fused ones). Fewer, larger matmuls: the same numbers, faster.
+        """
+        for layer in self.model.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project hidden states to float32 vocabulary logits."""

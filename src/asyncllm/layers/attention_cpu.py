@@ -1,0 +1,413 @@
+"""Attention against the paged KV cache on the CPU: the ``cpu`` backend (float32).
+
+The ``torch`` reference backend (``asyncllm.layers.attention``) gathers, for every layer, the keys
+and values of every decode sequence into one batch padded to the longest context, then runs SDPA
+on it: at 64 sequences of 512 tokens that is 67 MB copied per layer into freshly allocated memory
+(page faults included), and it dominates the step. This backend reads the cache in place:
+
+- Decode tokens (one query per sequence) go to a small C kernel, compiled once per head size with
+  the system C compiler at start-up (about half a second; cached under ``cache_root()/kernels``)
+  and called through ``ctypes`` (which releases the GIL). For each sequence it walks the block
+  table, computes the scores of all query heads of a KV head against each cached key row where it
+  lies, takes the softmax and accumulates the value rows: the cache is read once, nothing is
+  gathered or padded. Work is split over sequences (over sequences x KV heads when the batch is
+  small) with OpenMP; the library links to the ``libgomp`` torch already loaded, so it shares
+  torch's thread pool and thread count.
+- Prefill chunks use SDPA: a chunk that starts at position 0 attends only to its own new keys and
+  values, taken straight from the projection (causal SDPA, nothing gathered); a chunk with cached
+  history (chunked prefill, a prefix-cache hit) gathers its slots once, as the reference does.
+
+Same cache layout ([slots, kv_heads, head_dim]), and ``write_kv`` from the reference backend.
+``native_decode_available(head_dim)`` says whether the kernel could be built (a C compiler is
+needed); the runner picks this backend only then and only for float32.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from asyncllm.runner import SequenceInput
+
+logger = logging.getLogger("asyncllm")
+
+__all__ = [
+    "CpuAttentionMetadata",
+    "CpuPrefillChunk",
+    "build_metadata",
+    "native_decode_available",
+    "paged_attention",
+]
+
+# One query token per sequence against its paged context. HEAD_DIM is fixed at compile time so the
+# compiler unrolls and vectorizes the per-row dot products and updates.
+_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if HEAD_DIM % 16 == 0
+#define LANES 16
+#elif HEAD_DIM % 8 == 0
+#define LANES 8
+#else
+#define LANES 1
+#endif
+
+/* q, out: [tokens, q_heads, HEAD_DIM]; caches: [slots, kv_heads, HEAD_DIM]; rows: [n] the flat-batch row
+   of each decode query; tables: [n, max_blocks]; lens: [n] context length, the new token included;
+   window: 0 for none, else the sliding window. Returns 0, or -1 when scratch memory ran out. */
+int asyncllm_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, float *out,
+                              const int64_t *rows, const int64_t *tables, const int64_t *lens, int64_t n,
+                              int64_t q_heads, int64_t kv_heads, int64_t block_size, int64_t max_blocks,
+                              int64_t max_len, int64_t window, float scale) {
+    const int64_t group = q_heads / kv_heads;
+    const int64_t row_size = kv_heads * HEAD_DIM;
+    int threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    /* Few sequences: one task per (sequence, KV head) so every thread has work; else whole sequences,
+       whose key and value rows are then read front to back. */
+    const int64_t splits = n >= 2 * threads ? 1 : kv_heads;
+    const int64_t heads_per_task = kv_heads / splits;
+    const int64_t width = heads_per_task * group;
+    const int64_t span = max_len > 0 ? max_len : 1;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(width * span));
+        float *queries = (float *)malloc(sizeof(float) * (size_t)(width * HEAD_DIM));
+        float *acc = (float *)malloc(sizeof(float) * (size_t)(width * HEAD_DIM));
+        float *inv = (float *)malloc(sizeof(float) * (size_t)width);
+        int ok = scores && queries && acc && inv;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < n * splits; ++task) {
+            if (!ok) continue;
+            const int64_t i = task / splits;
+            const int64_t h0 = (task % splits) * heads_per_task;
+            const int64_t len = lens[i];
+            const int64_t start = (window > 0 && len > window) ? len - window : 0;
+            const int64_t count = len - start;
+            const int64_t *table = tables + i * max_blocks;
+            const float *qi = q + (rows[i] * q_heads + h0 * group) * HEAD_DIM;
+            for (int64_t j = 0; j < width * HEAD_DIM; ++j) {
+                queries[j] = qi[j] * scale;
+                acc[j] = 0.0f;
+            }
+            for (int64_t pos = start; pos < len; ++pos) {
+                const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+                const float *krow = k_cache + slot * row_size + h0 * HEAD_DIM;
+                for (int64_t h = 0; h < width; ++h) {
+                    const float *restrict kh = krow + (h / group) * HEAD_DIM;
+                    const float *restrict qh = queries + h * HEAD_DIM;
+                    float part[LANES] = {0};
+                    for (int64_t d = 0; d < HEAD_DIM; d += LANES)
+                        for (int j = 0; j < LANES; ++j) part[j] += qh[d + j] * kh[d + j];
+                    float s = 0.0f;
+                    for (int j = 0; j < LANES; ++j) s += part[j];
+                    scores[h * span + (pos - start)] = s;
+                }
+            }
+            for (int64_t h = 0; h < width; ++h) {
+                float *sh = scores + h * span;
+                float top = -INFINITY;
+                for (int64_t t = 0; t < count; ++t) top = sh[t] > top ? sh[t] : top;
+                float total = 0.0f;
+                for (int64_t t = 0; t < count; ++t) {
+                    const float e = expf(sh[t] - top);
+                    sh[t] = e;
+                    total += e;
+                }
+                inv[h] = 1.0f / total;
+            }
+            for (int64_t pos = start; pos < len; ++pos) {
+                const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+                const float *vrow = v_cache + slot * row_size + h0 * HEAD_DIM;
+                for (int64_t h = 0; h < width; ++h) {
+                    const float p = scores[h * span + (pos - start)];
+                    const float *restrict vh = vrow + (h / group) * HEAD_DIM;
+                    float *restrict ah = acc + h * HEAD_DIM;
+                    for (int64_t d = 0; d < HEAD_DIM; ++d) ah[d] += p * vh[d];
+                }
+            }
+            float *oi = out + (rows[i] * q_heads + h0 * group) * HEAD_DIM;
+            for (int64_t h = 0; h < width; ++h)
+                for (int64_t d = 0; d < HEAD_DIM; ++d) oi[h * HEAD_DIM + d] = acc[h * HEAD_DIM + d] * inv[h];
+        }
+        free(scores);
+        free(queries);
+        free(acc);
+        free(inv);
+    }
+    return failed ? -1 : 0;
+}
+"""
+
+_BASE_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11")
+
+
+@dataclass(frozen=True, slots=True)
+class CpuPrefillChunk:
+    """A sequence that feeds more than one token this step."""
+
+    query_start: int
+    query_end: int
+    kv_slots: torch.Tensor | None
+    """[kv_len] slots of the cached context, new tokens included; None when the chunk starts at
+    position 0 (it attends to its own new keys and values only)."""
+    mask: torch.Tensor | None
+    """[query_len, kv_len] True where a query may attend; None: plain causal."""
+
+
+@dataclass(frozen=True, slots=True)
+class CpuAttentionMetadata:
+    """A step's flat batch as the ``cpu`` backend reads it; built once per step, shared by every layer."""
+
+    slot_mapping: torch.Tensor
+    """[tokens] int64 the cache slot each new token's K/V is written to."""
+    decode_rows: torch.Tensor
+    """[decodes] int64 rows of the single-token queries in the flat batch."""
+    decode_block_tables: torch.Tensor
+    """[decodes, max_blocks] int64 block tables, zero-padded."""
+    decode_seq_lens: torch.Tensor
+    """[decodes] int64 context lengths, the new token included."""
+    max_decode_len: int
+    block_size: int
+    sliding_window: int | None
+    prefills: tuple[CpuPrefillChunk, ...]
+
+
+def build_metadata(
+    sequences: Sequence[SequenceInput],
+    slot_mapping: np.ndarray[Any, Any],
+    *,
+    block_size: int,
+    sliding_window: int | None,
+) -> CpuAttentionMetadata:
+    """The ``cpu`` backend's metadata for a step (the CPU only: tensors are made from numpy, no copies).
+
+    Args:
+        sequences: The step's sequences, in flat-batch order.
+        slot_mapping: [tokens] int64 cache slot of every new token.
+        block_size: Tokens per KV block.
+        sliding_window: The model's sliding window, or None.
+    """
+    decode_rows: list[int] = []
+    decode_tables: list[list[int]] = []
+    decode_lens: list[int] = []
+    prefills: list[CpuPrefillChunk] = []
+    offset = 0
+    for seq in sequences:
+        num_new = len(seq.token_ids)
+        kv_len = seq.start_position + num_new
+        if num_new == 1:
+            decode_rows.append(offset)
+            decode_tables.append(seq.block_table)
+            decode_lens.append(kv_len)
+        else:
+            prefills.append(_prefill_chunk(seq, offset, block_size, sliding_window))
+        offset += num_new
+    max_len = max(decode_lens, default=0)
+    max_blocks = max(1, -(-max_len // block_size))
+    tables = np.zeros((len(decode_rows), max_blocks), dtype=np.int64)
+    for row, table in enumerate(decode_tables):
+        used = table[:max_blocks]
+        tables[row, : len(used)] = used
+    return CpuAttentionMetadata(
+        slot_mapping=torch.from_numpy(np.ascontiguousarray(slot_mapping, dtype=np.int64)),
+        decode_rows=torch.tensor(decode_rows, dtype=torch.int64),
+        decode_block_tables=torch.from_numpy(tables),
+        decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int64),
+        max_decode_len=max_len,
+        block_size=block_size,
+        sliding_window=sliding_window,
+        prefills=tuple(prefills),
+    )
+
+
+def _prefill_chunk(seq: SequenceInput, offset: int, block_size: int, sliding_window: int | None) -> CpuPrefillChunk:
+    num_new = len(seq.token_ids)
+    kv_len = seq.start_position + num_new
+    end = offset + num_new
+    windowed = sliding_window is not None and kv_len > sliding_window
+    if seq.start_position == 0 and not windowed:
+        return CpuPrefillChunk(offset, end, None, None)
+    kv_positions = np.arange(kv_len, dtype=np.int64)
+    query_positions = np.arange(seq.start_position, kv_len, dtype=np.int64)
+    mask = kv_positions[None, :] <= query_positions[:, None]
+    if sliding_window is not None:
+        mask &= kv_positions[None, :] > query_positions[:, None] - sliding_window
+    if seq.start_position == 0:
+        return CpuPrefillChunk(offset, end, None, torch.from_numpy(mask))
+    table = np.asarray(seq.block_table, dtype=np.int64)
+    slots = table[kv_positions // block_size] * block_size + kv_positions % block_size
+    return CpuPrefillChunk(offset, end, torch.from_numpy(slots), torch.from_numpy(mask))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: CpuAttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of every query in the flat batch against its sequence's cached K/V.
+
+    Args:
+        q: [tokens, heads, head_dim] float32 queries (rotary applied).
+        k: [tokens, kv_heads, head_dim] this step's keys (rotary applied), already written to the cache.
+        v: [tokens, kv_heads, head_dim] this step's values, already written to the cache.
+        k_cache: [slots, kv_heads, head_dim] float32 contiguous key cache of the layer.
+        v_cache: Like ``k_cache``, for values.
+        meta: The step's metadata (``build_metadata``).
+        scale: Softmax scale.
+
+    Returns:
+        [tokens, heads, head_dim] attention outputs.
+
+    Raises:
+        RuntimeError: The decode kernel is unavailable or could not allocate its scratch memory.
+    """
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    num_decodes = meta.decode_rows.numel()
+    if num_decodes:
+        kernel = _kernel(q.shape[-1])
+        if kernel is None:
+            raise RuntimeError("the cpu attention backend needs its C kernel; see native_decode_available()")
+        status = kernel(
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            out.data_ptr(),
+            meta.decode_rows.data_ptr(),
+            meta.decode_block_tables.data_ptr(),
+            meta.decode_seq_lens.data_ptr(),
+            num_decodes,
+            q.shape[1],
+            k_cache.shape[1],
+            meta.block_size,
+            meta.decode_block_tables.shape[1],
+            meta.max_decode_len,
+            meta.sliding_window or 0,
+            scale,
+        )
+        if status != 0:
+            raise RuntimeError("the cpu decode attention kernel could not allocate its scratch memory")
+    for chunk in meta.prefills:
+        queries = q[chunk.query_start : chunk.query_end].transpose(0, 1).unsqueeze(0)
+        if chunk.kv_slots is None:
+            keys = k[chunk.query_start : chunk.query_end]
+            values = v[chunk.query_start : chunk.query_end]
+        else:
+            keys = k_cache.index_select(0, chunk.kv_slots)
+            values = v_cache.index_select(0, chunk.kv_slots)
+        attended = F.scaled_dot_product_attention(
+            queries,
+            keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0),
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[chunk.query_start : chunk.query_end] = attended.squeeze(0).transpose(0, 1)
+    return out
+
+
+def native_decode_available(head_dim: int) -> bool:
+    """Whether the decode kernel for ``head_dim`` is built (building it now, once per process, if needed)."""
+    return _kernel(head_dim) is not None
+
+
+_Kernel = Callable[..., int]
+
+
+@functools.cache
+def _kernel(head_dim: int) -> _Kernel | None:
+    path = _build(head_dim)
+    if path is None:
+        return None
+    library = ctypes.CDLL(str(path))
+    function = library.asyncllm_paged_decode_f32
+    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+    function.argtypes = [pointer] * 7 + [i64] * 7 + [ctypes.c_float]
+    function.restype = ctypes.c_int
+    result: _Kernel = function
+    return result
+
+
+def _compiler() -> str | None:
+    for candidate in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if candidate and shutil.which(candidate):
+            return candidate
+    return None
+
+
+def _cpu_signature() -> str:
+    # -march=native code must not be reused on another CPU sharing the same cache folder.
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            flags = next((line for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()} {platform.processor()} {flags}"
+
+
+def _build(head_dim: int) -> Path | None:
+    from asyncllm.default_model import cache_root
+
+    compiler = _compiler()
+    if compiler is None:
+        logger.warning("no C compiler found (cc, gcc, clang or $CC): the cpu attention kernel is unavailable")
+        return None
+    source = f"#define HEAD_DIM {head_dim}\n{_SOURCE}"
+    folder = cache_root() / "kernels"
+    # With OpenMP first; a compiler without it (clang without libomp) builds a single-threaded kernel.
+    for openmp in (("-fopenmp",), ()):
+        flags = (*_BASE_FLAGS, *openmp)
+        key = hashlib.sha256("\0".join((source, compiler, *flags, _cpu_signature())).encode()).hexdigest()[:20]
+        path = folder / f"paged_decode_hd{head_dim}_{key}.so"
+        if path.exists():
+            return path
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=folder) as scratch:
+                source_path = Path(scratch) / "paged_decode.c"
+                source_path.write_text(source, encoding="utf-8")
+                built = Path(scratch) / path.name
+                command = [compiler, *flags, str(source_path), "-o", str(built), "-lm"]
+                subprocess.run(command, check=True, capture_output=True, timeout=120)
+                os.replace(built, path)  # atomic: a concurrent builder's file is as good as ours
+            return path
+        except (OSError, subprocess.SubprocessError) as exc:
+            stderr = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else None
+            detail = stderr.decode(errors="replace")[-400:] if isinstance(stderr, bytes) else ""
+            logger.debug("building the cpu attention kernel with %s %s failed: %s %s", compiler, flags, exc, detail)
+    logger.warning("building the cpu attention kernel failed (%s): it is unavailable", compiler)
+    return None

@@ -1,0 +1,223 @@
+"""The fast CPU forward: fused projections, the cpu attention backend, ``compile=True``.
+
+Each speed-up must leave the numbers alone: the cpu attention matches the torch reference on
+ragged mixed batches, fused projections give the same hidden states, and greedy outputs stay
+token for token those of transformers with every combination.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from asyncllm import SamplingParams
+from asyncllm.layers import attention_cpu
+from asyncllm.layers.attention import paged_attention, write_kv
+from asyncllm.model_runner import TorchModelRunner, _attention_metadata, _flatten, resolve_attention_backend
+from asyncllm.runner import SequenceInput, StepBatch
+from asyncllm.testing.tiny_models import tiny_model_path
+
+needs_kernel = pytest.mark.skipif(
+    not attention_cpu.native_decode_available(64), reason="no C compiler: the cpu attention kernel is unavailable"
+)
+
+PROMPTS = ([5, 17, 42, 99, 7, 300, 12, 8, 64, 1, 250], [77, 3, 19])
+MAX_NEW_TOKENS = 8
+
+
+# -- the cpu attention backend against the reference ------------------------------------------------
+
+
+def _ragged_batch(rng: random.Random, block_size: int, num_blocks: int) -> list[SequenceInput]:
+    """Decodes and prefill chunks (fresh and with history), contexts on and beside block boundaries."""
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    shapes = [
+        (0, 1),  # a one-token prompt: a decode-shaped first step
+        (block_size - 1, 1),  # decode filling a block's last slot
+        (block_size, 1),  # decode opening a new block
+        (3 * block_size + 5, 1),
+        (rng.randint(1, 6 * block_size), 1),
+        (0, block_size),  # fresh prefill of exactly one block
+        (0, 2 * block_size + 3),
+        (block_size + 1, 7),  # chunked prefill with cached history
+        (2 * block_size, block_size),
+        (rng.randint(1, 40), rng.randint(2, 20)),
+    ]
+    rng.shuffle(shapes)
+    sequences = []
+    for request_id, (start, num_new) in enumerate(shapes):
+        blocks = -(-(start + num_new) // block_size)
+        table = [free.pop() for _ in range(blocks)]
+        sequences.append(SequenceInput(request_id, [3] * num_new, start, table, True, SamplingParams()))
+    return sequences
+
+
+@needs_kernel
+@pytest.mark.parametrize("sliding_window", [None, 5, 19])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 4, 64), (4, 4, 16), (6, 2, 24), (3, 1, 36)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cpu_attention_matches_reference(
+    seed: int, heads: int, kv_heads: int, head_dim: int, sliding_window: int | None
+) -> None:
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    block_size, num_blocks = 4, 256
+    sequences = _ragged_batch(rng, block_size, num_blocks)
+    ids, _, slots, _ = _flatten(sequences, block_size)
+    tokens = len(ids)
+    q = torch.randn(tokens, heads, head_dim)
+    k = torch.randn(tokens, kv_heads, head_dim)
+    v = torch.randn(tokens, kv_heads, head_dim)
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim)
+    v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim)
+    reference_meta = _attention_metadata(sequences, slots, block_size, sliding_window, torch.device("cpu"))
+    write_kv(k_cache, v_cache, k, v, reference_meta.slot_mapping)
+    expected = paged_attention(q, k_cache, v_cache, reference_meta, head_dim**-0.5)
+
+    meta = attention_cpu.build_metadata(sequences, slots, block_size=block_size, sliding_window=sliding_window)
+    assert meta.decode_rows.numel() == sum(len(s.token_ids) == 1 for s in sequences)
+    assert any(c.kv_slots is None for c in meta.prefills) and any(c.kv_slots is not None for c in meta.prefills)
+    got = attention_cpu.paged_attention(q, k, v, k_cache, v_cache, meta, head_dim**-0.5)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+@needs_kernel
+def test_cpu_attention_long_contexts_many_sequences() -> None:
+    # Batches above and below the kernel's split threshold (sequences vs sequences x KV heads).
+    torch.manual_seed(0)
+    block_size, heads, kv_heads, head_dim = 16, 8, 4, 64
+    for batch in (1, 3, 40):
+        rng = random.Random(batch)
+        blocks = list(range(batch * 40))
+        rng.shuffle(blocks)
+        sequences = [
+            SequenceInput(i, [3], (length := rng.randint(1, 600)) - 1, blocks[i * 40 : i * 40 + -(-length // 16)], True,
+                          SamplingParams())
+            for i in range(batch)
+        ]  # fmt: skip
+        ids, _, slots, _ = _flatten(sequences, block_size)
+        q = torch.randn(len(ids), heads, head_dim)
+        k_cache = torch.randn(len(blocks) * block_size, kv_heads, head_dim)
+        v_cache = torch.randn(len(blocks) * block_size, kv_heads, head_dim)
+        reference_meta = _attention_metadata(sequences, slots, block_size, None, torch.device("cpu"))
+        expected = paged_attention(q, k_cache, v_cache, reference_meta, 0.125)
+        meta = attention_cpu.build_metadata(sequences, slots, block_size=block_size, sliding_window=None)
+        got = attention_cpu.paged_attention(q, q[:, :kv_heads], q[:, :kv_heads], k_cache, v_cache, meta, 0.125)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_attention_backend_resolution() -> None:
+    cpu = torch.device("cpu")
+    assert resolve_attention_backend("auto", cpu) == "torch"
+    assert resolve_attention_backend("auto", cpu, compile=True) == "cpu"
+    assert resolve_attention_backend("cpu", cpu) == "cpu"
+    with pytest.raises(ValueError, match="attention_backend"):
+        resolve_attention_backend("cpu", torch.device("cuda"))
+
+
+# -- fused projections -------------------------------------------------------------------------------
+
+
+def _run(runner: TorchModelRunner, sequences: list[SequenceInput]) -> torch.Tensor:
+    with torch.inference_mode():
+        ids, positions, slots, _ = _flatten(sequences, runner.block_size)
+        return runner._forward(sequences, ids, positions, slots)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_fused_projections_same_hidden_states(tiny_cache: Path, family: str) -> None:
+    # qwen2 has q/k/v biases, qwen3 q/k norms and a decoupled head_dim: both go through the fusion.
+    model_dir = tiny_model_path(tiny_cache, family)
+    runners = {}
+    for fused in (False, True):
+        runner = TorchModelRunner(model_dir, device="cpu", kv_cache_blocks=16, fuse_projections=fused)
+        runner.load()
+        runners[fused] = runner
+    fused_model = runners[True].model
+    assert fused_model is not None
+    names = set(fused_model.state_dict())
+    assert "model.layers.0.self_attn.qkv_proj.weight" in names and "model.layers.0.mlp.gate_up_proj.weight" in names
+    assert not any(n.endswith((".q_proj.weight", ".gate_proj.weight", ".up_proj.weight")) for n in names)
+    sequences = [
+        SequenceInput(0, [5, 6, 7, 8, 9], 0, [0, 1], True, SamplingParams()),
+        SequenceInput(1, [11, 12], 0, [2], True, SamplingParams()),
+    ]
+    hidden = {fused: _run(runner, sequences) for fused, runner in runners.items()}
+    torch.testing.assert_close(hidden[True], hidden[False], atol=1e-5, rtol=1e-5)
+
+
+# -- greedy outputs, end to end ------------------------------------------------------------------------
+
+
+@cache
+def _hf_greedy(model_dir: Path) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outputs = []
+    with torch.inference_mode():
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW_TOKENS, do_sample=False
+            )
+            outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+def _greedy_with_runner(runner: TorchModelRunner, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Greedy decoding of ``prompts`` in one batch straight through ``execute`` (prefill, then decodes)."""
+    runner.load()
+    try:
+        tables = [list(range(i * 8, i * 8 + 8)) for i in range(len(prompts))]
+        params = SamplingParams(temperature=0.0)
+        sequences = [SequenceInput(i, list(p), 0, tables[i], True, params) for i, p in enumerate(prompts)]
+        outputs: list[list[int]] = [[] for _ in prompts]
+        for _ in range(MAX_NEW_TOKENS):
+            sampled = runner.execute(StepBatch(sequences, [])).sampled_token_ids
+            for out, token in zip(outputs, sampled):
+                out.append(token)
+            sequences = [
+                SequenceInput(i, [outputs[i][-1]], len(prompts[i]) + len(outputs[i]) - 1, tables[i], True, params)
+                for i in range(len(prompts))
+            ]
+        return outputs
+    finally:
+        runner.close()
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_eager_fast_path_matches_transformers(tiny_cache: Path, family: str) -> None:
+    model_dir = tiny_model_path(tiny_cache, family)
+    runner = TorchModelRunner(model_dir, device="cpu", kv_cache_blocks=32, attention_backend="cpu")
+    assert _greedy_with_runner(runner, PROMPTS) == _hf_greedy(model_dir)
+    assert runner.attention_backend == "cpu" and runner.fuse_projections and not runner.compile
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_compiled_matches_eager_and_transformers(tiny_cache: Path) -> None:
+    model_dir = tiny_model_path(tiny_cache, "llama")
+    expected = _hf_greedy(model_dir)
+    eager = TorchModelRunner(model_dir, device="cpu", kv_cache_blocks=32)
+    compiled = TorchModelRunner(model_dir, device="cpu", kv_cache_blocks=32, compile=True)
+    assert _greedy_with_runner(eager, PROMPTS) == expected
+    assert _greedy_with_runner(compiled, PROMPTS) == expected
+    assert compiled.attention_backend == "cpu" and compiled.compile_seconds > 0
+
+
+def test_metadata_of_decode_only_and_prefill_only_steps() -> None:
+    only_prefill = [SequenceInput(0, [1, 2, 3], 0, [0], True, SamplingParams())]
+    meta = attention_cpu.build_metadata(only_prefill, np.array([0, 1, 2]), block_size=4, sliding_window=None)
+    assert meta.decode_rows.numel() == 0 and meta.max_decode_len == 0 and len(meta.prefills) == 1
+    only_decode = [SequenceInput(0, [1], 6, [3, 1], True, SamplingParams())]
+    meta = attention_cpu.build_metadata(only_decode, np.array([6]), block_size=4, sliding_window=None)
+    assert meta.decode_block_tables.tolist() == [[3, 1]] and meta.decode_seq_lens.tolist() == [7]
+    assert meta.prefills == ()
