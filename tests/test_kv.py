@@ -39,8 +39,8 @@ def make_request(request_id: int, token_ids: list[int] | None = None, *, salt: s
 
 
 def compute(kv: KVCacheManager, request: Request, num_tokens: int) -> None:
-    """Pretend a step computed the request's KV up to ``num_tokens`` (as Scheduler.update does)."""
-    request.num_computed_tokens = num_tokens
+    """Pretend a finished step computed the request's KV up to ``num_tokens`` (as Scheduler.update does)."""
+    request.num_computed_tokens = request.num_confirmed_tokens = num_tokens
     kv.cache_computed_blocks(request)
 
 

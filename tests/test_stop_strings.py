@@ -141,13 +141,14 @@ async def test_a_stop_string_ends_the_request_and_frees_its_blocks() -> None:
     assert ids == TOKENIZER.encode("Hello wörld! The end STOP")
     assert stats.num_running == stats.num_waiting == 0
     assert stats.kv_blocks_free == stats.kv_blocks_total
-    # The runner heard that the request finished, and computed for it at most once more.
+    # The runner heard that the request finished, and computed for it at most twice more: the
+    # tokens of step N are detokenized while step N+1 runs, and step N+2 was already scheduled.
     request_id = runner.steps[0].sequences[0].request_id
     finished_at = next(i for i, step in enumerate(runner.steps) if request_id in step.finished_request_ids)
     after = [s for step in runner.steps[finished_at:] for s in step.sequences if s.request_id == request_id]
     assert after == []
     fed = [s for step in runner.steps for s in step.sequences if s.request_id == request_id and s.sample]
-    assert len(fed) <= len(ids) + 1
+    assert len(fed) <= len(ids) + 2
 
 
 @pytest.mark.anyio

@@ -1,29 +1,78 @@
 """``EngineCore``: the step loop that keeps the device busy.
 
-One iteration: apply aborts, schedule a step, hand it to the device thread, and, while the device
-computes, deliver the previous step's tokens (detokenize, emit). Then fold the step's sampled ids
-into the scheduler. The loop never awaits a consumer; when there is no work it sleeps on an event.
+One iteration: apply aborts; schedule step N+1 and hand it to the device thread while step N may
+still be running there (async scheduling: N's sampled tokens are placeholders the device thread
+fills in); deliver the tokens of the last finished step (detokenize, stop strings, emit) while the
+device computes; then await step N and fold its sampled ids into the scheduler. The loop never
+awaits a consumer; when there is no work it sleeps on an event.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
+import time
 from collections import deque
+from dataclasses import dataclass
 
 import anyio
 from anyio.abc import TaskStatus
 
-from asyncllm.device import DeviceWorker
+from asyncllm.device import DeviceCall, DeviceWorker
 from asyncllm.errors import EngineDeadError
 from asyncllm.output_processor import OutputProcessor
-from asyncllm.request import Request
+from asyncllm.request import PLACEHOLDER, Request
 from asyncllm.runner import ModelRunner, SequenceInput, StepBatch, StepOutput
 from asyncllm.scheduler import Scheduler, SchedulerOutput, TokenEvent
 from asyncllm.stream import RequestStream
 
 logger = logging.getLogger("asyncllm")
+
+
+@dataclass(slots=True)
+class LoopTimings:
+    """Seconds the step loop spent in each of its phases, summed over all steps."""
+
+    schedule: float = 0.0
+    prepare: float = 0.0
+    """Building the step's batch (token ids, positions, block tables) for the device thread."""
+    output: float = 0.0
+    """Detokenizing, stop strings, pushing to streams."""
+
+
+class LookaheadExecutor:
+    """Runs steps on the device thread, filling in tokens the previous step sampled.
+
+    With async scheduling, step N+1 is built before step N's sampled ids reach the event loop; a
+    request's newest token then reads ``PLACEHOLDER``. Steps run in order on one thread, so when
+    N+1 starts, N's samples are known here: they are substituted without a trip through the loop.
+    """
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self._last: dict[int, int] = {}
+        self.num_filled = 0
+        """Placeholders filled in so far: how often a step was scheduled ahead of its predecessor."""
+
+    def execute(self, batch: StepBatch) -> StepOutput:
+        """Fill placeholders from the previous step's samples, run the step, remember its samples."""
+        if any(seq.token_ids[-1] == PLACEHOLDER for seq in batch.sequences):
+            batch = StepBatch([self._fill(seq) for seq in batch.sequences], batch.finished_request_ids)
+        output = self.runner.execute(batch)
+        sampling = [seq.request_id for seq in batch.sequences if seq.sample]
+        self._last = dict(zip(sampling, output.sampled_token_ids))
+        return output
+
+    def _fill(self, seq: SequenceInput) -> SequenceInput:
+        if seq.token_ids[-1] != PLACEHOLDER:
+            return seq
+        token_id = self._last.get(seq.request_id)
+        if token_id is None:  # a scheduling bug; computing on a made-up token would be worse
+            raise RuntimeError(f"request {seq.request_id} feeds a token the previous step did not sample")
+        self.num_filled += 1
+        return dataclasses.replace(seq, token_ids=[*seq.token_ids[:-1], token_id])
 
 
 class EngineCore:
@@ -34,15 +83,26 @@ class EngineCore:
         worker: The device thread.
         runner: Runs steps (called on the device thread only).
         outputs: Routes tokens to streams.
+        async_scheduling: Schedule step N+1 while step N runs (one token of lookahead).
     """
 
     def __init__(
-        self, scheduler: Scheduler, worker: DeviceWorker, runner: ModelRunner, outputs: OutputProcessor
+        self,
+        scheduler: Scheduler,
+        worker: DeviceWorker,
+        runner: ModelRunner,
+        outputs: OutputProcessor,
+        *,
+        async_scheduling: bool = True,
     ) -> None:
         self.scheduler = scheduler
         self.worker = worker
         self.runner = runner
         self.outputs = outputs
+        self.async_scheduling = async_scheduling
+        self.timings = LoopTimings()
+        self._finished_ids: list[int] = []  # ended requests the runner has not been told about
+        self._lookahead = LookaheadExecutor(runner)
         self.requests: dict[int, Request] = {}
         self.num_steps = 0
         self.num_prompt_tokens = 0
@@ -86,31 +146,58 @@ class EngineCore:
             self._die(exc)
 
     async def _loop(self) -> None:
-        pending: list[TokenEvent] = []
+        events: list[TokenEvent] = []  # the last finished step's, not yet delivered
+        in_flight: tuple[SchedulerOutput, DeviceCall[StepOutput]] | None = None
         while True:
-            pending += self._apply_aborts()
+            events += self._apply_aborts()
             if self._stopping:
-                self._finish_stopped(self.outputs.process(pending))
+                if in_flight is not None:
+                    await in_flight[1].wait()
+                self._finish_stopped(self.outputs.process(events))
                 return
-            step = self.scheduler.schedule() if self.scheduler.has_work() else None
-            if step is None or not step.scheduled:
-                if pending:
-                    self._finish_stopped(self.outputs.process(pending))
-                    pending = []
+            step = None
+            # With async scheduling the next step is scheduled while the previous one still runs
+            # (its sampled tokens are placeholders the device thread fills in): the device never
+            # waits for the loop. Without it, one step at a time.
+            if self.scheduler.has_work() and (in_flight is None or self.async_scheduling):
+                started = time.perf_counter()
+                step = self.scheduler.schedule()
+                self.timings.schedule += time.perf_counter() - started
+                if not step.scheduled:
+                    # Nothing to run; the ids of requests that ended go with the next real step.
+                    self._finished_ids += step.finished_request_ids
+                    step = None
+            if step is None and in_flight is None:
+                if events:
+                    self._deliver(events)
+                    events = []
                     continue
                 await self._wakeup.wait()
                 self._wakeup = anyio.Event()
                 continue
-            call = self.worker.submit(functools.partial(self.runner.execute, self._batch(step)))
-            # The overlap: the previous step's tokens reach their streams while this one computes.
-            stopped = self.outputs.process(pending)
-            sampled = await call.wait()
-            # Requests a stop string ended are finished only now: their blocks are not freed while
-            # the step in flight still writes to them, and update() drops their tokens of that step.
-            self._finish_stopped(stopped)
-            pending = self._update(step, sampled)
+            call = None
+            if step is not None:
+                started = time.perf_counter()
+                batch = self._batch(step)
+                self.timings.prepare += time.perf_counter() - started
+                call = self.worker.submit(functools.partial(self._lookahead.execute, batch))
+            # The overlap: the previous step's tokens reach their streams while the device computes.
+            self._deliver(events)
+            events = []
+            if in_flight is not None:
+                result = await in_flight[1].wait()
+                events = self._update(in_flight[0], result)
+            in_flight = None if step is None or call is None else (step, call)
+
+    def _deliver(self, events: list[TokenEvent]) -> None:
+        started = time.perf_counter()
+        # Requests a stop string ended are finished at once. Their blocks may still be written by
+        # a step in flight, but any new owner's steps run after it on the same device thread.
+        self._finish_stopped(self.outputs.process(events))
+        self.timings.output += time.perf_counter() - started
 
     def _batch(self, step: SchedulerOutput) -> StepBatch:
+        finished, self._finished_ids = self._finished_ids + step.finished_request_ids, []
         kv = self.scheduler.kv_cache
         sequences = [
             SequenceInput(
@@ -120,13 +207,13 @@ class EngineCore:
                 block_table=list(kv.block_table(s.request.request_id)),
                 sample=s.sample,
                 params=s.request.params,
-                num_generated=len(s.request.output_token_ids),
+                num_generated=len(s.request.output_token_ids) + s.request.num_pending_tokens - s.sample,
                 prompt_token_ids=s.request.prompt_token_ids,
                 bad_words_token_ids=s.request.bad_words_token_ids,
             )
             for s in step.scheduled
         ]
-        return StepBatch(sequences, step.finished_request_ids)
+        return StepBatch(sequences, finished)
 
     def _update(self, step: SchedulerOutput, sampled: StepOutput) -> list[TokenEvent]:
         self.num_steps += 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -60,12 +61,26 @@ class DeviceWorker:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._exited = anyio.Event()
+        self.busy_seconds = 0.0
+        """Seconds the thread spent running calls (model steps, load, close)."""
+        self.idle_seconds = 0.0
+        """Seconds the thread waited for its next call, after the first one."""
         self._thread.start()
 
     def _main(self) -> None:
+        ran_once = False
         try:
-            while (call := self._queue.get()) is not _STOP:
+            while True:
+                waited_from = time.perf_counter()
+                call = self._queue.get()
+                started = time.perf_counter()
+                if ran_once:  # waiting before the first call (the load) is not idleness
+                    self.idle_seconds += started - waited_from
+                if call is _STOP:
+                    break
                 call._run(self._portal)
+                self.busy_seconds += time.perf_counter() - started
+                ran_once = True
         finally:
             self._portal.start_task_soon(self._exited.set)
 

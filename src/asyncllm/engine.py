@@ -29,6 +29,7 @@ from asyncllm.device import DeviceWorker
 from asyncllm.errors import ChatTemplateError, EngineClosedError, EngineDeadError, EngineOverloadedError
 from asyncllm.input_processor import InputProcessor
 from asyncllm.kv.manager import KVCacheManager
+from asyncllm.memory import check_kv_cache_memory
 from asyncllm.metrics import EngineMetrics
 from asyncllm.output_processor import OutputProcessor
 from asyncllm.outputs import Completion, EngineStatistics, FinishReason, Logprobs, Sample, StreamChunk
@@ -57,8 +58,11 @@ class EngineOptions:
     max_waiting_requests: int | None = None
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    async_scheduling: bool = True
+    kv_cache_memory: int | float | None = None
 
     def __post_init__(self) -> None:
+        check_kv_cache_memory(self.kv_cache_memory)
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -111,6 +115,8 @@ class Engine:
         max_waiting_requests: int | None = None,
         attention_backend: str = "auto",
         enforce_eager: bool = False,
+        async_scheduling: bool = True,
+        kv_cache_memory: int | float | None = None,
         runner: ModelRunner | None = None,
         tokenizer: Tokenizer | None = None,
     ) -> Engine:
@@ -139,6 +145,14 @@ class Engine:
             enforce_eager: Never use CUDA graphs. By default, on CUDA with the triton backend,
                 decode-only steps replay graphs captured at start-up for batch sizes up to
                 ``max_num_seqs`` (capture takes a few seconds, logged).
+            async_scheduling: Schedule step N+1 while step N still runs on the device (its sampled
+                tokens are filled in on the device thread), so the device never waits for the
+                event loop. False runs one step at a time; outputs are identical either way.
+            kv_cache_memory: With ``kv_cache_blocks=None``, the KV cache's size: bytes (an int)
+                or a fraction (a float in (0, 1]) of the memory left after the weights and the
+                measured activation peak of a ``max_num_batched_tokens`` step. None: a quarter of
+                that (at most 4 GiB) on the CPU, 90% on CUDA. The block count and the concurrency
+                it allows at ``max_model_len`` are logged.
             runner: A ``ModelRunner`` to use instead of the torch one (tests: ``asyncllm.testing``).
             tokenizer: The tokenizer to use with ``runner`` (by default loaded from ``model``).
 
@@ -162,6 +176,8 @@ class Engine:
             max_waiting_requests,
             attention_backend=attention_backend,
             enforce_eager=enforce_eager,
+            async_scheduling=async_scheduling,
+            kv_cache_memory=kv_cache_memory,
         )
         if runner is not None and tokenizer is None:
             raise ValueError("a custom runner needs a tokenizer too")
@@ -214,7 +230,9 @@ class Engine:
             kv_cache, max_num_seqs=self.options.max_num_seqs, max_num_batched_tokens=self.options.max_num_batched_tokens
         )
         outputs = OutputProcessor(tokenizer)
-        self._core = core = EngineCore(scheduler, worker, runner, outputs)
+        self._core = core = EngineCore(
+            scheduler, worker, runner, outputs, async_scheduling=self.options.async_scheduling
+        )
         # Streams still open when the engine goes away end with an error instead of hanging.
         stack.callback(lambda: outputs.fail_all(EngineClosedError("the engine was closed")))
         self._inputs = InputProcessor(
@@ -223,11 +241,13 @@ class Engine:
         task_group = await stack.enter_async_context(anyio.create_task_group())
         await task_group.start(core.run)
         logger.info(
-            "asyncllm engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
+            "asyncllm engine ready: %s, %d KV blocks of %d tokens, max_model_len %d "
+            "(max concurrency at max_model_len: %.1f requests)",
             info.description,
             info.num_kv_blocks,
             info.block_size,
             self._max_model_len,
+            info.num_kv_blocks * info.block_size / self._max_model_len,
         )
 
     def _torch_runner(self, model_path: Path) -> ModelRunner:
@@ -241,6 +261,8 @@ class Engine:
             block_size=o.block_size,
             kv_cache_blocks=o.kv_cache_blocks,
             max_tokens_in_cache=o.max_num_seqs * (o.max_model_len or 1 << 20),
+            kv_cache_memory=o.kv_cache_memory,
+            max_num_batched_tokens=o.max_num_batched_tokens,
             seed=o.seed,
             attention_backend=o.attention_backend,
             enforce_eager=o.enforce_eager,
@@ -503,6 +525,11 @@ class Engine:
             prefix_cache_queries=kv.num_query_tokens,
             prefix_cache_hits=kv.num_hit_tokens,
             prefix_cache_hit_rate=kv.num_hit_tokens / kv.num_query_tokens if kv.num_query_tokens else 0.0,
+            time_schedule=core.timings.schedule,
+            time_prepare=core.timings.prepare,
+            time_output=core.timings.output,
+            device_busy=core.worker.busy_seconds,
+            device_idle=core.worker.idle_seconds,
             num_preemptions=scheduler.num_preemptions,
             num_steps=core.num_steps,
             num_prompt_tokens=core.num_prompt_tokens,

@@ -8,7 +8,6 @@ the whole mixed prefill/decode batch, computes logits only at the positions that
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -23,15 +22,23 @@ from asyncllm.layers.attention_cpu import build_metadata as build_cpu_metadata
 from asyncllm.layers.attention_triton import TritonAttentionMetadata
 from asyncllm.layers.attention_triton import build_metadata as build_triton_metadata
 from asyncllm.layers.rotary import RotaryEmbedding
+from asyncllm.memory import (
+    KVCacheSizing,
+    host_available_bytes,
+    peak_resident_bytes,
+    reset_peak_rss,
+    resident_bytes,
+    size_kv_cache,
+)
 from asyncllm.models import DecoderForCausalLM, build_model
 from asyncllm.runner import RunnerInfo, SequenceInput, StepBatch, StepOutput
 from asyncllm.sampler import Sampler
+from asyncllm.sampling_params import SamplingParams
 from asyncllm.weights import load_config, load_eos_token_ids, load_state_dict
 
 logger = logging.getLogger("asyncllm")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
 def resolve_device(device: str) -> torch.device:
@@ -94,6 +101,9 @@ class TorchModelRunner:
         kv_cache_blocks: Number of KV blocks; None sizes the cache from memory.
         max_tokens_in_cache: An upper bound on the tokens the cache need ever hold (it is not
             sized beyond that).
+        kv_cache_memory: With ``kv_cache_blocks=None``: bytes, or a fraction of the memory left
+            after the weights and a measured activation peak (see ``asyncllm.memory``).
+        max_num_batched_tokens: The largest step; the activation peak is measured at this size.
         seed: Seed of the generator unseeded requests share.
         attention_backend: "auto" (triton on CUDA when it is installed; on the CPU cpu when
             compiling, else torch), "torch" (the reference), "cpu" (a C kernel for decode
@@ -121,6 +131,8 @@ class TorchModelRunner:
         block_size: int = 16,
         kv_cache_blocks: int | None = None,
         max_tokens_in_cache: int | None = None,
+        kv_cache_memory: int | float | None = None,
+        max_num_batched_tokens: int = 2048,
         seed: int | None = None,
         attention_backend: str = "auto",
         enforce_eager: bool = False,
@@ -136,6 +148,9 @@ class TorchModelRunner:
         self.block_size = block_size
         self.kv_cache_blocks = kv_cache_blocks
         self.max_tokens_in_cache = max_tokens_in_cache
+        self.kv_cache_memory = kv_cache_memory
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.kv_sizing: KVCacheSizing | None = None
         self.seed = seed
         self.attention_backend = attention_backend
         self.enforce_eager = enforce_eager
@@ -180,16 +195,12 @@ class TorchModelRunner:
             self.attention_backend = _cpu_backend_or_torch(model.spec.head_dim, dtype)
         self.model = model
         self.device, self.dtype = device, dtype
+        eos_token_ids = load_eos_token_ids(self.model_path, config)
+        self.sampler = Sampler(device, model.spec.vocab_size, eos_token_ids, self.seed)
         num_blocks = self.kv_cache_blocks or self._size_kv_cache(model, device, dtype)
         spec = model.spec
         slots = num_blocks * self.block_size
-        self.kv_caches = [
-            (
-                torch.zeros(slots, spec.num_kv_heads, spec.head_dim, device=device, dtype=dtype),
-                torch.zeros(slots, spec.num_kv_heads, spec.head_dim, device=device, dtype=dtype),
-            )
-            for _ in range(spec.num_layers)
-        ]
+        self.kv_caches = self._allocate_kv_cache(num_blocks)
         max_model_len = int(getattr(config, "max_position_embeddings", 2048))
         if self.compile:
             from asyncllm.compile import compile_dense_parts
@@ -197,8 +208,6 @@ class TorchModelRunner:
             self.compile_seconds = compile_dense_parts(model)
         if device.type == "cuda" and self.attention_backend == "triton" and not self.enforce_eager:
             self.graphs = self._capture_graphs(model, min(max_model_len, self.max_model_len or max_model_len, slots))
-        eos_token_ids = load_eos_token_ids(self.model_path, config)
-        self.sampler = Sampler(device, spec.vocab_size, eos_token_ids, self.seed)
         return RunnerInfo(
             num_kv_blocks=num_blocks,
             block_size=self.block_size,
@@ -235,17 +244,75 @@ class TorchModelRunner:
         element = torch.tensor([], dtype=dtype).element_size()
         return 2 * spec.num_layers * self.block_size * spec.num_kv_heads * spec.head_dim * element
 
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        assert self.model is not None
+        spec = self.model.spec
+        shape = (num_blocks * self.block_size, spec.num_kv_heads, spec.head_dim)
+        return [
+            (
+                torch.zeros(shape, device=self.device, dtype=self.dtype),
+                torch.zeros(shape, device=self.device, dtype=self.dtype),
+            )
+            for _ in range(spec.num_layers)
+        ]
+
     def _size_kv_cache(self, model: DecoderForCausalLM, device: torch.device, dtype: torch.dtype) -> int:
+        peak = self._measure_activation_peak()
         if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * 0.8)
+            available, _ = torch.cuda.mem_get_info(device)
         else:
-            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            budget = min(_DEFAULT_CPU_KV_BYTES, available // 4)
-        num_blocks = max(1, budget // self._kv_bytes_per_block(model, dtype))
+            available = host_available_bytes()
+        max_blocks = None
         if self.max_tokens_in_cache is not None:
-            num_blocks = min(num_blocks, -(-self.max_tokens_in_cache // self.block_size))
-        return num_blocks
+            max_blocks = -(-self.max_tokens_in_cache // self.block_size)
+        sizing = self.kv_sizing = size_kv_cache(
+            self.kv_cache_memory,
+            device_type=device.type,
+            available_bytes=available,
+            activation_peak_bytes=peak,
+            bytes_per_block=self._kv_bytes_per_block(model, dtype),
+            max_blocks=max_blocks,
+        )
+        logger.info(
+            "KV cache sized from memory: %d blocks (%.0f MiB) of %.0f MiB available after the weights, "
+            "activation peak %.0f MiB at %d tokens",
+            sizing.num_blocks,
+            sizing.num_blocks * sizing.bytes_per_block / 2**20,
+            sizing.available_bytes / 2**20,
+            sizing.activation_peak_bytes / 2**20,
+            self.max_num_batched_tokens,
+        )
+        return sizing.num_blocks
+
+    def _measure_activation_peak(self) -> int:
+        """Extra memory of one forward at ``max_num_batched_tokens`` (a throwaway request)."""
+        assert self.sampler is not None
+        tokens = self.max_num_batched_tokens
+        num_blocks = -(-tokens // self.block_size)
+        self.kv_caches = self._allocate_kv_cache(num_blocks)
+        probe = SequenceInput(
+            request_id=-1,
+            token_ids=[0] * tokens,
+            start_position=0,
+            block_table=list(range(num_blocks)),
+            sample=True,
+            params=SamplingParams(temperature=0.0, max_tokens=1),
+            prompt_token_ids=[0] * tokens,
+        )
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            baseline = torch.cuda.memory_allocated(self.device)
+        else:
+            reset_peak_rss()
+            baseline = resident_bytes()
+        with torch.inference_mode():
+            self._execute([probe])
+        peak = torch.cuda.max_memory_allocated(self.device) if cuda else peak_resident_bytes()
+        self.sampler.forget([-1])
+        self.kv_caches = []
+        return max(0, peak - baseline)
 
     def execute(self, batch: StepBatch) -> StepOutput:
         """Run one step on the flat batch; return the sampled ids (see ``ModelRunner.execute``)."""

@@ -130,6 +130,13 @@ class EngineStatistics(msgspec.Struct, frozen=True):
         prefix_cache_queries: Prompt tokens looked up in the prefix cache.
         prefix_cache_hits: Of those, tokens whose KV was found cached.
         prefix_cache_hit_rate: hits / queries (0.0 before any query).
+        time_schedule: Seconds the step loop spent scheduling, in all.
+        time_prepare: Seconds it spent building steps' inputs for the device thread.
+        time_output: Seconds it spent detokenizing and delivering outputs.
+        device_busy: Seconds the device thread spent running steps (forward and sampling).
+        device_idle: Seconds the device thread waited for its next step (the engine was idle,
+            or the loop was late); ``device_idle / (device_busy + device_idle)`` over a busy
+            period is the fraction of time the device starved.
     """
 
     num_running: int
@@ -146,3 +153,8 @@ class EngineStatistics(msgspec.Struct, frozen=True):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     prefix_cache_hit_rate: float = 0.0
+    time_schedule: float = 0.0
+    time_prepare: float = 0.0
+    time_output: float = 0.0
+    device_busy: float = 0.0
+    device_idle: float = 0.0

@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 from asyncllm.outputs import FinishReason
 from asyncllm.sampling_params import SamplingParams
 
+PLACEHOLDER = -1
+"""Stands for a token sampled by the step in flight, in a step scheduled before its result arrived."""
+
 
 class RequestStatus(enum.Enum):
     """Where a request is in its life."""
@@ -50,6 +53,12 @@ class Request:
     """``params.bad_words`` tokenized (by the input processor, which has the tokenizer)."""
     stop_reason: int | str | None = None
     """The ``stop_token_ids`` id or stop string that finished the request, if one did."""
+    num_pending_tokens: int = 0
+    """Tokens sampled by steps still in flight (their ids are not known yet)."""
+    num_confirmed_tokens: int = 0
+    """Tokens whose KV finished steps have written (``num_computed_tokens`` counts scheduled ones)."""
+    epoch: int = 0
+    """Bumped by each preemption, so results of steps scheduled before it are recognised."""
     sample_index: int = 0
     """Which of its group's ``n`` samples this request is."""
     group: list[Request] = field(default_factory=list)
@@ -68,7 +77,14 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """The request's tokens in ``[start, end)``, across the prompt/output boundary."""
+        """The request's tokens in ``[start, end)``, across the prompt/output boundary.
+
+        Positions of tokens still in flight (sampled by a step whose result has not arrived) read
+        as ``PLACEHOLDER``; the device thread fills them in before the step runs.
+        """
+        known = self.num_tokens
+        if end > known:
+            return self.token_ids(start, known) + [PLACEHOLDER] * (end - max(start, known))
         prompt_len = len(self.prompt_token_ids)
         if end <= prompt_len:
             return self.prompt_token_ids[start:end]

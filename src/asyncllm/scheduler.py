@@ -29,6 +29,8 @@ class ScheduledRequest:
     num_new_tokens: int
     sample: bool
     """True when this chunk reaches the end of the request's tokens, so a token is sampled."""
+    epoch: int = 0
+    """The request's preemption epoch when scheduled."""
 
 
 @dataclass(slots=True)
@@ -92,7 +94,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._fully_scheduled(request):
+                index += 1
+                continue
+            num_new = min(request.num_tokens + request.num_pending_tokens - request.num_computed_tokens, budget)
             while self.kv_cache.allocate_slots(request, request.num_computed_tokens + num_new) is None:
                 preempted = True
                 victim = self.running.pop()
@@ -111,7 +116,7 @@ class Scheduler:
             forked = request.num_computed_tokens > 0
             hit = NO_HIT if forked else self.kv_cache.find_cached_prefix(request)
             start = max(request.num_computed_tokens, hit.num_tokens)
-            num_new = min(request.num_tokens - start, budget)
+            num_new = min(request.num_tokens + request.num_pending_tokens - start, budget)
             if self.kv_cache.allocate_slots(request, start + num_new, hit) is None:
                 break
             if not forked:
@@ -126,6 +131,16 @@ class Scheduler:
             budget -= num_new
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(scheduled, finished)
+
+    def _fully_scheduled(self, request: Request) -> bool:
+        # Every token it may still produce is already in flight (it will finish with "length"):
+        # one more step would only compute a token to throw away.
+        in_hand = len(request.output_token_ids) + request.num_pending_tokens
+        return (
+            in_hand >= request.params.max_tokens
+            or request.num_tokens + request.num_pending_tokens >= request.max_total_tokens
+            or request.num_tokens + request.num_pending_tokens <= request.num_computed_tokens
+        )
 
     def update(self, output: SchedulerOutput, step_output: StepOutput) -> list[TokenEvent]:
         """Advance the scheduled requests by a finished step.
@@ -144,19 +159,19 @@ class Scheduler:
         prompt_logprobs = step_output.prompt_logprobs or {}
         for item in output.scheduled:
             request = item.request
-            if request.finished:  # aborted while the step ran; its token is discarded
-                if item.sample:
-                    next(samples)
-                    next(logprobs, None)
+            if item.sample:
+                token_id = next(samples)
+                token_logprobs = next(logprobs, None)
+            if request.finished:  # ended while the step ran (abort, stop): its token is discarded
                 continue
-            request.num_computed_tokens += item.num_new_tokens
-            self.kv_cache.cache_computed_blocks(request)
-            if request.forks and request.num_computed_tokens >= len(request.prompt_token_ids):
-                self._release_forks(request)
+            if item.epoch == request.epoch:  # not preempted since: its KV really is there
+                request.num_confirmed_tokens = max(request.num_confirmed_tokens, item.start + item.num_new_tokens)
+                self.kv_cache.cache_computed_blocks(request)
+                if request.forks and request.num_confirmed_tokens >= len(request.prompt_token_ids):
+                    self._release_forks(request)
             if not item.sample:
                 continue
-            token_id = next(samples)
-            token_logprobs = next(logprobs, None)
+            request.num_pending_tokens -= 1
             finish_reason = request.append_token(token_id)
             if finish_reason is not None:
                 self.finish(request, finish_reason)
@@ -194,18 +209,25 @@ class Scheduler:
             if sample.finished:
                 continue
             self.kv_cache.fork(first, sample, shared_blocks)
-            sample.num_computed_tokens = shared_blocks * self.kv_cache.block_size
+            sample.num_computed_tokens = sample.num_confirmed_tokens = shared_blocks * self.kv_cache.block_size
             self.waiting.appendleft(sample)
         first.forks = []
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        # Optimistic: the tokens count as computed from now on, so the next step can be scheduled
+        # before this one's result arrives; a sampled token is pending until update() sees it.
         start = request.num_computed_tokens
-        return ScheduledRequest(request, start, num_new, sample=start + num_new == request.num_tokens)
+        sample = start + num_new == request.num_tokens + request.num_pending_tokens
+        request.num_computed_tokens += num_new
+        if sample:
+            request.num_pending_tokens += 1
+        return ScheduledRequest(request, start, num_new, sample, request.epoch)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)
         request.status = RequestStatus.WAITING
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_confirmed_tokens = 0
+        request.epoch += 1
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)

@@ -142,19 +142,22 @@ class RequestStream:
     async def __anext__(self) -> StreamChunk:
         if self._closed or all(p.delivered_last for p in self._samples):
             raise StopAsyncIteration
-        while (index := self._ready()) is None:
-            if self._error is not None:
-                self._closed = True
-                raise self._error
-            try:
+        try:
+            # Always a checkpoint, even with output ready: a consumer loop stays cancellable (a
+            # timeout around it fires) and cannot starve the event loop, and so the engine.
+            await anyio.lowlevel.checkpoint()
+            while (index := self._ready()) is None:
+                if self._error is not None:
+                    self._closed = True
+                    raise self._error
                 await self._wakeup.wait()
-            except anyio.get_cancelled_exc_class():
-                # The consumer was cancelled (its task, a scope, a timeout) while waiting for output:
-                # it is not coming back for the rest, so free the request's blocks now rather than
-                # whenever the exception's traceback lets go of this stream.
-                self._close()
-                raise
-            self._wakeup = anyio.Event()
+                self._wakeup = anyio.Event()
+        except anyio.get_cancelled_exc_class():
+            # The consumer was cancelled (its task, a scope, a timeout) while waiting for output:
+            # it is not coming back for the rest, so free the request's blocks now rather than
+            # whenever the exception's traceback lets go of this stream.
+            self._close()
+            raise
         return self._samples[index].take(index)
 
     async def aclose(self) -> None:

@@ -104,7 +104,7 @@ class KVCacheManager:
         """List the request's newly completed full blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        num_full = request.num_confirmed_tokens // self.block_size
         if num_full == 0:
             return
         self._hash_blocks(request, num_full * self.block_size)
