@@ -73,8 +73,18 @@ def _engine_parameters() -> list[tuple[str, Any, Any]]:
 def _scalar(kind: Any) -> Any:
     """``int`` for ``int`` and ``int | None``, and so on; ``str`` for anything else."""
     args = [a for a in typing.get_args(kind) if a is not type(None)]
+    if set(args) == {int, float}:  # bytes or a fraction, e.g. kv_cache_memory
+        return _int_or_float
     base = args[0] if len(args) == 1 else kind
     return base if base in (bool, int, float, str) else str
+
+
+def _int_or_float(text: str) -> int | float:
+    """``"1073741824"`` is an int, ``"0.5"`` a float."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -86,7 +96,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
         flag = name.replace("_", "-")
         if name in taken:  # e.g. the sampling --seed: the engine's one becomes --engine-seed
             flag = f"engine-{flag}"
-        help_text = docs.get(name, "")
+        help_text = docs.get(name, "").replace("%", "%%")  # argparse formats help with %
         scalar = _scalar(kind)
         dest = _ENGINE_PREFIX + name
         if scalar is bool:

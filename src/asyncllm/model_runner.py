@@ -8,6 +8,7 @@ the whole mixed prefill/decode batch, computes logits only at the positions that
 from __future__ import annotations
 
 import logging
+import mmap
 from pathlib import Path
 from typing import Any
 
@@ -248,13 +249,20 @@ class TorchModelRunner:
         assert self.model is not None
         spec = self.model.spec
         shape = (num_blocks * self.block_size, spec.num_kv_heads, spec.head_dim)
-        return [
-            (
-                torch.zeros(shape, device=self.device, dtype=self.dtype),
-                torch.zeros(shape, device=self.device, dtype=self.dtype),
-            )
-            for _ in range(spec.num_layers)
-        ]
+        return [(self._zeros(shape), self._zeros(shape)) for _ in range(spec.num_layers)]
+
+    def _zeros(self, shape: tuple[int, int, int]) -> torch.Tensor:
+        if self.device.type != "cpu":
+            return torch.zeros(shape, device=self.device, dtype=self.dtype)
+        # On the CPU each KV tensor gets its own anonymous mapping: the kernel hands out zeroed
+        # pages lazily (no memset of a large cache at start-up; resident memory grows with use),
+        # and dropping the tensor unmaps it, so closing the engine returns the memory to the
+        # system whatever state malloc's arenas are in.
+        numel = shape[0] * shape[1] * shape[2]
+        element = torch.empty((), dtype=self.dtype).element_size()
+        buffer = mmap.mmap(-1, max(1, numel * element))
+        return torch.frombuffer(buffer, dtype=self.dtype, count=numel).view(shape)
+
 
     def _size_kv_cache(self, model: DecoderForCausalLM, device: torch.device, dtype: torch.dtype) -> int:
         peak = self._measure_activation_peak()
