@@ -117,7 +117,7 @@ def test_cpu_attention_long_contexts_many_sequences() -> None:
 def test_attention_backend_resolution() -> None:
     cpu = torch.device("cpu")
     assert resolve_attention_backend("auto", cpu) == "torch"
-    assert resolve_attention_backend("auto", cpu, compile=True) == "cpu"
+    assert resolve_attention_backend("auto", cpu, cpu_kernel=True) == "cpu"
     assert resolve_attention_backend("cpu", cpu) == "cpu"
     with pytest.raises(ValueError, match="attention_backend"):
         resolve_attention_backend("cpu", torch.device("cuda"))
@@ -196,13 +196,29 @@ def _greedy_with_runner(runner: TorchModelRunner, prompts: Sequence[Sequence[int
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_eager_fast_path_matches_transformers(tiny_cache: Path, family: str) -> None:
     model_dir = tiny_model_path(tiny_cache, family)
-    runner = TorchModelRunner(model_dir, device="cpu", kv_cache_blocks=32, attention_backend="cpu")
+    runner = TorchModelRunner(model_dir, device="cpu", kv_cache_blocks=32)  # the defaults: eager, fast
     assert _greedy_with_runner(runner, PROMPTS) == _hf_greedy(model_dir)
     assert runner.attention_backend == "cpu" and runner.fuse_projections and not runner.compile
 
 
+def test_fused_projections_with_reference_attention_match_transformers(tiny_cache: Path) -> None:
+    model_dir = tiny_model_path(tiny_cache, "qwen2")
+    runner = TorchModelRunner(model_dir, device="cpu", kv_cache_blocks=32, attention_backend="torch")
+    assert _greedy_with_runner(runner, PROMPTS) == _hf_greedy(model_dir)
+    assert runner.attention_backend == "torch"
+
+
+def test_auto_falls_back_to_torch_attention_without_the_kernel(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(attention_cpu, "native_decode_available", lambda head_dim: False)
+    runner = TorchModelRunner(tiny_llama, device="cpu", kv_cache_blocks=32)
+    assert _greedy_with_runner(runner, PROMPTS) == _hf_greedy(tiny_llama)
+    assert runner.attention_backend == "torch"
+
+
+# torch.compile of the tiny model: about 30 s with a cold inductor cache on 2 busy cores, 6 s warm.
 @needs_kernel
-@pytest.mark.slow
 def test_compiled_matches_eager_and_transformers(tiny_cache: Path) -> None:
     model_dir = tiny_model_path(tiny_cache, "llama")
     expected = _hf_greedy(model_dir)

@@ -8,7 +8,9 @@ request ever waits for a compilation. The attention between them stays outside t
 reads and writes the paged KV cache through its backend.
 
 - One graph serves every layer: the layer is an argument of the compiled function, its weights are
-  graph inputs, so a model of 8 or 30 layers compiles the same two functions.
+  graph inputs, so a model of 8 or 30 layers compiles the same two functions. Each model compiles
+  its own copies of them, so models of different shapes in one process do not share (or exhaust)
+  dynamo's per-function recompilation budget.
 - Shapes: the token dimension is dynamic (warm-up at a few tokens, marked dynamic), plus the
   single-token shape, which torch specializes (a decode step of one sequence). Two graphs per
   function, whatever the batch; nothing recompiles while serving.
@@ -26,6 +28,9 @@ import functools
 import logging
 import os
 import time
+import types
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -69,8 +74,8 @@ def compile_dense_parts(model: DecoderForCausalLM) -> float:
         inductor_cache_dir(),
     )
     start = time.perf_counter()
-    pre = torch.compile(DecoderLayer.pre_attention)
-    post = torch.compile(DecoderLayer.post_attention)
+    pre = torch.compile(_private_copy(DecoderLayer.pre_attention))
+    post = torch.compile(_private_copy(DecoderLayer.post_attention))
     for layer in layers:
         layer.compiled = CompiledParts(functools.partial(pre, layer), functools.partial(post, layer))
     try:
@@ -96,6 +101,16 @@ def compile_dense_parts(model: DecoderForCausalLM) -> float:
     elapsed = time.perf_counter() - start
     logger.info("compiled %s's dense layers in %.1f s", spec.architecture, elapsed)
     return elapsed
+
+
+def _private_copy(function: Callable[..., Any]) -> Callable[..., Any]:
+    # dynamo keeps compiled graphs, guards and the recompile limit on the code object: a copy of
+    # the code gives this model's compilation its own.
+    assert isinstance(function, types.FunctionType)
+    code = function.__code__.replace()
+    copy = types.FunctionType(code, function.__globals__, function.__name__, function.__defaults__)
+    copy.__qualname__ = function.__qualname__
+    return copy
 
 
 def configure_cpu_threads(requested: int | None) -> int:

@@ -58,11 +58,11 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def resolve_attention_backend(backend: str, device: torch.device, *, compile: bool = False) -> str:
-    """``"auto"`` is triton on CUDA when triton is installed; on the CPU cpu when compiling, else torch.
+def resolve_attention_backend(backend: str, device: torch.device, *, cpu_kernel: bool = False) -> str:
+    """``"auto"`` is triton on CUDA when triton is installed; on the CPU cpu if ``cpu_kernel``, else torch.
 
-    The runner still falls back from cpu to torch where the cpu kernel cannot run (no C compiler,
-    a dtype other than float32).
+    The runner asks for ``cpu_kernel`` and still falls back from cpu to torch where the kernel
+    cannot run (no C compiler, a dtype other than float32).
 
     Raises:
         ValueError: Unknown backend, or triton or cpu asked for where it cannot run.
@@ -72,7 +72,7 @@ def resolve_attention_backend(backend: str, device: torch.device, *, compile: bo
     if backend == "auto":
         if device.type == "cuda":
             return "triton" if triton_available() else "torch"
-        return "cpu" if compile else "torch"
+        return "cpu" if cpu_kernel else "torch"
     if backend == "cpu":
         if device.type != "cpu":
             raise ValueError(f"attention_backend='cpu' runs on the CPU, not on {device.type}")
@@ -106,17 +106,16 @@ class TorchModelRunner:
             after the weights and a measured activation peak (see ``asyncllm.memory``).
         max_num_batched_tokens: The largest step; the activation peak is measured at this size.
         seed: Seed of the generator unseeded requests share.
-        attention_backend: "auto" (triton on CUDA when it is installed; on the CPU cpu when
-            compiling, else torch), "torch" (the reference), "cpu" (a C kernel for decode
-            tokens, float32 on the CPU; see ``layers.attention_cpu``) or "triton" (on the CPU only
-            under ``TRITON_INTERPRET=1``, for tests).
+        attention_backend: "auto" (triton on CUDA when it is installed; on the CPU cpu when it
+            can run, else torch), "torch" (the reference), "cpu" (a C kernel for decode tokens,
+            float32 on the CPU, built with the system C compiler; see ``layers.attention_cpu``) or
+            "triton" (on the CPU only under ``TRITON_INTERPRET=1``, for tests).
         enforce_eager: Never use CUDA graphs (by default decode-only steps replay graphs captured
             at load, on CUDA with the triton backend).
         max_num_seqs: The largest decode batch (the largest captured graph).
         max_model_len: The longest sequence (sizes the graphs' block tables); None: the model's.
         compile: ``torch.compile`` the dense parts of every layer at load (once, cached on disk; see
-            ``asyncllm.compile``), and on the CPU pick the cpu attention backend for "auto".
-            False keeps the eager forward.
+            ``asyncllm.compile``). False keeps the eager forward.
         fuse_projections: Run q/k/v and gate/up as one matmul each (``fuse_projections()`` after
             loading). False keeps HF's separate projections (for comparisons).
         num_threads: torch's intra-op threads on the CPU, set at load on the device thread; None
@@ -170,7 +169,8 @@ class TorchModelRunner:
         """Build the model, load its weights and allocate the KV cache (on the device thread)."""
         device = resolve_device(self.device_name)
         dtype = resolve_dtype(self.dtype_name, device)
-        self.attention_backend = resolve_attention_backend(self.attention_backend, device, compile=self.compile)
+        requested_backend = self.attention_backend
+        self.attention_backend = resolve_attention_backend(self.attention_backend, device, cpu_kernel=True)
         if device.type == "cpu":
             from asyncllm.compile import configure_cpu_threads
 
@@ -193,7 +193,7 @@ class TorchModelRunner:
         if self.fuse_projections:
             model.fuse_projections()
         if self.attention_backend == "cpu":
-            self.attention_backend = _cpu_backend_or_torch(model.spec.head_dim, dtype)
+            self.attention_backend = _cpu_backend_or_torch(model.spec.head_dim, dtype, requested_backend == "cpu")
         self.model = model
         self.device, self.dtype = device, dtype
         eos_token_ids = load_eos_token_ids(self.model_path, config)
@@ -262,7 +262,6 @@ class TorchModelRunner:
         element = torch.empty((), dtype=self.dtype).element_size()
         buffer = mmap.mmap(-1, max(1, numel * element))
         return torch.frombuffer(buffer, dtype=self.dtype, count=numel).view(shape)
-
 
     def _size_kv_cache(self, model: DecoderForCausalLM, device: torch.device, dtype: torch.dtype) -> int:
         peak = self._measure_activation_peak()
@@ -410,14 +409,16 @@ class TorchModelRunner:
             torch.cuda.empty_cache()
 
 
-def _cpu_backend_or_torch(head_dim: int, dtype: torch.dtype) -> str:
+def _cpu_backend_or_torch(head_dim: int, dtype: torch.dtype, requested: bool) -> str:
+    # Asked for by name, a fallback is worth a warning; chosen by "auto", a note.
     from asyncllm.layers.attention_cpu import native_decode_available
 
+    report = logger.warning if requested else logger.info
     if dtype != torch.float32:
-        logger.warning("the cpu attention backend runs float32 only; using torch attention for %s", dtype)
+        report("the cpu attention backend runs float32 only; using torch attention for %s", dtype)
         return "torch"
     if not native_decode_available(head_dim):
-        logger.warning("the cpu attention kernel could not be built (see above); using torch attention")
+        report("the cpu attention kernel is unavailable (no C compiler?); using torch attention")
         return "torch"
     return "cpu"
 

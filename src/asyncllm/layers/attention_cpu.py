@@ -384,7 +384,7 @@ def _build(head_dim: int) -> Path | None:
 
     compiler = _compiler()
     if compiler is None:
-        logger.warning("no C compiler found (cc, gcc, clang or $CC): the cpu attention kernel is unavailable")
+        logger.info("no C compiler found (cc, gcc, clang or $CC): the cpu attention kernel is unavailable")
         return None
     source = f"#define HEAD_DIM {head_dim}\n{_SOURCE}"
     folder = cache_root() / "kernels"
