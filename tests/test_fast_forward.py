@@ -12,12 +12,13 @@ from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
+import anyio
 import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from asyncllm import SamplingParams
+from asyncllm import Engine, SamplingParams
 from asyncllm.layers import attention_cpu
 from asyncllm.layers.attention import paged_attention, write_kv
 from asyncllm.model_runner import TorchModelRunner, _attention_metadata, _flatten, resolve_attention_backend
@@ -237,3 +238,50 @@ def test_metadata_of_decode_only_and_prefill_only_steps() -> None:
     meta = attention_cpu.build_metadata(only_decode, np.array([6]), block_size=4, sliding_window=None)
     assert meta.decode_block_tables.tolist() == [[3, 1]] and meta.decode_seq_lens.tolist() == [7]
     assert meta.prefills == ()
+
+
+# -- the engine switch ---------------------------------------------------------------------------------
+
+
+async def _engine_greedy(engine: Engine) -> list[list[int]]:
+    results: list[list[int]] = [[] for _ in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+
+    async def one(index: int) -> None:
+        results[index] = list((await engine.generate(list(PROMPTS[index]), params)).token_ids)
+
+    async with anyio.create_task_group() as tg:
+        for index in range(len(PROMPTS)):
+            tg.start_soon(one, index)
+    return results
+
+
+@needs_kernel
+@pytest.mark.anyio
+async def test_engine_default_cpu_path_matches_transformers(tiny_llama: Path) -> None:
+    async with Engine.open(tiny_llama, device="cpu", kv_cache_blocks=64) as engine:
+        got = await _engine_greedy(engine)
+        description = engine._info.description if engine._info else ""
+    assert got == _hf_greedy(tiny_llama)
+    assert "cpu attention" in description and "eager" in description
+
+
+@needs_kernel
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_engine_compile_matches_transformers(tiny_llama: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="asyncllm"):
+        async with Engine.open(tiny_llama, device="cpu", kv_cache_blocks=64, compile=True) as engine:
+            got = await _engine_greedy(engine)
+            description = engine._info.description if engine._info else ""
+    assert got == _hf_greedy(tiny_llama)
+    assert "compiled" in description
+    assert any("compiling" in r.getMessage() and "(once; cached" in r.getMessage() for r in caplog.records)
+
+
+def test_engine_options_of_the_fast_path() -> None:
+    Engine.open(attention_backend="cpu", compile=True)  # accepted (nothing starts before `async with`)
+    with pytest.raises(ValueError, match="compile"):
+        Engine.open(compile="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="attention_backend"):
+        Engine.open(attention_backend="flash")

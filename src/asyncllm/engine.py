@@ -60,11 +60,16 @@ class EngineOptions:
     enforce_eager: bool = False
     async_scheduling: bool = True
     kv_cache_memory: int | float | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         check_kv_cache_memory(self.kv_cache_memory)
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
+            raise ValueError(
+                f"attention_backend must be 'auto', 'torch', 'cpu' or 'triton', got {self.attention_backend!r}"
+            )
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be a bool, got {self.compile!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             _check_positive(name, getattr(self, name))
         for name in ("max_model_len", "kv_cache_blocks", "max_waiting_requests"):
@@ -117,6 +122,7 @@ class Engine:
         enforce_eager: bool = False,
         async_scheduling: bool = True,
         kv_cache_memory: int | float | None = None,
+        compile: bool = False,
         runner: ModelRunner | None = None,
         tokenizer: Tokenizer | None = None,
     ) -> Engine:
@@ -139,9 +145,11 @@ class Engine:
                 across requests; on by default.
             max_waiting_requests: Bound of the queue of requests not yet running; beyond it
                 ``stream()`` raises ``EngineOverloadedError`` at once (HTTP 503). None: unbounded.
-            attention_backend: "auto" (the Triton kernels on CUDA when triton is installed, else
-                the torch reference), "torch", or "triton" (on the CPU only under
-                ``TRITON_INTERPRET=1``: slow, for tests). See docs/gpu.md.
+            attention_backend: "auto" (the Triton kernels on CUDA when triton is installed; on the
+                CPU the cpu kernel when it can run, else the torch reference), "torch", "cpu" (a C
+                decode kernel for float32 on the CPU, built once with the system C compiler), or
+                "triton" (on the CPU only under ``TRITON_INTERPRET=1``: slow, for tests). See
+                docs/gpu.md and docs/performance.md.
             enforce_eager: Never use CUDA graphs. By default, on CUDA with the triton backend,
                 decode-only steps replay graphs captured at start-up for batch sizes up to
                 ``max_num_seqs`` (capture takes a few seconds, logged).
@@ -153,6 +161,12 @@ class Engine:
                 measured activation peak of a ``max_num_batched_tokens`` step. None: a quarter of
                 that (at most 4 GiB) on the CPU, 90% on CUDA. The block count and the concurrency
                 it allows at ``max_model_len`` are logged.
+            compile: ``torch.compile`` the dense parts of every layer at start-up (norms, fused
+                matmuls, rotary, MLP; a progress line is logged). For SmolLM2 on 2 CPU cores that
+                takes about 30 s the first time and 6 s once inductor's on-disk cache has it, for
+                a gain within the noise on the CPU (docs/performance.md); so off by default. The
+                fast CPU path (fused projections, the cpu attention kernel, the thread count) does
+                not need it. False keeps the eager forward.
             runner: A ``ModelRunner`` to use instead of the torch one (tests: ``asyncllm.testing``).
             tokenizer: The tokenizer to use with ``runner`` (by default loaded from ``model``).
 
@@ -178,6 +192,7 @@ class Engine:
             enforce_eager=enforce_eager,
             async_scheduling=async_scheduling,
             kv_cache_memory=kv_cache_memory,
+            compile=compile,
         )
         if runner is not None and tokenizer is None:
             raise ValueError("a custom runner needs a tokenizer too")
@@ -268,6 +283,7 @@ class Engine:
             enforce_eager=o.enforce_eager,
             max_num_seqs=o.max_num_seqs,
             max_model_len=o.max_model_len,
+            compile=o.compile,
         )
 
     def _resolve_max_model_len(self, info: RunnerInfo) -> int:
