@@ -191,7 +191,7 @@ async def test_cache_salt_separates_prefix_cache_entries(scripted_engine: Engine
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("n", 2), ("echo", True), ("suffix", "tail"), ("best_of", 3)],
+    [("echo", True), ("suffix", "tail"), ("best_of", 3)],
 )
 async def test_what_the_engine_cannot_do_yet_is_a_clean_400(scripted_engine: Engine, field: str, value: Any) -> None:
     if field in SamplingParams.__struct_fields__:
@@ -440,7 +440,6 @@ async def test_streamed_chat_starts_with_the_role_and_ends_with_done(chat_engine
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, None),
         ({"messages": []}, "messages"),
         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
-        ({"n": 3}, "n"),
     ],
 )
 async def test_chat_refusals(chat_engine: Engine, extra: dict[str, Any], param: str | None) -> None:
