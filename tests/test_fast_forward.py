@@ -285,3 +285,30 @@ def test_engine_options_of_the_fast_path() -> None:
         Engine.open(compile="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="attention_backend"):
         Engine.open(attention_backend="flash")
+    with pytest.raises(ValueError, match="num_threads"):
+        Engine.open(num_threads=0)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_engine_num_threads_reaches_the_runner(tiny_llama: Path) -> None:
+    async with Engine.open(tiny_llama, device="cpu", kv_cache_blocks=16, num_threads=1) as engine:
+        description = engine._info.description if engine._info else ""
+    assert "1 threads" in description
+
+
+def test_thread_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncllm.compile import configure_cpu_threads
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+        assert configure_cpu_threads(None) == 3 == torch.get_num_threads()
+        assert configure_cpu_threads(2) == 2 == torch.get_num_threads()
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
+        assert configure_cpu_threads(None) == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", "4")
+        assert configure_cpu_threads(None) == torch.get_num_threads() == 1  # the env's choice is left alone
+    finally:
+        torch.set_num_threads(before)

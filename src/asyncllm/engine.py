@@ -61,6 +61,7 @@ class EngineOptions:
     async_scheduling: bool = True
     kv_cache_memory: int | float | None = None
     compile: bool = False
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         check_kv_cache_memory(self.kv_cache_memory)
@@ -72,7 +73,7 @@ class EngineOptions:
             raise ValueError(f"compile must be a bool, got {self.compile!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             _check_positive(name, getattr(self, name))
-        for name in ("max_model_len", "kv_cache_blocks", "max_waiting_requests"):
+        for name in ("max_model_len", "kv_cache_blocks", "max_waiting_requests", "num_threads"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
@@ -123,6 +124,7 @@ class Engine:
         async_scheduling: bool = True,
         kv_cache_memory: int | float | None = None,
         compile: bool = False,
+        num_threads: int | None = None,
         runner: ModelRunner | None = None,
         tokenizer: Tokenizer | None = None,
     ) -> Engine:
@@ -164,9 +166,15 @@ class Engine:
             compile: ``torch.compile`` the dense parts of every layer at start-up (norms, fused
                 matmuls, rotary, MLP; a progress line is logged). For SmolLM2 on 2 CPU cores that
                 takes about 30 s the first time and 6 s once inductor's on-disk cache has it, for
-                a gain within the noise on the CPU (docs/performance.md); so off by default. The
-                fast CPU path (fused projections, the cpu attention kernel, the thread count) does
-                not need it. False keeps the eager forward.
+                about 6% more throughput on the CPU (within the run-to-run spread there; see
+                docs/performance.md), so it is off by default: the fast CPU path (fused
+                projections, the cpu attention kernel, the thread count) does not need it. False
+                keeps the eager forward.
+            num_threads: torch's intra-op threads for the forward on the CPU (set at start-up on
+                the device thread; torch's count is per process). None: ``OMP_NUM_THREADS`` if
+                set, else the usable cores minus one, which leaves a core to the event loop and
+                keeps a busy machine from stalling the step; on a dedicated machine all cores can
+                be faster (docs/performance.md).
             runner: A ``ModelRunner`` to use instead of the torch one (tests: ``asyncllm.testing``).
             tokenizer: The tokenizer to use with ``runner`` (by default loaded from ``model``).
 
@@ -193,6 +201,7 @@ class Engine:
             async_scheduling=async_scheduling,
             kv_cache_memory=kv_cache_memory,
             compile=compile,
+            num_threads=num_threads,
         )
         if runner is not None and tokenizer is None:
             raise ValueError("a custom runner needs a tokenizer too")
@@ -284,6 +293,7 @@ class Engine:
             max_num_seqs=o.max_num_seqs,
             max_model_len=o.max_model_len,
             compile=o.compile,
+            num_threads=o.num_threads,
         )
 
     def _resolve_max_model_len(self, info: RunnerInfo) -> int:
