@@ -121,7 +121,7 @@ def variant_options(name: str, default_threads: int, threads: int | None) -> dic
     }
 
 
-def make_batch(scenario: Scenario, seed: int) -> Any:
+def make_batch(scenario: Scenario, seed: int, vocab_size: int) -> Any:
     """The scenario's ``StepBatch``: disjoint, shuffled block tables; greedy sampling for every sequence."""
     from asyncllm.runner import SequenceInput, StepBatch
     from asyncllm.sampling_params import SamplingParams
@@ -135,11 +135,11 @@ def make_batch(scenario: Scenario, seed: int) -> Any:
     sequences = []
     for index in range(scenario.decodes):
         table = blocks[index * blocks_per_decode : (index + 1) * blocks_per_decode]
-        token = rng.randrange(3, 1000)
+        token = rng.randrange(3, vocab_size)
         sequences.append(SequenceInput(index, [token], scenario.context - 1, table, True, params))
     if scenario.prefill:
         table = blocks[scenario.decodes * blocks_per_decode :]
-        prompt = [rng.randrange(3, 1000) for _ in range(scenario.prefill)]
+        prompt = [rng.randrange(3, vocab_size) for _ in range(scenario.prefill)]
         sequences.append(SequenceInput(scenario.decodes, prompt, 0, table, True, params, prompt_token_ids=prompt))
     return StepBatch(sequences, [])
 
@@ -199,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
             ]
         runner.kv_caches = shared_kv  # every variant reads and writes the same cache
         runners[name] = runner
-    batches = [make_batch(s, seed) for seed, s in enumerate(scenarios)]
+    vocab_size = common.vocab_size(path)
+    batches = [make_batch(s, seed, vocab_size) for seed, s in enumerate(scenarios)]
     samples: dict[tuple[str, str], list[float]] = {(s.name, v): [] for s in scenarios for v in variants}
     cpu_samples: dict[tuple[str, str], list[float]] = {(s.name, v): [] for s in scenarios for v in variants}
     total = args.repeats * len(scenarios) * len(variants)

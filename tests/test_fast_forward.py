@@ -312,3 +312,23 @@ def test_thread_choice(monkeypatch: pytest.MonkeyPatch) -> None:
         assert configure_cpu_threads(None) == torch.get_num_threads() == 1  # the env's choice is left alone
     finally:
         torch.set_num_threads(before)
+
+
+def test_forward_benchmark_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+    import json
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "forward.py"
+    spec = importlib.util.spec_from_file_location("asyncllm_bench_forward", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    out_json = tmp_path / "forward.json"
+    argv = ["--quick", "--model", str(tiny_llama), "--variants", "eager,+fused,+attention", "--json", str(out_json)]
+    assert module.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| eager ms | +fused ms | +attention ms |" in out and "| decode b4 ctx64 " in out
+    results = json.loads(out_json.read_text())["results"]
+    assert all(all(ms > 0 for ms in step["ms_per_step"].values()) for step in results.values())
