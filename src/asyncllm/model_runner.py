@@ -17,7 +17,7 @@ import torch
 
 from asyncllm.errors import DeviceOutOfMemoryError
 from asyncllm.graphs import DecodeGraphs, capture_sizes, to_device
-from asyncllm.layers.attention import AttentionMetadata, PrefillChunk
+from asyncllm.layers.attention import AttentionMetadata, PrefillChunk, split_step
 from asyncllm.layers.attention_cpu import CpuAttentionMetadata
 from asyncllm.layers.attention_cpu import build_metadata as build_cpu_metadata
 from asyncllm.layers.attention_triton import TritonAttentionMetadata
@@ -457,45 +457,31 @@ def _attention_metadata(
     sliding_window: int | None,
     device: torch.device,
 ) -> AttentionMetadata:
-    decode_rows: list[int] = []
-    decode_tables: list[list[int]] = []
-    decode_lens: list[int] = []
+    split = split_step(sequences, block_size)
     prefills: list[PrefillChunk] = []
-    offset = 0
-    for seq in sequences:
-        num_new = len(seq.token_ids)
-        kv_len = seq.start_position + num_new
-        if num_new == 1:
-            decode_rows.append(offset)
-            decode_tables.append(seq.block_table)
-            decode_lens.append(kv_len)
-        else:
-            kv_positions = np.arange(kv_len, dtype=np.int64)
-            kv_slots = _slots(np.asarray(seq.block_table, dtype=np.int64), kv_positions, block_size)
-            query_positions = np.arange(seq.start_position, kv_len, dtype=np.int64)
-            mask = kv_positions[None, :] <= query_positions[:, None]
-            if sliding_window is not None:
-                mask &= kv_positions[None, :] > query_positions[:, None] - sliding_window
-            prefills.append(
-                PrefillChunk(
-                    offset, offset + num_new, torch.from_numpy(kv_slots).to(device), torch.from_numpy(mask).to(device)
-                )
+    for offset, seq in split.prefills:
+        kv_len = seq.start_position + len(seq.token_ids)
+        kv_positions = np.arange(kv_len, dtype=np.int64)
+        kv_slots = _slots(np.asarray(seq.block_table, dtype=np.int64), kv_positions, block_size)
+        query_positions = np.arange(seq.start_position, kv_len, dtype=np.int64)
+        mask = kv_positions[None, :] <= query_positions[:, None]
+        if sliding_window is not None:
+            mask &= kv_positions[None, :] > query_positions[:, None] - sliding_window
+        prefills.append(
+            PrefillChunk(
+                offset, kv_len - seq.start_position + offset,
+                torch.from_numpy(kv_slots).to(device), torch.from_numpy(mask).to(device),
             )
-        offset += num_new
-    max_len = max(decode_lens, default=0)
-    max_blocks = -(-max_len // block_size)
-    tables = np.zeros((len(decode_rows), max_blocks), dtype=np.int64)
-    for row, table in enumerate(decode_tables):
-        tables[row, : len(table[:max_blocks])] = table[:max_blocks]
-    kv_positions = np.arange(max_len, dtype=np.int64)
-    decode_slots = tables[:, kv_positions // block_size] * block_size + kv_positions % block_size
-    lens = np.asarray(decode_lens, dtype=np.int64)[:, None]
+        )  # fmt: skip
+    kv_positions = np.arange(split.max_decode_len, dtype=np.int64)
+    decode_slots = split.decode_tables[:, kv_positions // block_size] * block_size + kv_positions % block_size
+    lens = np.asarray(split.decode_lens, dtype=np.int64)[:, None]
     decode_mask = kv_positions[None, :] < lens
     if sliding_window is not None:
         decode_mask &= kv_positions[None, :] > lens - 1 - sliding_window
     return AttentionMetadata(
         slot_mapping=torch.from_numpy(slot_mapping).to(device),
-        decode_token_index=torch.tensor(decode_rows, dtype=torch.int64, device=device),
+        decode_token_index=torch.tensor(split.decode_rows, dtype=torch.int64, device=device),
         decode_kv_slots=torch.from_numpy(decode_slots).to(device),
         decode_mask=torch.from_numpy(decode_mask[:, None, None, :].copy()).to(device),
         prefills=tuple(prefills),

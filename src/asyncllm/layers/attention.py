@@ -9,10 +9,15 @@ reuses it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from asyncllm.runner import SequenceInput
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,3 +88,44 @@ def paged_attention(
         )
         out[chunk.query_start : chunk.query_end] = attended.squeeze(0).transpose(0, 1)
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class StepSplit:
+    """A step's sequences split the way every attention backend needs them: single-token queries
+    (decodes, attended as one padded batch) and longer chunks (prefills, one at a time)."""
+
+    decode_rows: list[int]
+    """Flat-batch row of each decode query."""
+    decode_lens: list[int]
+    """Context length of each decode (its new token included)."""
+    decode_tables: np.ndarray[Any, Any]
+    """[decodes, max_blocks] int64 block tables, zero-padded (at least one column)."""
+    max_decode_len: int
+    prefills: list[tuple[int, SequenceInput]]
+    """(flat-batch offset of its first token, sequence) of every longer chunk."""
+
+
+def split_step(sequences: Sequence[SequenceInput], block_size: int) -> StepSplit:
+    """Split a step's sequences into decodes and prefill chunks, with padded decode block tables."""
+    decode_rows: list[int] = []
+    decode_lens: list[int] = []
+    tables: list[list[int]] = []
+    prefills: list[tuple[int, SequenceInput]] = []
+    offset = 0
+    for seq in sequences:
+        num_new = len(seq.token_ids)
+        if num_new == 1:
+            decode_rows.append(offset)
+            decode_lens.append(seq.start_position + 1)
+            tables.append(seq.block_table)
+        else:
+            prefills.append((offset, seq))
+        offset += num_new
+    max_len = max(decode_lens, default=0)
+    max_blocks = max(1, -(-max_len // block_size))
+    padded = np.zeros((len(decode_rows), max_blocks), dtype=np.int64)
+    for row, table in enumerate(tables):
+        used = table[:max_blocks]
+        padded[row, : len(used)] = used
+    return StepSplit(decode_rows, decode_lens, padded, max_len, prefills)

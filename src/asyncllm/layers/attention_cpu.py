@@ -42,6 +42,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from asyncllm.layers.attention import split_step
 from asyncllm.runner import SequenceInput
 
 logger = logging.getLogger("asyncllm")
@@ -231,36 +232,16 @@ def build_metadata(
         block_size: Tokens per KV block.
         sliding_window: The model's sliding window, or None.
     """
-    decode_rows: list[int] = []
-    decode_tables: list[list[int]] = []
-    decode_lens: list[int] = []
-    prefills: list[CpuPrefillChunk] = []
-    offset = 0
-    for seq in sequences:
-        num_new = len(seq.token_ids)
-        kv_len = seq.start_position + num_new
-        if num_new == 1:
-            decode_rows.append(offset)
-            decode_tables.append(seq.block_table)
-            decode_lens.append(kv_len)
-        else:
-            prefills.append(_prefill_chunk(seq, offset, block_size, sliding_window))
-        offset += num_new
-    max_len = max(decode_lens, default=0)
-    max_blocks = max(1, -(-max_len // block_size))
-    tables = np.zeros((len(decode_rows), max_blocks), dtype=np.int64)
-    for row, table in enumerate(decode_tables):
-        used = table[:max_blocks]
-        tables[row, : len(used)] = used
+    split = split_step(sequences, block_size)
     return CpuAttentionMetadata(
         slot_mapping=torch.from_numpy(np.ascontiguousarray(slot_mapping, dtype=np.int64)),
-        decode_rows=torch.tensor(decode_rows, dtype=torch.int64),
-        decode_block_tables=torch.from_numpy(tables),
-        decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int64),
-        max_decode_len=max_len,
+        decode_rows=torch.tensor(split.decode_rows, dtype=torch.int64),
+        decode_block_tables=torch.from_numpy(split.decode_tables),
+        decode_seq_lens=torch.tensor(split.decode_lens, dtype=torch.int64),
+        max_decode_len=split.max_decode_len,
         block_size=block_size,
         sliding_window=sliding_window,
-        prefills=tuple(prefills),
+        prefills=tuple(_prefill_chunk(seq, offset, block_size, sliding_window) for offset, seq in split.prefills),
     )
 
 
