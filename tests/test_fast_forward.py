@@ -303,8 +303,10 @@ def test_thread_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     before = torch.get_num_threads()
     try:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+        assert configure_cpu_threads(None) == 15 == torch.get_num_threads()  # one core left to the loop
         monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
-        assert configure_cpu_threads(None) == 3 == torch.get_num_threads()
+        assert configure_cpu_threads(None) == 4 == torch.get_num_threads()  # few cores: all of them
         assert configure_cpu_threads(2) == 2 == torch.get_num_threads()
         monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
         assert configure_cpu_threads(None) == 1

@@ -116,15 +116,19 @@ def _private_copy(function: Callable[..., Any]) -> Callable[..., Any]:
 def configure_cpu_threads(requested: int | None) -> int:
     """Set torch's intra-op threads for the calling (device) thread and return the count.
 
-    The automatic choice leaves one core to everything that is not the forward: the event loop
-    (scheduling, detokenization, streaming, the application itself) runs while the device thread
-    computes, and an OpenMP parallel region waits at its barrier for its slowest thread, so a
-    torch thread that has to share its core with the loop (or with another process) stalls the
-    whole step. On a 2-core machine that means 1 thread (measured in docs/performance.md).
+    The automatic choice uses every usable core on small machines and leaves one core to the rest
+    of the process on larger ones. The event loop (scheduling, detokenization, streaming, the
+    application itself) runs while the device thread computes, and an OpenMP parallel region
+    waits at its barrier for its slowest thread, so a torch thread that shares its core with the
+    loop stalls the whole step a little. With 8 or more cores one core is a small price for
+    avoiding that; below, a reserved core costs far more than the stalls do (2 cores: 1 thread
+    ran the throughput workload at 208-225 output tokens/s, 2 threads at 291-312, interleaved runs;
+    docs/performance.md). On a machine other processes load heavily, fewer threads than cores
+    avoid OpenMP stalls: pass ``num_threads``.
 
     Args:
         requested: A thread count; or None: ``OMP_NUM_THREADS`` if it is set (torch read it at
-            start-up; left as is), else the usable cores (``os.sched_getaffinity``) minus one.
+            start-up; left as is), else ``default_cpu_threads()``.
 
     Returns:
         The thread count now in effect.
@@ -135,8 +139,18 @@ def configure_cpu_threads(requested: int | None) -> int:
     """
     if requested is None and os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
-    threads = requested if requested is not None else len(os.sched_getaffinity(0)) - 1
+    threads = requested if requested is not None else default_cpu_threads()
     threads = max(1, threads)
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return threads
+
+
+RESERVE_CORE_FROM = 8
+"""From this many usable cores on, the automatic thread count leaves one core to the event loop."""
+
+
+def default_cpu_threads() -> int:
+    """The automatic intra-op thread count: the usable cores, minus one from ``RESERVE_CORE_FROM`` cores on."""
+    cores = len(os.sched_getaffinity(0))
+    return max(1, cores - 1 if cores >= RESERVE_CORE_FROM else cores)

@@ -172,9 +172,9 @@ class Engine:
                 keeps the eager forward.
             num_threads: torch's intra-op threads for the forward on the CPU (set at start-up on
                 the device thread; torch's count is per process). None: ``OMP_NUM_THREADS`` if
-                set, else the usable cores minus one, which leaves a core to the event loop and
-                keeps a busy machine from stalling the step; on a dedicated machine all cores can
-                be faster (docs/performance.md).
+                set, else every usable core below 8 cores and all but one from 8 on (the spare
+                core runs the event loop). On a machine that other processes keep busy, fewer
+                threads avoid OpenMP stalls (docs/performance.md).
             runner: A ``ModelRunner`` to use instead of the torch one (tests: ``asyncllm.testing``).
             tokenizer: The tokenizer to use with ``runner`` (by default loaded from ``model``).
 
