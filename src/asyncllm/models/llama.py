@@ -20,6 +20,7 @@ from asyncllm.layers import attention_cpu, attention_triton
 from asyncllm.layers.attention import AttentionMetadata, paged_attention, write_kv
 from asyncllm.layers.attention_cpu import CpuAttentionMetadata
 from asyncllm.layers.attention_triton import TritonAttentionMetadata
+from asyncllm.layers.linear import Linear
 from asyncllm.layers.norm import RMSNorm
 from asyncllm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
@@ -97,13 +98,13 @@ class Attention(nn.Module):
         self.head_dim = spec.head_dim
         self.scale = spec.head_dim**-0.5
         bias = spec.attention_bias
-        self.q_proj = nn.Linear(spec.hidden_size, spec.num_heads * spec.head_dim, bias=bias)
-        self.k_proj = nn.Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=bias)
-        self.v_proj = nn.Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=bias)
-        self.o_proj = nn.Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=False)
+        self.q_proj = Linear(spec.hidden_size, spec.num_heads * spec.head_dim, bias=bias)
+        self.k_proj = Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=bias)
+        self.v_proj = Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=bias)
+        self.o_proj = Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=False)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.qkv_proj: nn.Linear | None = None
+        self.qkv_proj: Linear | None = None
         """q, k and v projections as one matmul, once ``fuse`` ran (the three are then gone)."""
 
     def fuse(self) -> None:
@@ -167,10 +168,10 @@ class MLP(nn.Module):
         if spec.hidden_act != "silu":
             raise NotImplementedError(f"hidden_act {spec.hidden_act!r} is not supported (only silu)")
         self.intermediate_size = spec.intermediate_size
-        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
-        self.gate_up_proj: nn.Linear | None = None
+        self.gate_proj = Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.up_proj = Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.gate_up_proj: Linear | None = None
         """gate and up projections as one matmul, once ``fuse`` ran (the two are then gone)."""
 
     def fuse(self) -> None:
@@ -189,11 +190,11 @@ class MLP(nn.Module):
         return result
 
 
-def _stacked(parts: tuple[nn.Linear, ...]) -> nn.Linear:
+def _stacked(parts: tuple[Linear, ...]) -> Linear:
     # One Linear whose output is the parts' outputs side by side: same dtype and device, and each
     # output column computed from the same weights (greedy outputs stay token for token).
     first = parts[0]
-    fused = nn.Linear(
+    fused = Linear(
         first.in_features,
         sum(p.out_features for p in parts),
         bias=first.bias is not None,
@@ -272,7 +273,7 @@ class DecoderForCausalLM(nn.Module):
         self.spec = spec
         self.model = DecoderModel(spec)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -301,6 +302,20 @@ class DecoderForCausalLM(nn.Module):
             assert isinstance(layer, DecoderLayer)
             layer.self_attn.fuse()
             layer.mlp.fuse()
+
+    def pack_weights(self) -> int:
+        """Pack every linear layer's weight for MKL's GEMM (float32 on the CPU; see ``layers.linear``).
+
+        Call it after ``fuse_projections`` and never with ``torch.compile`` or CUDA graphs: the
+        unpacked weights are released (except the tied output embedding, which the input
+        embedding still reads). Returns the number of layers packed (0 where unavailable).
+        """
+        packed = 0
+        for module in self.modules():
+            if isinstance(module, Linear):
+                shared = module is self.lm_head and self.spec.tie_word_embeddings
+                packed += module.pack(release=not shared)
+        return packed
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project hidden states to float32 vocabulary logits."""

@@ -1,0 +1,153 @@
+"""Linear layers whose weights can be packed once for MKL's GEMM on the CPU.
+
+``F.linear`` on the CPU calls MKL's ``sgemm``, which repacks the whole weight matrix into its
+internal panel layout on every call. At the batch sizes of decoding (a few to a few hundred rows)
+that repacking costs as much as the multiplication: measured on this project's 2-core machine, a
+[3072 x 512] weight runs at 28-77 GFLOPS for 16-32 rows through ``F.linear`` and at 66-101 GFLOPS
+from a weight packed once; whole decode steps of the benchmark model are 1.2-1.33x faster
+(docs/performance.md). MKL exposes the packed form as ``cblas_sgemm_pack`` /
+``cblas_sgemm_compute``; torch's CPU builds for x86 link MKL statically and export those symbols
+from ``libtorch_cpu.so``, so they are reached with ``ctypes`` (the call releases the GIL and runs
+on torch's OpenMP threads, so ``torch.set_num_threads`` governs it like any other op).
+
+The packed layout does not depend on the row count: one packed copy serves every batch size
+(checked at start-up by ``packed_gemm_available``, which compares against ``F.linear`` and turns
+the feature off if they disagree or the symbols are missing). Packing is for float32 on the CPU,
+without ``torch.compile`` (inductor cannot trace a foreign call); everything else runs
+``F.linear`` as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger("asyncllm")
+
+__all__ = ["Linear", "PackedWeight", "packed_gemm_available"]
+
+# CBLAS constants (mkl_cblas.h).
+_ROW_MAJOR = 101
+_NO_TRANS = 111
+_TRANS = 112
+_PACKED = 151
+_B_MATRIX = 162
+
+
+@functools.cache
+def _mkl() -> ctypes.CDLL | None:
+    library_path = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    if not torch.backends.mkl.is_available() or not library_path.exists():
+        return None
+    try:
+        library = ctypes.CDLL(str(library_path))
+        get_size, pack, compute = (
+            library.cblas_sgemm_pack_get_size,
+            library.cblas_sgemm_pack,
+            library.cblas_sgemm_compute,
+        )
+    except (OSError, AttributeError):
+        return None
+    i32, pointer = ctypes.c_int, ctypes.c_void_p
+    get_size.restype = ctypes.c_size_t
+    get_size.argtypes = [i32, i32, i32, i32]
+    pack.restype = None
+    pack.argtypes = [i32, i32, i32, i32, i32, i32, ctypes.c_float, pointer, i32, pointer]
+    compute.restype = None
+    compute.argtypes = [i32, i32, i32, i32, i32, i32, pointer, i32, pointer, i32, ctypes.c_float, pointer, i32]
+    return library
+
+
+class PackedWeight:
+    """A float32 [out_features, in_features] weight in MKL's packed GEMM layout (CPU only)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        library = _mkl()
+        if library is None:
+            raise RuntimeError("MKL's packed GEMM is unavailable in this torch build")
+        if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+            raise ValueError(f"packing needs a 2-D float32 CPU weight, not {weight.dtype} {tuple(weight.shape)}")
+        self.out_features, self.in_features = (int(size) for size in weight.shape)
+        source = weight.detach().contiguous()
+        # The row count given here does not change the layout (the size is the same for any m);
+        # 64 is a typical decode batch. Pages past what pack writes are never touched, so the
+        # resident cost is about the weight's own size although the reservation is larger.
+        size = library.cblas_sgemm_pack_get_size(_B_MATRIX, 64, self.out_features, self.in_features)
+        self.buffer = torch.empty(size, dtype=torch.uint8)
+        library.cblas_sgemm_pack(
+            _ROW_MAJOR, _B_MATRIX, _TRANS, 64, self.out_features, self.in_features,
+            1.0, source.data_ptr(), self.in_features, self.buffer.data_ptr(),
+        )  # fmt: skip
+        self._compute = library.cblas_sgemm_compute
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` from the packed weight; ``x`` is [..., in_features] float32."""
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != self.in_features:
+            raise ValueError(f"expected [..., {self.in_features}] float32 CPU input, got {x.dtype} {tuple(x.shape)}")
+        rows = x.reshape(-1, self.in_features).contiguous()
+        count = rows.shape[0]
+        out = torch.empty(count, self.out_features, dtype=torch.float32)
+        if count:
+            self._compute(
+                _ROW_MAJOR, _NO_TRANS, _PACKED, count, self.out_features, self.in_features,
+                rows.data_ptr(), self.in_features, self.buffer.data_ptr(), self.out_features,
+                0.0, out.data_ptr(), self.out_features,
+            )  # fmt: skip
+        if bias is not None:
+            out += bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+@functools.cache
+def packed_gemm_available() -> bool:
+    """Whether MKL's packed GEMM is reachable and agrees with ``F.linear`` (checked once per process)."""
+    if _mkl() is None:
+        logger.info("MKL's packed GEMM is not exported by this torch build: linear layers use F.linear")
+        return False
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 80, generator=generator)
+    packed = PackedWeight(weight)
+    for count in (1, 5, 64, 131):
+        x = torch.randn(count, 80, generator=generator)
+        if not torch.allclose(packed.linear(x), F.linear(x, weight), rtol=1e-4, atol=1e-4):
+            logger.warning("MKL's packed GEMM disagrees with F.linear at %d rows: linear layers use F.linear", count)
+            return False
+    return True
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and state dict) that can run from an MKL-packed weight.
+
+    ``pack()`` packs the weight once (float32, CPU) and, with ``release=True``, drops the
+    unpacked copy; until then, and wherever packing is unavailable, it is a plain ``nn.Linear``.
+    """
+
+    packed: PackedWeight | None = None
+
+    def pack(self, release: bool) -> bool:
+        """Pack the weight for MKL's GEMM; return whether it is now packed.
+
+        Args:
+            release: Replace the unpacked weight by an empty tensor to give its memory back. Only
+                for a weight nothing else shares (not a tied embedding) and when nothing will read
+                it again (no ``torch.compile``, no CUDA graphs).
+        """
+        weight = self.weight
+        if weight.dtype != torch.float32 or weight.device.type != "cpu" or not packed_gemm_available():
+            return False
+        self.packed = PackedWeight(weight)
+        if release:
+            self.weight = nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self.packed
+        if packed is not None:
+            return packed.linear(x, self.bias)
+        return F.linear(x, self.weight, self.bias)
