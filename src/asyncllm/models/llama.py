@@ -186,7 +186,9 @@ class MLP(nn.Module):
             gate, up = self.gate_up_proj(x).split((self.intermediate_size, self.intermediate_size), dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        result: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        activated = F.silu(gate)
+        activated.mul_(up)  # in place: one [tokens, intermediate] tensor less to allocate and fault in
+        result: torch.Tensor = self.down_proj(activated)
         return result
 
 
