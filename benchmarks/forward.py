@@ -8,7 +8,9 @@ runner variants, each adding one thing to the previous one:
 - ``eager``: HF's separate projections, the ``torch`` reference attention, torch's default threads;
 - ``+fused``: q/k/v and gate/up stacked into one matmul each (``fuse_projections``);
 - ``+attention``: the ``cpu`` attention backend (the C decode kernel, no gathered KV);
-- ``+compile``: ``torch.compile`` of every layer's dense parts (``compile=True``);
+- ``+packed``: linear weights packed once for MKL's GEMM (``packed_gemm``, ``asyncllm.layers.linear``);
+- ``+compile``: ``torch.compile`` of every layer's dense parts (``compile=True``; the runner does not
+  pack weights under compile, so this variant replaces ``+packed`` rather than adding to it);
 - ``+threads``: the intra-op thread count the runner decides at load (``num_threads=None``), or
   ``--threads``.
 
@@ -21,6 +23,7 @@ the median over repeats in ms per step, and the spread table the half-range over
 
     python benchmarks/forward.py                  # the table in docs/performance.md
     python benchmarks/forward.py --quick          # smoke run (tiny shapes, one repeat)
+    python benchmarks/forward.py --gemm           # only the matmuls: F.linear against packed, GFLOPS
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ def load_common() -> ModuleType:
 
 common = load_common()
 
-VARIANTS = ("eager", "+fused", "+attention", "+compile", "+threads")
+VARIANTS = ("eager", "+fused", "+attention", "+packed", "+compile", "+threads")
 BLOCK_SIZE = 16
 
 
@@ -100,6 +103,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="threads of the variants before +threads (default: torch's default, all cores)",
     )
     parser.add_argument("--quick", action="store_true", help="tiny steps, one repeat: a smoke test")
+    parser.add_argument(
+        "--gemm", action="store_true", help="only the model's matmul shapes: F.linear against MKL-packed, GFLOPS"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
     unknown = set(args.variants.split(",")) - set(VARIANTS)
@@ -116,8 +122,9 @@ def variant_options(name: str, default_threads: int, threads: int | None) -> dic
     return {
         "fuse_projections": rank >= 1,
         "attention_backend": "cpu" if rank >= 2 else "torch",
-        "compile": rank >= 3,
-        "num_threads": threads if rank >= 4 else default_threads,
+        "packed_gemm": rank >= 3,  # the runner does not pack under compile: +compile replaces it
+        "compile": rank >= 4,
+        "num_threads": threads if rank >= 5 else default_threads,
     }
 
 
@@ -148,9 +155,80 @@ def blocks_needed(scenarios: tuple[Scenario, ...]) -> int:
     return max(s.decodes * -(-s.context // BLOCK_SIZE) + -(-s.prefill // BLOCK_SIZE) for s in scenarios)
 
 
+GEMM_ROWS = (1, 4, 8, 16, 32, 64, 128, 256, 2048)
+
+
+def gemm_table(path: Path, repeats: int, quick: bool) -> str:
+    """GFLOPS of every distinct linear shape of the model, ``F.linear`` / packed, per row count."""
+    import statistics
+
+    import torch
+
+    from asyncllm.layers.linear import PackedWeight, packed_gemm_available
+
+    if not packed_gemm_available():
+        return "MKL's packed GEMM is unavailable in this torch build"
+    config = common.model_config(path)
+    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim") or hidden // heads
+    shapes = {
+        "qkv": ((heads + 2 * kv_heads) * head_dim, hidden),
+        "o": (hidden, heads * head_dim),
+        "gate_up": (2 * inter, hidden),
+        "down": (hidden, inter),
+        "lm_head": (vocab, hidden),
+    }
+    rows_list = GEMM_ROWS[:4] if quick else GEMM_ROWS
+    generator = torch.Generator().manual_seed(0)
+    table = []
+    for name, (out_features, in_features) in shapes.items():
+        weight = torch.randn(out_features, in_features, generator=generator)
+        packed = PackedWeight(weight)
+        cells = []
+        for rows in rows_list:
+            x = torch.randn(rows, in_features, generator=generator)
+            budget = 20_000_000 if quick else 2_000_000_000  # flops per timed batch of calls
+            calls = max(1, budget // (2 * rows * out_features * in_features))
+            timings: dict[str, list[float]] = {"linear": [], "packed": []}
+            for _ in range(repeats):  # interleaved
+                for label in ("linear", "packed"):
+                    timings[label].append(_seconds_per_call(label, x, weight, packed, calls))
+            flops = 2 * rows * out_features * in_features
+            linear, fast = (flops / statistics.median(timings[k]) / 1e9 for k in ("linear", "packed"))
+            cells.append(f"{linear:.0f} / {fast:.0f}")
+        table.append([f"{name} [{out_features} x {in_features}]", *cells])
+    return common.format_table(["matmul (GFLOPS: F.linear / packed)", *(f"{r} rows" for r in rows_list)], table)
+
+
+def _seconds_per_call(label: str, x: Any, weight: Any, packed: Any, calls: int) -> float:
+    import torch.nn.functional as F
+
+    def run() -> Any:
+        return F.linear(x, weight) if label == "linear" else packed.linear(x)
+
+    run()  # warm
+    start = time.perf_counter()
+    for _ in range(calls):
+        run()
+    return (time.perf_counter() - start) / calls
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
+
+    if args.gemm:
+        path = common.synthetic_model_path() if args.model == "synthetic" else common.resolve_model(args.model)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        common.print_header(
+            "asyncllm matmul microbenchmark (F.linear against MKL-packed weights, float32, CPU)",
+            common.machine_info(),
+            [f"model: {common.model_summary(path)}", f"{args.repeats} interleaved repeats; median GFLOPS"],
+        )
+        print(gemm_table(path, args.repeats, args.quick))
+        return 0
 
     from asyncllm.compile import configure_cpu_threads
     from asyncllm.model_runner import TorchModelRunner
