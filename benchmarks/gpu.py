@@ -127,9 +127,9 @@ def copy_bandwidth() -> float:
 
 def measure_shape(batch: int, context: int) -> dict[str, Any]:
     """Time one layer's decode attention and KV write at (batch, context); bytes moved per call."""
-    import numpy as np
     import torch
 
+    from asyncllm.input_batch import step_inputs
     from asyncllm.kernels.reshape_and_cache import reshape_and_cache
     from asyncllm.layers.attention_triton import build_metadata, paged_attention
     from asyncllm.runner import SequenceInput
@@ -147,8 +147,7 @@ def measure_shape(batch: int, context: int) -> dict[str, Any]:
         SequenceInput(i, [0], context - 1, order[i * blocks_per_seq : (i + 1) * blocks_per_seq], True, params)
         for i in range(batch)
     ]
-    slots = np.asarray([s.block_table[-1] * block + block - 1 for s in sequences], dtype=np.int64)
-    meta = build_metadata(sequences, slots, block_size=block, num_kv_heads=kv_heads, device=device)
+    meta = build_metadata(step_inputs(sequences, block), num_kv_heads=kv_heads, device=device)
     q = torch.randn(batch, heads, head_dim, device=device, dtype=torch.bfloat16)
     k_new = torch.randn(batch, kv_heads, head_dim, device=device, dtype=torch.bfloat16)
     v_new = torch.randn_like(k_new)

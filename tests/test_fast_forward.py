@@ -13,15 +13,15 @@ from functools import cache
 from pathlib import Path
 
 import anyio
-import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from asyncllm import Engine, SamplingParams
+from asyncllm.input_batch import step_inputs
 from asyncllm.layers import attention_cpu
 from asyncllm.layers.attention import paged_attention, write_kv
-from asyncllm.model_runner import TorchModelRunner, _attention_metadata, _flatten, resolve_attention_backend
+from asyncllm.model_runner import TorchModelRunner, _attention_metadata, resolve_attention_backend
 from asyncllm.runner import SequenceInput, StepBatch
 from asyncllm.testing.tiny_models import tiny_model_path
 
@@ -72,18 +72,18 @@ def test_cpu_attention_matches_reference(
     torch.manual_seed(seed)
     block_size, num_blocks = 4, 256
     sequences = _ragged_batch(rng, block_size, num_blocks)
-    ids, _, slots, _ = _flatten(sequences, block_size)
-    tokens = len(ids)
+    step = step_inputs(sequences, block_size)
+    tokens = step.num_tokens
     q = torch.randn(tokens, heads, head_dim)
     k = torch.randn(tokens, kv_heads, head_dim)
     v = torch.randn(tokens, kv_heads, head_dim)
     k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim)
     v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim)
-    reference_meta = _attention_metadata(sequences, slots, block_size, sliding_window, torch.device("cpu"))
+    reference_meta = _attention_metadata(step, sliding_window, torch.device("cpu"))
     write_kv(k_cache, v_cache, k, v, reference_meta.slot_mapping)
     expected = paged_attention(q, k_cache, v_cache, reference_meta, head_dim**-0.5)
 
-    meta = attention_cpu.build_metadata(sequences, slots, block_size=block_size, sliding_window=sliding_window)
+    meta = attention_cpu.build_metadata(step, sliding_window=sliding_window)
     assert meta.decode_rows.numel() == sum(len(s.token_ids) == 1 for s in sequences)
     assert any(c.kv_slots is None for c in meta.prefills) and any(c.kv_slots is not None for c in meta.prefills)
     got = attention_cpu.paged_attention(q, k, v, k_cache, v_cache, meta, head_dim**-0.5)
@@ -104,13 +104,13 @@ def test_cpu_attention_long_contexts_many_sequences() -> None:
                           SamplingParams())
             for i in range(batch)
         ]  # fmt: skip
-        ids, _, slots, _ = _flatten(sequences, block_size)
-        q = torch.randn(len(ids), heads, head_dim)
+        step = step_inputs(sequences, block_size)
+        q = torch.randn(step.num_tokens, heads, head_dim)
         k_cache = torch.randn(len(blocks) * block_size, kv_heads, head_dim)
         v_cache = torch.randn(len(blocks) * block_size, kv_heads, head_dim)
-        reference_meta = _attention_metadata(sequences, slots, block_size, None, torch.device("cpu"))
+        reference_meta = _attention_metadata(step, None, torch.device("cpu"))
         expected = paged_attention(q, k_cache, v_cache, reference_meta, 0.125)
-        meta = attention_cpu.build_metadata(sequences, slots, block_size=block_size, sliding_window=None)
+        meta = attention_cpu.build_metadata(step, sliding_window=None)
         got = attention_cpu.paged_attention(q, q[:, :kv_heads], q[:, :kv_heads], k_cache, v_cache, meta, 0.125)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
@@ -129,8 +129,7 @@ def test_attention_backend_resolution() -> None:
 
 def _run(runner: TorchModelRunner, sequences: list[SequenceInput]) -> torch.Tensor:
     with torch.inference_mode():
-        ids, positions, slots, _ = _flatten(sequences, runner.block_size)
-        return runner._forward(sequences, ids, positions, slots)
+        return runner._forward(step_inputs(sequences, runner.block_size))
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
@@ -232,10 +231,10 @@ def test_compiled_matches_eager_and_transformers(tiny_cache: Path) -> None:
 
 def test_metadata_of_decode_only_and_prefill_only_steps() -> None:
     only_prefill = [SequenceInput(0, [1, 2, 3], 0, [0], True, SamplingParams())]
-    meta = attention_cpu.build_metadata(only_prefill, np.array([0, 1, 2]), block_size=4, sliding_window=None)
+    meta = attention_cpu.build_metadata(step_inputs(only_prefill, 4), sliding_window=None)
     assert meta.decode_rows.numel() == 0 and meta.max_decode_len == 0 and len(meta.prefills) == 1
     only_decode = [SequenceInput(0, [1], 6, [3, 1], True, SamplingParams())]
-    meta = attention_cpu.build_metadata(only_decode, np.array([6]), block_size=4, sliding_window=None)
+    meta = attention_cpu.build_metadata(step_inputs(only_decode, 4), sliding_window=None)
     assert meta.decode_block_tables.tolist() == [[3, 1]] and meta.decode_seq_lens.tolist() == [7]
     assert meta.prefills == ()
 

@@ -210,6 +210,7 @@ class EngineCore:
                 num_generated=len(s.request.output_token_ids) + s.request.num_pending_tokens - s.sample,
                 prompt_token_ids=s.request.prompt_token_ids,
                 bad_words_token_ids=s.request.bad_words_token_ids,
+                epoch=s.epoch,
             )
             for s in step.scheduled
         ]

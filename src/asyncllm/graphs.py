@@ -24,15 +24,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from asyncllm.input_batch import StepInputs
 from asyncllm.layers.attention_triton import TritonAttentionMetadata
 from asyncllm.models import DecoderForCausalLM
-from asyncllm.runner import SequenceInput
 
 logger = logging.getLogger("asyncllm")
 
@@ -162,32 +161,23 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         logger.info("captured %d CUDA graphs in %.1f s", len(variants), time.perf_counter() - start)
 
-    def fits(self, sequences: Sequence[SequenceInput]) -> bool:
+    def fits(self, step: StepInputs) -> bool:
         """Whether a step can run here: decode only, at most ``max_batch`` rows, tables that fit."""
         return (
-            0 < len(sequences) <= self.max_batch
-            and all(len(s.token_ids) == 1 for s in sequences)
-            and all(-(-(s.start_position + 1) // self.block_size) <= self.max_blocks for s in sequences)
+            0 < step.num_seqs <= self.max_batch
+            and step.max_query_len == 1
+            and step.num_tokens == step.num_seqs
+            and -(-step.max_seq_len // self.block_size) <= self.max_blocks
         )
 
-    def run(
-        self,
-        sequences: Sequence[SequenceInput],
-        input_ids: np.ndarray[Any, Any],
-        positions: np.ndarray[Any, Any],
-        slot_mapping: np.ndarray[Any, Any],
-        splits: int = 1,
-    ) -> torch.Tensor:
+    def run(self, step: StepInputs, splits: int = 1) -> torch.Tensor:
         """Hidden states [n, hidden] of a decode-only step (``fits`` must hold).
 
         Args:
-            sequences: The step's sequences (one token each).
-            input_ids: [n] their tokens.
-            positions: [n] their positions.
-            slot_mapping: [n] where their K/V goes.
+            step: The step's arrays (one token per sequence).
             splits: The split-KV parts the step would like (> 1 picks a split graph if captured).
         """
-        n = len(sequences)
+        n = step.num_seqs
         size = next(b for b in self.sizes if b >= n)
         splits = self.split_kv.get(size, 1) if splits > 1 else 1
         if self._copied is not None:
@@ -195,16 +185,16 @@ class DecodeGraphs:
         self._fill_padding(n)
         b, mb = self.max_batch, self.max_blocks
         meta = self._host_meta.numpy()
-        meta[self._seq_lens_at : self._seq_lens_at + n] = positions + 1
+        meta[self._seq_lens_at : self._seq_lens_at + n] = step.seq_lens
         tables = meta[self._tables_at : self._slots_at].reshape(b, mb)
-        for row, seq in enumerate(sequences):
-            used = min(len(seq.block_table), mb)
-            tables[row, :used] = seq.block_table[:used]
-            tables[row, used:] = 0
-        meta[self._slots_at : self._slots_at + n] = slot_mapping
+        # Only the columns the step's longest context uses; the kernels read no block past a row's length.
+        width = max(1, -(-step.max_seq_len // self.block_size))
+        tables[:n, :width] = step.tables(None, width)
+        tables[:n, width:] = 0
+        meta[self._slots_at : self._slots_at + n] = step.slot_mapping
         ids = self._host_ids.numpy()
-        ids[:n] = input_ids
-        ids[b : b + n] = positions
+        ids[:n] = step.input_ids
+        ids[b : b + n] = step.positions
         non_blocking = self.device.type == "cuda"
         self._meta.copy_(self._host_meta, non_blocking=non_blocking)
         self._ids.copy_(self._host_ids, non_blocking=non_blocking)

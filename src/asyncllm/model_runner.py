@@ -1,8 +1,9 @@
 """``TorchModelRunner``: the real runner. Flat mixed batches in, sampled token ids out.
 
 It runs on the engine's device thread only. Each step it turns the scheduler's per-request slices
-into flat tensors (input ids, positions, slot mapping, attention metadata), runs the model once on
-the whole mixed prefill/decode batch, computes logits only at the positions that sample, and samples.
+into flat tensors (input ids, positions, slot mapping, attention metadata) through a persistent
+``InputBatch`` (block tables kept across steps; a step writes only what changed), runs the model once
+on the whole mixed prefill/decode batch, computes logits only at the positions that sample, and samples.
 """
 
 from __future__ import annotations
@@ -10,13 +11,13 @@ from __future__ import annotations
 import logging
 import mmap
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from asyncllm.errors import DeviceOutOfMemoryError
 from asyncllm.graphs import DecodeGraphs, capture_sizes, to_device
+from asyncllm.input_batch import InputBatch, StepInputs
 from asyncllm.layers.attention import AttentionMetadata, PrefillChunk, split_step
 from asyncllm.layers.attention_cpu import CpuAttentionMetadata
 from asyncllm.layers.attention_cpu import build_metadata as build_cpu_metadata
@@ -171,6 +172,7 @@ class TorchModelRunner:
         self.model: DecoderForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler: Sampler | None = None
+        self.input_batch = InputBatch(block_size, max_num_seqs=max_num_seqs)
 
     def load(self) -> RunnerInfo:
         """Build the model, load its weights and allocate the KV cache (on the device thread)."""
@@ -212,6 +214,11 @@ class TorchModelRunner:
         slots = num_blocks * self.block_size
         self.kv_caches = self._allocate_kv_cache(num_blocks)
         max_model_len = int(getattr(config, "max_position_embeddings", 2048))
+        # Fresh rows (the sizing probe is gone), as wide as the longest table the cache can hold.
+        longest = min(max_model_len, self.max_model_len or max_model_len, slots)
+        self.input_batch = InputBatch(
+            self.block_size, max_num_seqs=self.max_num_seqs, max_blocks_per_seq=-(-longest // self.block_size)
+        )
         if self.compile:
             from asyncllm.compile import compile_dense_parts
 
@@ -335,6 +342,7 @@ class TorchModelRunner:
         """Run one step on the flat batch; return the sampled ids (see ``ModelRunner.execute``)."""
         assert self.model is not None and self.sampler is not None, "load() first"
         self.sampler.forget(batch.finished_request_ids)
+        self.input_batch.remove(batch.finished_request_ids)
         if not batch.sequences:
             return StepOutput([])
         try:
@@ -345,69 +353,47 @@ class TorchModelRunner:
 
     def _execute(self, sequences: list[SequenceInput]) -> StepOutput:
         assert self.model is not None and self.sampler is not None
-        input_ids, positions, slot_mapping, sample_index = _flatten(sequences, self.block_size)
-        if self.graphs is not None and self.graphs.fits(sequences):
-            hidden = self._replay(sequences, input_ids, positions, slot_mapping)
-        else:
-            hidden = self._forward(sequences, input_ids, positions, slot_mapping)
+        step = self.input_batch.prepare(sequences)
+        hidden = self._replay(step) if self.graphs is not None and self.graphs.fits(step) else self._forward(step)
         model = self.model
         self.sampler.record(sequences)
-        offsets = np.cumsum([0] + [len(s.token_ids) for s in sequences[:-1]]).tolist()
+        offsets = step.query_start_loc[:-1].tolist()
         prompt_logprobs = self.sampler.prompt_logprobs(sequences, offsets, lambda rows: model.logits(hidden[rows]))
-        if not sample_index:
+        if not len(step.sample_index):
             return StepOutput([], prompt_logprobs=prompt_logprobs)
-        logits = self.model.logits(hidden[to_device(np.asarray(sample_index, dtype=np.int64), self.device)])
+        logits = self.model.logits(hidden[to_device(step.sample_index, self.device)])
         sampled = self.sampler.sample(logits, [s for s in sequences if s.sample])
         return StepOutput(sampled.token_ids.tolist(), sampled.logprobs, prompt_logprobs)
 
-    def _forward(
-        self,
-        sequences: list[SequenceInput],
-        input_ids: np.ndarray[Any, Any],
-        positions: np.ndarray[Any, Any],
-        slot_mapping: np.ndarray[Any, Any],
-    ) -> torch.Tensor:
+    def _forward(self, step: StepInputs) -> torch.Tensor:
         assert self.model is not None
         spec = self.model.spec
         meta: AttentionMetadata | CpuAttentionMetadata | TritonAttentionMetadata
         if self.attention_backend == "cpu":
-            meta = build_cpu_metadata(
-                sequences, slot_mapping, block_size=self.block_size, sliding_window=spec.sliding_window
-            )
+            meta = build_cpu_metadata(step, sliding_window=spec.sliding_window)
         elif self.attention_backend == "triton":
             meta = build_triton_metadata(
-                sequences,
-                slot_mapping,
-                block_size=self.block_size,
-                num_kv_heads=spec.num_kv_heads,
-                device=self.device,
-                sliding_window=spec.sliding_window,
+                step, num_kv_heads=spec.num_kv_heads, device=self.device, sliding_window=spec.sliding_window
             )
         else:
-            meta = _attention_metadata(sequences, slot_mapping, self.block_size, spec.sliding_window, self.device)
+            meta = _attention_metadata(step, spec.sliding_window, self.device)
         # One pinned, non-blocking copy for ids and positions: the host does not wait for the device.
-        ids_positions = to_device(np.concatenate((input_ids, positions)), self.device)
-        n = len(input_ids)
+        ids_positions = to_device(np.concatenate((step.input_ids, step.positions)), self.device)
+        n = step.num_tokens
         hidden: torch.Tensor = self.model(ids_positions[:n], ids_positions[n:], self.kv_caches, meta)
         return hidden
 
-    def _replay(
-        self,
-        sequences: list[SequenceInput],
-        input_ids: np.ndarray[Any, Any],
-        positions: np.ndarray[Any, Any],
-        slot_mapping: np.ndarray[Any, Any],
-    ) -> torch.Tensor:
+    def _replay(self, step: StepInputs) -> torch.Tensor:
         from asyncllm.kernels.split_kv_decode import num_kv_splits
 
         assert self.graphs is not None and self.model is not None
         splits = num_kv_splits(
-            len(sequences),
+            step.num_seqs,
             self.model.spec.num_kv_heads,
-            int(positions.max()) + 1,
+            step.max_seq_len,
             torch.cuda.get_device_properties(self.device).multi_processor_count,
         )
-        return self.graphs.run(sequences, input_ids, positions, slot_mapping, splits)
+        return self.graphs.run(step, splits)
 
     def close(self) -> None:
         """Drop weights and KV tensors so their memory can be returned."""
@@ -433,65 +419,29 @@ def _cpu_backend_or_torch(head_dim: int, dtype: torch.dtype, requested: bool) ->
     return "cpu"
 
 
-def _slots(block_table: np.ndarray[Any, Any], positions: np.ndarray[Any, Any], block_size: int) -> np.ndarray[Any, Any]:
-    result: np.ndarray[Any, Any] = block_table[positions // block_size] * block_size + positions % block_size
-    return result
-
-
-def _flatten(
-    sequences: list[SequenceInput], block_size: int
-) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any], list[int]]:
-    ids: list[int] = []
-    position_parts = []
-    slot_parts = []
-    sample_index: list[int] = []
-    for seq in sequences:
-        ids.extend(seq.token_ids)
-        positions = np.arange(seq.start_position, seq.start_position + len(seq.token_ids), dtype=np.int64)
-        position_parts.append(positions)
-        slot_parts.append(_slots(np.asarray(seq.block_table, dtype=np.int64), positions, block_size))
-        if seq.sample:
-            sample_index.append(len(ids) - 1)
-    return (
-        np.asarray(ids, dtype=np.int64),
-        np.concatenate(position_parts),
-        np.concatenate(slot_parts),
-        sample_index,
-    )
-
-
-def _attention_metadata(
-    sequences: list[SequenceInput],
-    slot_mapping: np.ndarray[Any, Any],
-    block_size: int,
-    sliding_window: int | None,
-    device: torch.device,
-) -> AttentionMetadata:
-    split = split_step(sequences, block_size)
+def _attention_metadata(step: StepInputs, sliding_window: int | None, device: torch.device) -> AttentionMetadata:
+    """The ``torch`` backend's metadata: explicit slots and masks, per prefill chunk and for the decodes."""
+    split = split_step(step)
+    block_size = step.block_size
     prefills: list[PrefillChunk] = []
-    for offset, seq in split.prefills:
-        kv_len = seq.start_position + len(seq.token_ids)
-        kv_positions = np.arange(kv_len, dtype=np.int64)
-        kv_slots = _slots(np.asarray(seq.block_table, dtype=np.int64), kv_positions, block_size)
-        query_positions = np.arange(seq.start_position, kv_len, dtype=np.int64)
+    for span in split.prefills:
+        kv_positions = np.arange(span.kv_len, dtype=np.int64)
+        kv_slots = span.block_table[kv_positions // block_size] * block_size + kv_positions % block_size
+        query_positions = np.arange(span.start_position, span.kv_len, dtype=np.int64)
         mask = kv_positions[None, :] <= query_positions[:, None]
         if sliding_window is not None:
             mask &= kv_positions[None, :] > query_positions[:, None] - sliding_window
-        prefills.append(
-            PrefillChunk(
-                offset, kv_len - seq.start_position + offset,
-                torch.from_numpy(kv_slots).to(device), torch.from_numpy(mask).to(device),
-            )
-        )  # fmt: skip
+        slots, allowed = torch.from_numpy(kv_slots).to(device), torch.from_numpy(mask).to(device)
+        prefills.append(PrefillChunk(span.query_start, span.query_end, slots, allowed))
     kv_positions = np.arange(split.max_decode_len, dtype=np.int64)
     decode_slots = split.decode_tables[:, kv_positions // block_size] * block_size + kv_positions % block_size
-    lens = np.asarray(split.decode_lens, dtype=np.int64)[:, None]
+    lens = split.decode_lens[:, None]
     decode_mask = kv_positions[None, :] < lens
     if sliding_window is not None:
         decode_mask &= kv_positions[None, :] > lens - 1 - sliding_window
     return AttentionMetadata(
-        slot_mapping=torch.from_numpy(slot_mapping).to(device),
-        decode_token_index=torch.tensor(split.decode_rows, dtype=torch.int64, device=device),
+        slot_mapping=torch.from_numpy(step.slot_mapping).to(device),
+        decode_token_index=torch.from_numpy(split.decode_rows).to(device),
         decode_kv_slots=torch.from_numpy(decode_slots).to(device),
         decode_mask=torch.from_numpy(decode_mask[:, None, None, :].copy()).to(device),
         prefills=tuple(prefills),

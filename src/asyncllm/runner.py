@@ -47,6 +47,9 @@ class SequenceInput:
     prefix cache) and the targets of ``prompt_logprobs``."""
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     """``params.bad_words`` tokenized (each word alone and after a space)."""
+    epoch: int = 0
+    """The request's preemption epoch. Within one epoch its ``block_table`` only grows from step to
+    step; a preempted request starts over, with new blocks, in a later epoch."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,8 @@ import torch
 
 from asyncllm import SamplingParams
 from asyncllm.graphs import DecodeGraphs, capture_sizes
-from asyncllm.model_runner import TorchModelRunner, _flatten
+from asyncllm.input_batch import step_inputs
+from asyncllm.model_runner import TorchModelRunner
 from asyncllm.runner import SequenceInput
 
 GPU = torch.cuda.is_available()
@@ -46,24 +47,23 @@ def test_padded_decode_matches_eager_forward(tiny_llama: Path) -> None:
     prompts = [[11, 12, 13, 14, 15, 16, 17, 18, 19], [40, 41, 42, 43, 44], [70 + i for i in range(13)]]
     with torch.inference_mode():
         prefill = [_seq(i, p, 0, t) for i, (p, t) in enumerate(zip(prompts, tables))]
-        ids, pos, slots, _ = _flatten(prefill, BLOCK)
-        runner._forward(prefill, ids, pos, slots)
+        runner._forward(step_inputs(prefill, BLOCK))
         decode = [_seq(i, [100 + i], len(p), t) for i, (p, t) in enumerate(zip(prompts, tables))]
-        ids, pos, slots, _ = _flatten(decode, BLOCK)
-        eager = runner._forward(decode, ids, pos, slots).clone()
+        step = step_inputs(decode, BLOCK)
+        eager = runner._forward(step).clone()
         graphs = DecodeGraphs(
             runner.model, runner.kv_caches, block_size=BLOCK, max_seq_len=64, max_batch=4,
             device=runner.device, split_kv={4: 2}, use_graphs=GPU,
         )  # fmt: skip
         graphs.capture()
         before = [t.clone() for pair in runner.kv_caches for t in pair]
-        assert graphs.fits(decode) and not graphs.fits(prefill)
+        assert graphs.fits(step) and not graphs.fits(step_inputs(prefill, BLOCK))
         # Padded from 3 rows to 4; the same slots are rewritten with the same K/V.
-        padded = graphs.run(decode, ids, pos, slots)
+        padded = graphs.run(step)
         torch.testing.assert_close(padded, eager, atol=1e-5, rtol=1e-5)
         # The split-KV variant of the same size, then a smaller batch in the same buffers.
-        torch.testing.assert_close(graphs.run(decode, ids, pos, slots, splits=8), eager, atol=1e-5, rtol=1e-5)
-        one = graphs.run(decode[1:2], ids[1:2], pos[1:2], slots[1:2])
+        torch.testing.assert_close(graphs.run(step, splits=8), eager, atol=1e-5, rtol=1e-5)
+        one = graphs.run(step_inputs(decode[1:2], BLOCK))
         torch.testing.assert_close(one, eager[1:2], atol=1e-5, rtol=1e-5)
         # Padding rows (slot -1) wrote nothing: block 0, which request 1 owns, is intact, and the
         # real rows rewrote their slots with the same K/V.

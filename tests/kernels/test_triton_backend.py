@@ -13,10 +13,10 @@ import pytest
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[gpu]')")
 
 import anyio
-import numpy as np
 import torch
 
 from asyncllm import Engine, SamplingParams
+from asyncllm.input_batch import step_inputs
 from asyncllm.layers.attention_triton import build_metadata
 from asyncllm.model_runner import resolve_attention_backend
 from asyncllm.runner import SequenceInput
@@ -32,12 +32,11 @@ def _seq(request_id: int, tokens: int, start: int, table: list[int]) -> Sequence
 
 def test_build_metadata_packs_the_batch() -> None:
     sequences = [_seq(0, 5, 0, [7]), _seq(1, 1, 16, [3, 9]), _seq(2, 3, 30, [1, 2, 4])]
-    slots = np.arange(9, dtype=np.int64) + 100
-    meta = build_metadata(sequences, slots, block_size=16, num_kv_heads=2, device=DEVICE, sliding_window=8)
+    meta = build_metadata(step_inputs(sequences, 16), num_kv_heads=2, device=DEVICE, sliding_window=8)
     assert meta.query_start_loc.tolist() == [0, 5, 6, 9]
     assert meta.seq_lens.tolist() == [5, 17, 33]
     assert meta.block_tables.tolist() == [[7, 0, 0], [3, 9, 0], [1, 2, 4]]
-    assert meta.slot_mapping.tolist() == list(range(100, 109))
+    assert meta.slot_mapping.tolist() == [7 * 16 + i for i in range(5)] + [9 * 16] + [2 * 16 + 14, 2 * 16 + 15, 4 * 16]
     assert all(t.dtype == torch.int32 for t in (meta.query_start_loc, meta.seq_lens, meta.block_tables))
     assert (meta.max_query_len, meta.max_seq_len, meta.sliding_window) == (5, 33, 8)
     assert meta.num_kv_splits == 1  # never split on the CPU unless asked

@@ -9,7 +9,6 @@ reuses it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from asyncllm.runner import SequenceInput
+from asyncllm.input_batch import StepInputs
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,41 +90,52 @@ def paged_attention(
 
 
 @dataclass(frozen=True, slots=True)
+class PrefillSpan:
+    """A sequence that feeds more than one token this step."""
+
+    query_start: int
+    query_end: int
+    start_position: int
+    """Position of its first new token: the tokens cached before it."""
+    block_table: np.ndarray[Any, Any]
+    """int64 its blocks (possibly followed by zeros): a row of ``StepInputs.block_tables``."""
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens it attends to, its own new ones included."""
+        return self.start_position + self.query_end - self.query_start
+
+
+@dataclass(frozen=True, slots=True)
 class StepSplit:
     """A step's sequences split the way every attention backend needs them: single-token queries
     (decodes, attended as one padded batch) and longer chunks (prefills, one at a time)."""
 
-    decode_rows: list[int]
-    """Flat-batch row of each decode query."""
-    decode_lens: list[int]
-    """Context length of each decode (its new token included)."""
+    decode_rows: np.ndarray[Any, Any]
+    """[decodes] int64 flat-batch row of each decode query."""
+    decode_lens: np.ndarray[Any, Any]
+    """[decodes] int64 context length of each decode (its new token included)."""
     decode_tables: np.ndarray[Any, Any]
     """[decodes, max_blocks] int64 block tables, zero-padded (at least one column)."""
     max_decode_len: int
-    prefills: list[tuple[int, SequenceInput]]
-    """(flat-batch offset of its first token, sequence) of every longer chunk."""
+    prefills: list[PrefillSpan]
 
 
-def split_step(sequences: Sequence[SequenceInput], block_size: int) -> StepSplit:
-    """Split a step's sequences into decodes and prefill chunks, with padded decode block tables."""
-    decode_rows: list[int] = []
-    decode_lens: list[int] = []
-    tables: list[list[int]] = []
-    prefills: list[tuple[int, SequenceInput]] = []
-    offset = 0
-    for seq in sequences:
-        num_new = len(seq.token_ids)
-        if num_new == 1:
-            decode_rows.append(offset)
-            decode_lens.append(seq.start_position + 1)
-            tables.append(seq.block_table)
-        else:
-            prefills.append((offset, seq))
-        offset += num_new
-    max_len = max(decode_lens, default=0)
-    max_blocks = max(1, -(-max_len // block_size))
-    padded = np.zeros((len(decode_rows), max_blocks), dtype=np.int64)
-    for row, table in enumerate(tables):
-        used = table[:max_blocks]
-        padded[row, : len(used)] = used
-    return StepSplit(decode_rows, decode_lens, padded, max_len, prefills)
+def split_step(step: StepInputs) -> StepSplit:
+    """Split a step into decodes and prefill chunks, with padded decode block tables (gathered, no loop
+    over decodes; the loop is over prefill chunks, a few per step)."""
+    decodes = step.decode_index
+    decode_lens = step.seq_lens[decodes]
+    max_len = int(decode_lens.max(initial=0))
+    tables = step.tables(decodes, max(1, -(-max_len // step.block_size)))
+    starts, chunks = step.query_start_loc, step.prefill_index
+    prefills = [
+        PrefillSpan(begin, end, position, step.block_tables[row])
+        for begin, end, position, row in zip(
+            starts[chunks].tolist(),
+            starts[chunks + 1].tolist(),
+            step.positions[starts[chunks]].tolist(),
+            step.rows[chunks].tolist(),
+        )
+    ]
+    return StepSplit(starts[decodes], decode_lens, tables, max_len, prefills)

@@ -33,17 +33,16 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from asyncllm.layers.attention import split_step
-from asyncllm.runner import SequenceInput
+from asyncllm.input_batch import StepInputs
+from asyncllm.layers.attention import PrefillSpan, split_step
 
 logger = logging.getLogger("asyncllm")
 
@@ -217,51 +216,41 @@ class CpuAttentionMetadata:
     prefills: tuple[CpuPrefillChunk, ...]
 
 
-def build_metadata(
-    sequences: Sequence[SequenceInput],
-    slot_mapping: np.ndarray[Any, Any],
-    *,
-    block_size: int,
-    sliding_window: int | None,
-) -> CpuAttentionMetadata:
-    """The ``cpu`` backend's metadata for a step (the CPU only: tensors are made from numpy, no copies).
+def build_metadata(step: StepInputs, *, sliding_window: int | None) -> CpuAttentionMetadata:
+    """The ``cpu`` backend's metadata for a step (the CPU only: tensors share the step's arrays, no copies).
 
     Args:
-        sequences: The step's sequences, in flat-batch order.
-        slot_mapping: [tokens] int64 cache slot of every new token.
-        block_size: Tokens per KV block.
+        step: The step's arrays (``InputBatch.prepare``).
         sliding_window: The model's sliding window, or None.
     """
-    split = split_step(sequences, block_size)
+    split = split_step(step)
+    block_size = step.block_size
     return CpuAttentionMetadata(
-        slot_mapping=torch.from_numpy(np.ascontiguousarray(slot_mapping, dtype=np.int64)),
-        decode_rows=torch.tensor(split.decode_rows, dtype=torch.int64),
+        slot_mapping=torch.from_numpy(np.ascontiguousarray(step.slot_mapping, dtype=np.int64)),
+        decode_rows=torch.from_numpy(split.decode_rows),
         decode_block_tables=torch.from_numpy(split.decode_tables),
-        decode_seq_lens=torch.tensor(split.decode_lens, dtype=torch.int64),
+        decode_seq_lens=torch.from_numpy(split.decode_lens),
         max_decode_len=split.max_decode_len,
         block_size=block_size,
         sliding_window=sliding_window,
-        prefills=tuple(_prefill_chunk(seq, offset, block_size, sliding_window) for offset, seq in split.prefills),
+        prefills=tuple(_prefill_chunk(span, block_size, sliding_window) for span in split.prefills),
     )
 
 
-def _prefill_chunk(seq: SequenceInput, offset: int, block_size: int, sliding_window: int | None) -> CpuPrefillChunk:
-    num_new = len(seq.token_ids)
-    kv_len = seq.start_position + num_new
-    end = offset + num_new
+def _prefill_chunk(span: PrefillSpan, block_size: int, sliding_window: int | None) -> CpuPrefillChunk:
+    start, kv_len = span.start_position, span.kv_len
     windowed = sliding_window is not None and kv_len > sliding_window
-    if seq.start_position == 0 and not windowed:
-        return CpuPrefillChunk(offset, end, None, None)
+    if start == 0 and not windowed:
+        return CpuPrefillChunk(span.query_start, span.query_end, None, None)
     kv_positions = np.arange(kv_len, dtype=np.int64)
-    query_positions = np.arange(seq.start_position, kv_len, dtype=np.int64)
+    query_positions = np.arange(start, kv_len, dtype=np.int64)
     mask = kv_positions[None, :] <= query_positions[:, None]
     if sliding_window is not None:
         mask &= kv_positions[None, :] > query_positions[:, None] - sliding_window
-    if seq.start_position == 0:
-        return CpuPrefillChunk(offset, end, None, torch.from_numpy(mask))
-    table = np.asarray(seq.block_table, dtype=np.int64)
-    slots = table[kv_positions // block_size] * block_size + kv_positions % block_size
-    return CpuPrefillChunk(offset, end, torch.from_numpy(slots), torch.from_numpy(mask))
+    if start == 0:
+        return CpuPrefillChunk(span.query_start, span.query_end, None, torch.from_numpy(mask))
+    slots = span.block_table[kv_positions // block_size] * block_size + kv_positions % block_size
+    return CpuPrefillChunk(span.query_start, span.query_end, torch.from_numpy(slots), torch.from_numpy(mask))
 
 
 def paged_attention(

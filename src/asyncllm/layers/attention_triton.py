@@ -15,14 +15,12 @@ install); the kernels are imported on first use.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
-from asyncllm.runner import SequenceInput
+from asyncllm.input_batch import StepInputs
 
 __all__ = ["TritonAttentionMetadata", "apply_rotary_", "build_metadata", "paged_attention", "write_kv"]
 
@@ -55,10 +53,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 def build_metadata(
-    sequences: Sequence[SequenceInput],
-    slot_mapping: np.ndarray[Any, Any],
+    step: StepInputs,
     *,
-    block_size: int,
     num_kv_heads: int,
     device: torch.device,
     sliding_window: int | None = None,
@@ -70,33 +66,25 @@ def build_metadata(
     so building the metadata never waits for the device.
 
     Args:
-        sequences: The step's sequences in batch order (their tokens are the flat batch).
-        slot_mapping: [tokens] the cache slot of every new token, in batch order.
-        block_size: Tokens per KV block.
+        step: The step's arrays (``InputBatch.prepare``).
         num_kv_heads: The model's KV heads (sizes the split-KV decision).
         device: Where the kernels run.
         sliding_window: The model's sliding window, if any.
         num_kv_splits: Force the number of KV splits; None decides: split only decode-only steps
             whose batch is too small to fill the GPU (never on the CPU).
     """
-    num_seqs = len(sequences)
-    query_lens = np.fromiter((len(s.token_ids) for s in sequences), dtype=np.int32, count=num_seqs)
-    seq_lens = np.fromiter((s.start_position + len(s.token_ids) for s in sequences), dtype=np.int32, count=num_seqs)
-    max_query_len = int(query_lens.max(initial=0))
-    max_seq_len = int(seq_lens.max(initial=0))
+    num_seqs = step.num_seqs
+    block_size = step.block_size
+    max_query_len, max_seq_len = step.max_query_len, step.max_seq_len
     max_blocks = max(1, -(-max_seq_len // block_size))
     # One int32 buffer: [query_start_loc | seq_lens | block_tables | slot_mapping].
-    tokens = int(query_lens.sum())
     table_at = 2 * num_seqs + 1
     slots_at = table_at + num_seqs * max_blocks
-    packed = np.zeros(slots_at + tokens, dtype=np.int32)
-    np.cumsum(query_lens, out=packed[1 : num_seqs + 1])
-    packed[num_seqs + 1 : table_at] = seq_lens
-    tables = packed[table_at:slots_at].reshape(num_seqs, max_blocks)
-    for row, seq in enumerate(sequences):
-        used = min(len(seq.block_table), max_blocks)
-        tables[row, :used] = seq.block_table[:used]
-    packed[slots_at:] = slot_mapping
+    packed = np.empty(slots_at + step.num_tokens, dtype=np.int32)
+    packed[: num_seqs + 1] = step.query_start_loc
+    packed[num_seqs + 1 : table_at] = step.seq_lens
+    packed[table_at:slots_at].reshape(num_seqs, max_blocks)[:] = step.tables(None, max_blocks)
+    packed[slots_at:] = step.slot_mapping
     host = torch.from_numpy(packed)
     on_device = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
     if num_kv_splits is None:
