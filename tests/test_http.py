@@ -605,6 +605,10 @@ async def test_metrics_in_prometheus_text_format(scripted_engine: Engine) -> Non
     assert samples["asyncllm_num_requests_running"] == samples["asyncllm_num_requests_waiting"] == 0
     assert samples["asyncllm_kv_cache_blocks_free"] == samples["asyncllm_kv_cache_blocks_total"] == 256
     assert samples["asyncllm_kv_cache_usage_ratio"] == 0.0
+    parts = ("schedule", "prepare", "output", "device_prepare", "device_forward", "device_sample", "device_idle")
+    for part in parts:  # the scripted runner keeps no timings of its own: its device parts are 0
+        assert samples[f'asyncllm_step_seconds_total{{part="{part}"}}'] >= 0
+    assert samples['asyncllm_step_seconds_total{part="schedule"}'] > 0
     if hasattr(scripted_engine.statistics(), "prefix_cache_queries"):
         assert samples["asyncllm_prefix_cache_queries_total"] >= samples["asyncllm_prefix_cache_hits_total"] >= 0
 

@@ -63,19 +63,32 @@ class DeviceWorker:
         self._exited = anyio.Event()
         self.busy_seconds = 0.0
         """Seconds the thread spent running calls (model steps, load, close)."""
-        self.idle_seconds = 0.0
-        """Seconds the thread waited for its next call, after the first one."""
+        # (seconds of finished waits, start of the current wait or None), replaced in one assignment
+        # so that the loop thread never reads half an update.
+        self._idle: tuple[float, float | None] = (0.0, None)
         self._thread.start()
+
+    @property
+    def idle_seconds(self) -> float:
+        """Seconds the thread waited for its next call, after the first one, the current wait included.
+
+        The current wait counts up to now, so two snapshots taken around a busy period (a benchmark
+        run) do not also count an idle gap that began before the first of them.
+        """
+        done, since = self._idle
+        return done + (time.perf_counter() - since if since is not None else 0.0)
 
     def _main(self) -> None:
         ran_once = False
         try:
             while True:
                 waited_from = time.perf_counter()
+                if ran_once:  # waiting before the first call (the load) is not idleness
+                    self._idle = (self._idle[0], waited_from)
                 call = self._queue.get()
                 started = time.perf_counter()
-                if ran_once:  # waiting before the first call (the load) is not idleness
-                    self.idle_seconds += started - waited_from
+                if ran_once:
+                    self._idle = (self._idle[0] + started - waited_from, None)
                 if call is _STOP:
                     break
                 call._run(self._portal)

@@ -33,7 +33,7 @@ from asyncllm.memory import check_kv_cache_memory
 from asyncllm.metrics import EngineMetrics
 from asyncllm.output_processor import OutputProcessor
 from asyncllm.outputs import Completion, EngineStatistics, FinishReason, Logprobs, Sample, StreamChunk
-from asyncllm.runner import ModelRunner, RunnerInfo
+from asyncllm.runner import ModelRunner, RunnerInfo, RunnerTimings
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.scheduler import Scheduler
 from asyncllm.stream import RequestStream
@@ -541,6 +541,7 @@ class Engine:
             raise EngineClosedError("the engine is not running")
         scheduler = core.scheduler
         kv = scheduler.kv_cache
+        runner_timings = getattr(core.runner, "timings", None) or RunnerTimings()
         return EngineStatistics(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
@@ -556,6 +557,9 @@ class Engine:
             time_output=core.timings.output,
             device_busy=core.worker.busy_seconds,
             device_idle=core.worker.idle_seconds,
+            device_prepare=runner_timings.prepare,
+            device_forward=runner_timings.forward,
+            device_sample=runner_timings.sample,
             num_preemptions=scheduler.num_preemptions,
             num_steps=core.num_steps,
             num_prompt_tokens=core.num_prompt_tokens,

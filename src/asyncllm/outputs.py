@@ -137,6 +137,12 @@ class EngineStatistics(msgspec.Struct, frozen=True):
         device_idle: Seconds the device thread waited for its next step (the engine was idle,
             or the loop was late); ``device_idle / (device_busy + device_idle)`` over a busy
             period is the fraction of time the device starved.
+        device_prepare: Of ``device_busy``, seconds the runner spent building steps' input arrays
+            and attention metadata (0.0 for a runner that does not report its timings).
+        device_forward: Of ``device_busy``, seconds in the model forward (on CUDA measured with
+            events on the runner's stream, so device time, not launch time).
+        device_sample: Of ``device_busy``, seconds computing logits, sampling (logprobs included)
+            and copying the sampled ids to the host.
     """
 
     num_running: int
@@ -158,3 +164,6 @@ class EngineStatistics(msgspec.Struct, frozen=True):
     time_output: float = 0.0
     device_busy: float = 0.0
     device_idle: float = 0.0
+    device_prepare: float = 0.0
+    device_forward: float = 0.0
+    device_sample: float = 0.0

@@ -88,6 +88,22 @@ class StepBatch:
     """Requests that ended since the previous step: the runner drops their state."""
 
 
+@dataclass(slots=True)
+class RunnerTimings:
+    """Seconds a runner spent in each part of its steps, summed over steps (device thread only).
+
+    A runner that keeps these exposes them as a ``timings`` attribute; ``Engine.statistics()``
+    reports them as ``device_prepare``, ``device_forward`` and ``device_sample``.
+    """
+
+    prepare: float = 0.0
+    """Building the step's input arrays and attention metadata."""
+    forward: float = 0.0
+    """The model forward, up to the final hidden states."""
+    sample: float = 0.0
+    """Logits, sampling (logprobs included) and the copy of the sampled ids to the host."""
+
+
 class ModelRunner(Protocol):
     """Computes tokens. Every method runs on the engine's device thread, never on the event loop."""
 

@@ -110,6 +110,16 @@ def render_metrics(metrics: EngineMetrics, stats: EngineStatistics) -> str:
     page.gauge("asyncllm_kv_cache_usage_ratio", float(usage), "Fraction of KV blocks held by requests (0-1).")
     page.counter("asyncllm_num_preemptions_total", stats.num_preemptions, "Requests preempted (KV recomputed later).")
     page.counter("asyncllm_num_steps_total", stats.num_steps, "Model steps run.")
+    page.family(
+        "asyncllm_step_seconds_total",
+        "counter",
+        "Seconds spent per part of the step pipeline: the event loop's (schedule, prepare, output) and "
+        "the device thread's (device_prepare, device_forward, device_sample, device_idle).",
+    )
+    for part in ("schedule", "prepare", "output"):
+        page.sample("asyncllm_step_seconds_total", float(getattr(stats, f"time_{part}", 0.0)), [("part", part)])
+    for part in ("device_prepare", "device_forward", "device_sample", "device_idle"):
+        page.sample("asyncllm_step_seconds_total", float(getattr(stats, part, 0.0)), [("part", part)])
     # Present once the engine has a prefix cache; read by name so this works before and after.
     queries = getattr(stats, "prefix_cache_queries", None)
     hits = getattr(stats, "prefix_cache_hits", None)
