@@ -129,7 +129,8 @@ def test_attention_backend_resolution() -> None:
 
 def _run(runner: TorchModelRunner, sequences: list[SequenceInput]) -> torch.Tensor:
     with torch.inference_mode():
-        return runner._forward(step_inputs(sequences, runner.block_size))
+        step = step_inputs(sequences, runner.block_size)
+        return runner._forward(step, runner._metadata(step))
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])

@@ -85,3 +85,20 @@ async def test_loop_and_device_times_are_reported(model: Path) -> None:
     assert stats.device_busy > 0
     assert stats.time_schedule > 0 and stats.time_prepare > 0 and stats.time_output > 0
     assert stats.device_idle >= 0
+    # the torch runner splits its steps' time; the parts fit inside the device thread's busy time
+    parts = (stats.device_prepare, stats.device_forward, stats.device_sample)
+    assert all(part > 0 for part in parts)
+    assert sum(parts) <= stats.device_busy
+    assert stats.device_forward > stats.device_prepare  # a real forward outweighs building its inputs
+
+
+async def test_device_idle_counts_the_current_wait(model: Path) -> None:
+    async with Engine.open(model, device="cpu") as engine:
+        await engine.generate([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+        # Idle now: each snapshot counts the wait so far, so a later one never reports less.
+        first = engine.statistics().device_idle
+        await anyio.lowlevel.checkpoint()
+        second = engine.statistics().device_idle
+        await engine.generate([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+        third = engine.statistics().device_idle
+    assert 0 < first <= second <= third

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,7 @@ from asyncllm.memory import (
     size_kv_cache,
 )
 from asyncllm.models import DecoderForCausalLM, build_model
-from asyncllm.runner import RunnerInfo, SequenceInput, StepBatch, StepOutput
+from asyncllm.runner import RunnerInfo, RunnerTimings, SequenceInput, StepBatch, StepOutput
 from asyncllm.sampler import Sampler
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.weights import load_config, load_eos_token_ids, load_state_dict
@@ -166,6 +167,8 @@ class TorchModelRunner:
         self.packed_gemm = packed_gemm
         self.num_packed_layers = 0
         """Linear layers running from MKL-packed weights (0: all on ``F.linear``)."""
+        self.timings = RunnerTimings()
+        """Seconds spent preparing inputs, in the forward and sampling, over all steps."""
         self.num_threads = num_threads
         self.compile_seconds = 0.0
         self.graphs: DecodeGraphs | None = None
@@ -353,30 +356,42 @@ class TorchModelRunner:
 
     def _execute(self, sequences: list[SequenceInput]) -> StepOutput:
         assert self.model is not None and self.sampler is not None
+        clock = _StepClock(self.device)
         step = self.input_batch.prepare(sequences)
-        hidden = self._replay(step) if self.graphs is not None and self.graphs.fits(step) else self._forward(step)
+        replay = self.graphs is not None and self.graphs.fits(step)
+        meta = None if replay else self._metadata(step)
+        clock.mark()
+        hidden = self._replay(step) if meta is None else self._forward(step, meta)
+        clock.mark()
         model = self.model
         self.sampler.record(sequences)
         offsets = step.query_start_loc[:-1].tolist()
         prompt_logprobs = self.sampler.prompt_logprobs(sequences, offsets, lambda rows: model.logits(hidden[rows]))
-        if not len(step.sample_index):
-            return StepOutput([], prompt_logprobs=prompt_logprobs)
-        logits = self.model.logits(hidden[to_device(step.sample_index, self.device)])
-        sampled = self.sampler.sample(logits, [s for s in sequences if s.sample])
-        return StepOutput(sampled.token_ids.tolist(), sampled.logprobs, prompt_logprobs)
+        token_ids: list[int] = []
+        logprobs = None
+        if len(step.sample_index):
+            logits = self.model.logits(hidden[to_device(step.sample_index, self.device)])
+            sampled = self.sampler.sample(logits, [s for s in sequences if s.sample])
+            token_ids, logprobs = sampled.token_ids.tolist(), sampled.logprobs
+        clock.mark()
+        clock.add_to(self.timings)
+        return StepOutput(token_ids, logprobs, prompt_logprobs)
 
-    def _forward(self, step: StepInputs) -> torch.Tensor:
+    def _metadata(self, step: StepInputs) -> AttentionMetadata | CpuAttentionMetadata | TritonAttentionMetadata:
         assert self.model is not None
         spec = self.model.spec
-        meta: AttentionMetadata | CpuAttentionMetadata | TritonAttentionMetadata
         if self.attention_backend == "cpu":
-            meta = build_cpu_metadata(step, sliding_window=spec.sliding_window)
-        elif self.attention_backend == "triton":
-            meta = build_triton_metadata(
+            return build_cpu_metadata(step, sliding_window=spec.sliding_window)
+        if self.attention_backend == "triton":
+            return build_triton_metadata(
                 step, num_kv_heads=spec.num_kv_heads, device=self.device, sliding_window=spec.sliding_window
             )
-        else:
-            meta = _attention_metadata(step, spec.sliding_window, self.device)
+        return _attention_metadata(step, spec.sliding_window, self.device)
+
+    def _forward(
+        self, step: StepInputs, meta: AttentionMetadata | CpuAttentionMetadata | TritonAttentionMetadata
+    ) -> torch.Tensor:
+        assert self.model is not None
         # One pinned, non-blocking copy for ids and positions: the host does not wait for the device.
         ids_positions = to_device(np.concatenate((step.input_ids, step.positions)), self.device)
         n = step.num_tokens
@@ -403,6 +418,42 @@ class TorchModelRunner:
         self.sampler = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+class _StepClock:
+    """Splits one step's time into input preparation, forward and sampling (``RunnerTimings``).
+
+    Preparation is host work, timed on the host. On CUDA the forward and sampling are queued
+    asynchronously, so host timestamps would measure launches: events recorded on the runner's
+    stream time them on the device instead, read after the step's one synchronization (the copy
+    of the sampled ids to the host), so the clock adds no synchronization of its own.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._host = [time.perf_counter()]
+        self._events: list[torch.cuda.Event] = []
+
+    def mark(self) -> None:
+        """End the current part (call after preparation, after the forward, after sampling)."""
+        self._host.append(time.perf_counter())
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._events.append(event)
+
+    def add_to(self, timings: RunnerTimings) -> None:
+        """Add the three parts to ``timings``, once all three marks are made."""
+        host = self._host
+        timings.prepare += host[1] - host[0]
+        if self._cuda:
+            start, forwarded, sampled = self._events
+            sampled.synchronize()  # already complete after the ids reached the host; cheap
+            timings.forward += start.elapsed_time(forwarded) / 1000.0
+            timings.sample += forwarded.elapsed_time(sampled) / 1000.0
+        else:
+            timings.forward += host[2] - host[1]
+            timings.sample += host[3] - host[2]
 
 
 def _cpu_backend_or_torch(head_dim: int, dtype: torch.dtype, requested: bool) -> str:
