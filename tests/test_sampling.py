@@ -592,3 +592,20 @@ def test_spaces_between_special_tokens_stream_adds_up(tiny_llama: Path) -> None:
                     run.append(i)
             expected = (" " if spaced else "").join(part for part in parts if part)
             assert "".join(deltas) == expected
+
+
+def test_row_argmax_matches_torch_including_ties_and_infinities() -> None:
+    from asyncllm.sampler import row_argmax
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(33, 1000, generator=generator)
+    x[3, 10] = x[3, 500] = 100.0  # a tie: the first maximum wins
+    x[4] = float("-inf")
+    x[4, 7] = 0.0
+    x[5] = float("-inf")  # every column masked: index 0, as torch
+    x[6, 999] = float("inf")
+    for rows in (x, x[::2], x.double()):
+        got = row_argmax(rows)
+        assert got.dtype == torch.int64
+        assert torch.equal(got, rows.argmax(dim=-1))
+    assert row_argmax(x)[3] == 10
