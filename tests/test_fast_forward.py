@@ -129,8 +129,7 @@ def test_attention_backend_resolution() -> None:
 
 def _run(runner: TorchModelRunner, sequences: list[SequenceInput]) -> torch.Tensor:
     with torch.inference_mode():
-        step = step_inputs(sequences, runner.block_size)
-        return runner._forward(step, runner._metadata(step))
+        return runner._forward(step_inputs(sequences, runner.block_size))
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])

@@ -389,9 +389,11 @@ class TorchModelRunner:
         return _attention_metadata(step, spec.sliding_window, self.device)
 
     def _forward(
-        self, step: StepInputs, meta: AttentionMetadata | CpuAttentionMetadata | TritonAttentionMetadata
+        self, step: StepInputs, meta: AttentionMetadata | CpuAttentionMetadata | TritonAttentionMetadata | None = None
     ) -> torch.Tensor:
         assert self.model is not None
+        if meta is None:
+            meta = self._metadata(step)
         # One pinned, non-blocking copy for ids and positions: the host does not wait for the device.
         ids_positions = to_device(np.concatenate((step.input_ids, step.positions)), self.device)
         n = step.num_tokens
