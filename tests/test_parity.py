@@ -63,14 +63,20 @@ def _hf_greedy(model_dir: Path, prompts: tuple[tuple[int, ...], ...], max_new_to
 
 
 async def _generate_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    # Every request is added, in prompt order, before any is consumed: the scheduler sees the same
+    # arrival order on asyncio and on trio (which runs ready tasks in a random order), so the
+    # preemption variant's cache really overflows on both instead of only for some orders.
+    streams = [engine.stream(prompt, params) for prompt in prompts]
     results: list[list[int]] = [[] for _ in prompts]
 
-    async def one(index: int) -> None:
-        results[index] = list((await engine.generate(prompts[index], params)).token_ids)
+    async def consume(index: int) -> None:
+        async with streams[index] as stream:
+            async for chunk in stream:
+                results[index].extend(chunk.token_ids)
 
     async with anyio.create_task_group() as tg:
         for index in range(len(prompts)):
-            tg.start_soon(one, index)
+            tg.start_soon(consume, index)
     return results
 
 
