@@ -62,7 +62,7 @@ def test_linear_pack_releases_the_weight_and_keeps_the_results() -> None:
 def test_linear_without_packing_is_nn_linear() -> None:
     layer = Linear(8, 4).to(torch.float64)
     assert not layer.pack(release=True)  # float64: left alone
-    assert layer.packed is None and layer.weight.shape == (4, 8)
+    assert not layer.packed and layer.weight.shape == (4, 8)
     x = torch.randn(2, 8, dtype=torch.float64)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
     # state dict names are nn.Linear's, so HF checkpoints load unchanged
@@ -80,7 +80,8 @@ def test_runner_packs_every_linear_layer(tiny_llama, packed_gemm: bool) -> None:
     # per layer: qkv, o, gate_up, down; plus lm_head
     assert len(layers) == 4 * runner.model.spec.num_layers + 1
     assert runner.num_packed_layers == (len(layers) if packed_gemm else 0)
-    assert all((m.packed is not None) == packed_gemm for m in layers)
+    assert all(m.packed == packed_gemm for m in layers)
+    assert not any(key.endswith("packed_weight") for key in runner.model.state_dict())  # not persistent
     runner.close()
 
 

@@ -120,9 +120,9 @@ class TorchModelRunner:
             ``asyncllm.compile``). False keeps the eager forward.
         fuse_projections: Run q/k/v and gate/up as one matmul each (``fuse_projections()`` after
             loading). False keeps HF's separate projections (for comparisons).
-        packed_gemm: On the CPU in float32 without ``compile``, pack every linear weight once for
-            MKL's GEMM (``asyncllm.layers.linear``; 1.1-1.3x faster steps) where the torch build
-            exports it. False keeps ``F.linear`` (for comparisons).
+        packed_gemm: On the CPU in float32, pack every linear weight once for MKL's GEMM
+            (``asyncllm.layers.linear``; 1.1-1.3x faster steps; compiled graphs call it too) where
+            the torch build exports it. False keeps ``F.linear`` (for comparisons).
         num_threads: torch's intra-op threads on the CPU, set at load on the device thread; None
             decides (``asyncllm.compile.configure_cpu_threads``). Ignored on CUDA.
     """
@@ -206,7 +206,7 @@ class TorchModelRunner:
             model.fuse_projections()
         if self.attention_backend == "cpu":
             self.attention_backend = _cpu_backend_or_torch(model.spec.head_dim, dtype, requested_backend == "cpu")
-        if self.packed_gemm and device.type == "cpu" and dtype == torch.float32 and not self.compile:
+        if self.packed_gemm and device.type == "cpu" and dtype == torch.float32:
             self.num_packed_layers = model.pack_weights()
         self.model = model
         self.device, self.dtype = device, dtype

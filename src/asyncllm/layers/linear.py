@@ -12,9 +12,10 @@ on torch's OpenMP threads, so ``torch.set_num_threads`` governs it like any othe
 
 The packed layout does not depend on the row count: one packed copy serves every batch size
 (checked at start-up by ``packed_gemm_available``, which compares against ``F.linear`` and turns
-the feature off if they disagree or the symbols are missing). Packing is for float32 on the CPU,
-without ``torch.compile`` (inductor cannot trace a foreign call); everything else runs
-``F.linear`` as before.
+the feature off if they disagree or the symbols are missing). Packing is for float32 on the CPU;
+everything else runs ``F.linear`` as before. Under ``torch.compile`` the multiplication is the
+custom operator ``asyncllm::packed_linear``, which inductor keeps as an opaque call between the
+kernels it fuses (the packed weight is a module buffer, so one graph still serves every layer).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import ctypes
 import functools
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +32,7 @@ from torch import nn
 
 logger = logging.getLogger("asyncllm")
 
-__all__ = ["Linear", "PackedWeight", "packed_gemm_available"]
+__all__ = ["Linear", "PackedWeight", "packed_gemm_available", "packed_matmul"]
 
 # CBLAS constants (mkl_cblas.h).
 _ROW_MAJOR = 101
@@ -84,24 +86,43 @@ class PackedWeight:
             _ROW_MAJOR, _B_MATRIX, _TRANS, 64, self.out_features, self.in_features,
             1.0, source.data_ptr(), self.in_features, self.buffer.data_ptr(),
         )  # fmt: skip
-        self._compute = library.cblas_sgemm_compute
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` from the packed weight; ``x`` is [..., in_features] float32."""
         if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != self.in_features:
             raise ValueError(f"expected [..., {self.in_features}] float32 CPU input, got {x.dtype} {tuple(x.shape)}")
-        rows = x.reshape(-1, self.in_features).contiguous()
-        count = rows.shape[0]
-        out = torch.empty(count, self.out_features, dtype=torch.float32)
-        if count:
-            self._compute(
-                _ROW_MAJOR, _NO_TRANS, _PACKED, count, self.out_features, self.in_features,
-                rows.data_ptr(), self.in_features, self.buffer.data_ptr(), self.out_features,
-                0.0, out.data_ptr(), self.out_features,
-            )  # fmt: skip
-        if bias is not None:
-            out += bias
-        return out.view(*x.shape[:-1], self.out_features)
+        return packed_matmul(x, self.buffer, bias, self.out_features)
+
+
+def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` with ``weight`` packed by ``PackedWeight`` into ``packed`` (no checks)."""
+    in_features = x.shape[-1]
+    rows = x.reshape(-1, in_features).contiguous()
+    count = rows.shape[0]
+    out = torch.empty(count, out_features, dtype=torch.float32)
+    library = _mkl()
+    if count and library is not None:
+        library.cblas_sgemm_compute(
+            _ROW_MAJOR, _NO_TRANS, _PACKED, count, out_features, in_features,
+            rows.data_ptr(), in_features, packed.data_ptr(), out_features,
+            0.0, out.data_ptr(), out_features,
+        )  # fmt: skip
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], out_features)
+
+
+@torch.library.custom_op("asyncllm::packed_linear", mutates_args=())
+def _packed_linear_op(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    # What compiled graphs call: the foreign call stays opaque to dynamo and inductor.
+    return packed_matmul(x, packed, bias, out_features)
+
+
+@_packed_linear_op.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 @functools.cache
@@ -126,9 +147,20 @@ class Linear(nn.Linear):
 
     ``pack()`` packs the weight once (float32, CPU) and, with ``release=True``, drops the
     unpacked copy; until then, and wherever packing is unavailable, it is a plain ``nn.Linear``.
+    The packed weight is a non-persistent buffer (not in the state dict), so ``torch.compile``
+    sees it as a graph input like the weight it replaces.
     """
 
-    packed: PackedWeight | None = None
+    packed_weight: torch.Tensor | None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_buffer("packed_weight", None, persistent=False)
+
+    @property
+    def packed(self) -> bool:
+        """Whether the layer runs from its packed weight."""
+        return self.packed_weight is not None
 
     def pack(self, release: bool) -> bool:
         """Pack the weight for MKL's GEMM; return whether it is now packed.
@@ -136,18 +168,22 @@ class Linear(nn.Linear):
         Args:
             release: Replace the unpacked weight by an empty tensor to give its memory back. Only
                 for a weight nothing else shares (not a tied embedding) and when nothing will read
-                it again (no ``torch.compile``, no CUDA graphs).
+                it again (no CUDA graphs).
         """
         weight = self.weight
         if weight.dtype != torch.float32 or weight.device.type != "cpu" or not packed_gemm_available():
             return False
-        self.packed = PackedWeight(weight)
+        self.packed_weight = PackedWeight(weight).buffer
         if release:
             self.weight = nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self.packed
-        if packed is not None:
-            return packed.linear(x, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        packed = self.packed_weight
+        if packed is None:
+            return F.linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling():
+            result: torch.Tensor = torch.ops.asyncllm.packed_linear(x, packed, self.bias, self.out_features)
+            return result
+        # Eager: the plain function (a custom operator's dispatch would cost microseconds per call).
+        return packed_matmul(x, packed, self.bias, self.out_features)

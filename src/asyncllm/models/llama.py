@@ -308,9 +308,10 @@ class DecoderForCausalLM(nn.Module):
     def pack_weights(self) -> int:
         """Pack every linear layer's weight for MKL's GEMM (float32 on the CPU; see ``layers.linear``).
 
-        Call it after ``fuse_projections`` and never with ``torch.compile`` or CUDA graphs: the
-        unpacked weights are released (except the tied output embedding, which the input
-        embedding still reads). Returns the number of layers packed (0 where unavailable).
+        Call it after ``fuse_projections`` and before ``torch.compile`` (the compiled graphs then
+        call the packed weights); never with CUDA graphs. The unpacked weights are released
+        (except the tied output embedding, which the input embedding still reads). Returns the
+        number of layers packed (0 where unavailable).
         """
         packed = 0
         for module in self.modules():
