@@ -9,8 +9,8 @@ runner variants, each adding one thing to the previous one:
 - ``+fused``: q/k/v and gate/up stacked into one matmul each (``fuse_projections``);
 - ``+attention``: the ``cpu`` attention backend (the C decode kernel, no gathered KV);
 - ``+packed``: linear weights packed once for MKL's GEMM (``packed_gemm``, ``asyncllm.layers.linear``);
-- ``+compile``: ``torch.compile`` of every layer's dense parts (``compile=True``; the runner does not
-  pack weights under compile, so this variant replaces ``+packed`` rather than adding to it);
+- ``+compile``: ``torch.compile`` of every layer's dense parts (``compile=True``; the compiled graphs call
+  the packed weights through the ``asyncllm::packed_linear`` operator);
 - ``+threads``: the intra-op thread count the runner decides at load (``num_threads=None``), or
   ``--threads``.
 
@@ -122,7 +122,7 @@ def variant_options(name: str, default_threads: int, threads: int | None) -> dic
     return {
         "fuse_projections": rank >= 1,
         "attention_backend": "cpu" if rank >= 2 else "torch",
-        "packed_gemm": rank >= 3,  # the runner does not pack under compile: +compile replaces it
+        "packed_gemm": rank >= 3,
         "compile": rank >= 4,
         "num_threads": threads if rank >= 5 else default_threads,
     }
