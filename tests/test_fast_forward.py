@@ -8,9 +8,10 @@ token for token those of transformers with every combination.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
+from types import ModuleType
 
 import anyio
 import pytest
@@ -317,17 +318,15 @@ def test_thread_choice(monkeypatch: pytest.MonkeyPatch) -> None:
         torch.set_num_threads(before)
 
 
-def test_forward_benchmark_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    import importlib.util
+def test_forward_benchmark_quick(
+    tiny_llama: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    load_benchmark: Callable[[str], ModuleType],
+) -> None:
     import json
-    import sys
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "forward.py"
-    spec = importlib.util.spec_from_file_location("asyncllm_bench_forward", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_benchmark("forward")
     out_json = tmp_path / "forward.json"
     argv = ["--quick", "--model", str(tiny_llama), "--variants", "eager,+fused,+attention", "--json", str(out_json)]
     assert module.main(argv) == 0

@@ -85,18 +85,9 @@ def test_runner_packs_every_linear_layer(tiny_llama, packed_gemm: bool) -> None:
     runner.close()
 
 
-def test_gemm_benchmark_quick(tiny_llama, capsys) -> None:  # type: ignore[no-untyped-def]
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "forward.py"
-    spec = importlib.util.spec_from_file_location("asyncllm_bench_forward_gemm", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    assert module.main(["--gemm", "--quick", "--repeats", "1", "--model", str(tiny_llama)]) == 0
+def test_gemm_benchmark_quick(tiny_llama, load_benchmark, capsys) -> None:  # type: ignore[no-untyped-def]
+    forward = load_benchmark("forward")
+    assert forward.main(["--gemm", "--quick", "--repeats", "1", "--model", str(tiny_llama)]) == 0
     out = capsys.readouterr().out
     assert "| matmul (GFLOPS: F.linear / packed) | 1 rows" in out
     assert "| lm_head [" in out and "| gate_up [" in out
