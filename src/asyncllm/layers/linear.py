@@ -101,7 +101,9 @@ def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     count = rows.shape[0]
     out = torch.empty(count, out_features, dtype=torch.float32)
     library = _mkl()
-    if count and library is not None:
+    if library is None:  # a packed weight exists only where packing was available
+        raise RuntimeError("MKL's packed GEMM is unavailable in this torch build")
+    if count:
         library.cblas_sgemm_compute(
             _ROW_MAJOR, _NO_TRANS, _PACKED, count, out_features, in_features,
             rows.data_ptr(), in_features, packed.data_ptr(), out_features,
