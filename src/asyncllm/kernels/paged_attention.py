@@ -162,6 +162,76 @@ def query_tile(
 
 
 @triton.jit
+def locate_query_block(query_start_loc_ptr, num_seqs, BLOCK_Q: tl.constexpr):
+    """This program's sequence, its query block within that sequence, and the sequence's query count."""
+    q_block = tl.program_id(0)
+    seq = find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_block_local = q_block - (q_start // BLOCK_Q + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    return seq, q_block_local, q_len
+
+
+@triton.jit
+def attend_query_block(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    seq,
+    q_block_local,
+    kv_head,
+    split,
+    scale_log2e,
+    sliding_window,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_slot,
+    stride_v_head,
+    stride_bt_seq,
+    NUM_SPLITS: tl.constexpr,
+    QUERIES_PER_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
+    SLIDING: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One program's work, shared by both attention kernels: its query tile against part ``split`` of
+    ``NUM_SPLITS`` of the key tiles it may see (all of them for 1). Returns the unnormalised softmax
+    state (m_i, l_i, acc) and what the caller needs to store it: the rows' token, head and validity,
+    and the head-dimension offsets and mask."""
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
+    q, token, head, row_valid, q_pos, tile_lo, tile_hi, kv_end = query_tile(
+        q_ptr, query_start_loc_ptr, seq_lens_ptr, seq, q_block_local, kv_head, stride_q_tok, stride_q_head,
+        sliding_window, offs_d, d_mask, QUERIES_PER_KV, BLOCK_M, BLOCK_Q, TILE_N, SLIDING, DOT_DTYPE,
+    )  # fmt: skip
+    # This split's share of the key tiles; trailing splits of a short sequence get none and keep an
+    # empty state (max -inf, sum 0). With one split the share is every tile.
+    per_split = tl.cdiv(tile_hi - tile_lo, NUM_SPLITS)
+    my_lo = tile_lo + split * per_split
+    my_hi = tl.minimum(my_lo + per_split, tile_hi)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    m_i, l_i, acc = attend_tiles(
+        q, q_pos, row_valid, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt_seq,
+        kv_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, my_lo, my_hi, kv_end,
+        scale_log2e, sliding_window, offs_d, d_mask, BLOCK_SIZE, TILE_N, SLIDING, DOT_DTYPE, DOT_PRECISION,
+    )  # fmt: skip
+    return m_i, l_i, acc, token, head, row_valid, offs_d, d_mask
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr,
     q_ptr,
@@ -193,26 +263,15 @@ def _paged_attention_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    q_block = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    seq = find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
-    q_block_local = q_block - (tl.load(query_start_loc_ptr + seq) // BLOCK_Q + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - tl.load(query_start_loc_ptr + seq)
+    seq, q_block_local, q_len = locate_query_block(query_start_loc_ptr, num_seqs, BLOCK_Q)
     if q_block_local * BLOCK_Q >= q_len:
         return
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    d_mask = offs_d < HEAD_DIM
-    q, token, head, row_valid, q_pos, tile_lo, tile_hi, kv_end = query_tile(
-        q_ptr, query_start_loc_ptr, seq_lens_ptr, seq, q_block_local, kv_head, stride_q_tok, stride_q_head,
-        sliding_window, offs_d, d_mask, QUERIES_PER_KV, BLOCK_M, BLOCK_Q, TILE_N, SLIDING, DOT_DTYPE,
-    )  # fmt: skip
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    m_i, l_i, acc = attend_tiles(
-        q, q_pos, row_valid, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt_seq,
-        kv_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, tile_lo, tile_hi, kv_end,
-        scale_log2e, sliding_window, offs_d, d_mask, BLOCK_SIZE, TILE_N, SLIDING, DOT_DTYPE, DOT_PRECISION,
+    _m_i, l_i, acc, token, head, row_valid, offs_d, d_mask = attend_query_block(
+        q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+        seq, q_block_local, tl.program_id(1), 0, scale_log2e, sliding_window,
+        stride_q_tok, stride_q_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_bt_seq,
+        1, QUERIES_PER_KV, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_Q, TILE_N, SLIDING, DOT_DTYPE,
+        DOT_PRECISION,
     )  # fmt: skip
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(

@@ -7,9 +7,11 @@ sequence's key range into ``num_splits`` contiguous parts: each program folds it
 softmax state (running max and sum in base 2, unnormalised output), and a reduce kernel merges the
 parts of every (token, head) with the usual log-sum-exp rescaling.
 
-The metadata and the query tiling are ``paged_attention``'s, so the same launch also serves a mixed
-batch (prefill rows just get split too); the runner only picks it for decode-heavy steps with long
-contexts, where it pays.
+The metadata and the query tiling are ``paged_attention``'s, and so is a program's work: both kernels
+call ``paged_attention.attend_query_block`` (query tile, online softmax over the key tiles), this
+one for its split's share of the tiles, and differ only in what they store. The same launch also
+serves a mixed batch (prefill rows just get split too); the runner only picks it for decode-heavy
+steps with long contexts, where it pays.
 """
 
 from __future__ import annotations
@@ -20,13 +22,12 @@ import triton.language as tl
 
 from asyncllm.kernels.paged_attention import (
     _LOG2E,
-    attend_tiles,
+    attend_query_block,
     check_shapes,
     dot_dtype,
     dot_precision,
-    find_sequence,
     launch_config,
-    query_tile,
+    locate_query_block,
 )
 
 __all__ = ["num_kv_splits", "split_kv_attention"]
@@ -70,32 +71,17 @@ def _split_kv_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    q_block = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    seq = find_sequence(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
-    q_block_local = q_block - (tl.load(query_start_loc_ptr + seq) // BLOCK_Q + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - tl.load(query_start_loc_ptr + seq)
+    seq, q_block_local, q_len = locate_query_block(query_start_loc_ptr, num_seqs, BLOCK_Q)
     if q_block_local * BLOCK_Q >= q_len:
         return
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    d_mask = offs_d < HEAD_DIM
-    q, token, head, row_valid, q_pos, tile_lo, tile_hi, kv_end = query_tile(
-        q_ptr, query_start_loc_ptr, seq_lens_ptr, seq, q_block_local, kv_head, stride_q_tok, stride_q_head,
-        sliding_window, offs_d, d_mask, QUERIES_PER_KV, BLOCK_M, BLOCK_Q, TILE_N, SLIDING, DOT_DTYPE,
-    )  # fmt: skip
-    # This split's share of the key tiles; trailing splits of a short sequence get none and record
-    # an empty state (max -inf, sum 0), which the reduce weighs by zero.
-    per_split = tl.cdiv(tile_hi - tile_lo, NUM_SPLITS)
-    my_lo = tile_lo + split * per_split
-    my_hi = tl.minimum(my_lo + per_split, tile_hi)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    m_i, l_i, acc = attend_tiles(
-        q, q_pos, row_valid, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt_seq,
-        kv_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, my_lo, my_hi, kv_end,
-        scale_log2e, sliding_window, offs_d, d_mask, BLOCK_SIZE, TILE_N, SLIDING, DOT_DTYPE, DOT_PRECISION,
+    split = tl.program_id(2)
+    # An empty split (trailing, of a short sequence) records max -inf and sum 0: the reduce weighs it by zero.
+    m_i, l_i, acc, token, head, row_valid, offs_d, _d_mask = attend_query_block(
+        q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+        seq, q_block_local, tl.program_id(1), split, scale_log2e, sliding_window,
+        stride_q_tok, stride_q_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_bt_seq,
+        NUM_SPLITS, QUERIES_PER_KV, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_Q, TILE_N, SLIDING,
+        DOT_DTYPE, DOT_PRECISION,
     )  # fmt: skip
     token64 = token.to(tl.int64)
     tl.store(
