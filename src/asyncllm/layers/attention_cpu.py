@@ -27,25 +27,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from asyncllm.input_batch import StepInputs
+from asyncllm.layers import native
 from asyncllm.layers.attention import PrefillSpan, split_step
-
-logger = logging.getLogger("asyncllm")
 
 __all__ = [
     "CpuAttentionMetadata",
@@ -235,9 +226,6 @@ int asyncllm_paged_decode_f32(const float *q, const float *k_cache, const float 
 }
 """
 
-# -ffp-contract=fast lets the multiply-adds be fused (ISO C mode forbids it by default): 20% faster.
-_BASE_FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC", "-std=c11")
-
 
 @dataclass(frozen=True, slots=True)
 class CpuPrefillChunk:
@@ -391,7 +379,9 @@ _Kernel = Callable[..., int]
 def _kernel(head_dim: int) -> _Kernel | None:
     if head_dim % 4:
         return None  # the kernel's vectors are 4, 8 or 16 floats wide
-    path = _build(head_dim)
+    # -ffp-contract=fast lets the multiply-adds be fused (ISO C mode forbids it by default): 20% faster.
+    source = f"#define HEAD_DIM {head_dim}\n{_SOURCE}"
+    path = native.build(f"paged_decode_hd{head_dim}", source, ("-ffp-contract=fast",))
     if path is None:
         return None
     library = ctypes.CDLL(str(path))
@@ -401,54 +391,3 @@ def _kernel(head_dim: int) -> _Kernel | None:
     function.restype = ctypes.c_int
     result: _Kernel = function
     return result
-
-
-def _compiler() -> str | None:
-    for candidate in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if candidate and shutil.which(candidate):
-            return candidate
-    return None
-
-
-def _cpu_signature() -> str:
-    # -march=native code must not be reused on another CPU sharing the same cache folder.
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            flags = next((line for line in info if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        flags = ""
-    return f"{platform.machine()} {platform.processor()} {flags}"
-
-
-def _build(head_dim: int) -> Path | None:
-    from asyncllm.default_model import cache_root
-
-    compiler = _compiler()
-    if compiler is None:
-        logger.info("no C compiler found (cc, gcc, clang or $CC): the cpu attention kernel is unavailable")
-        return None
-    source = f"#define HEAD_DIM {head_dim}\n{_SOURCE}"
-    folder = cache_root() / "kernels"
-    # With OpenMP first; a compiler without it (clang without libomp) builds a single-threaded kernel.
-    for openmp in (("-fopenmp",), ()):
-        flags = (*_BASE_FLAGS, *openmp)
-        key = hashlib.sha256("\0".join((source, compiler, *flags, _cpu_signature())).encode()).hexdigest()[:20]
-        path = folder / f"paged_decode_hd{head_dim}_{key}.so"
-        if path.exists():
-            return path
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=folder) as scratch:
-                source_path = Path(scratch) / "paged_decode.c"
-                source_path.write_text(source, encoding="utf-8")
-                built = Path(scratch) / path.name
-                command = [compiler, *flags, str(source_path), "-o", str(built), "-lm"]
-                subprocess.run(command, check=True, capture_output=True, timeout=120)
-                os.replace(built, path)  # atomic: a concurrent builder's file is as good as ours
-            return path
-        except (OSError, subprocess.SubprocessError) as exc:
-            stderr = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else None
-            detail = stderr.decode(errors="replace")[-400:] if isinstance(stderr, bytes) else ""
-            logger.debug("building the cpu attention kernel with %s %s failed: %s %s", compiler, flags, exc, detail)
-    logger.warning("building the cpu attention kernel failed (%s): it is unavailable", compiler)
-    return None

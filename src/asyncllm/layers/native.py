@@ -1,0 +1,89 @@
+"""Small C kernels for the CPU: built once with the system C compiler, cached, loaded with ctypes.
+
+The CPU path's hand-written kernels (``attention_cpu``'s decode attention, ``elementwise_cpu``'s
+norms and rotary) are C sources in Python strings. ``build`` compiles one with ``-O3
+-march=native`` (about half a second), with OpenMP where the compiler has it, into
+``cache_root()/kernels`` under a name keyed by the source, the compiler, the flags and the CPU's
+feature flags (code built for one CPU is never loaded on another sharing the folder), and returns
+the library's path; ``None`` when there is no compiler or the build fails (logged), so callers
+fall back to torch. A ``ctypes`` call releases the GIL; the OpenMP runtime is the ``libgomp``
+torch already loaded, so the kernels share torch's thread pool and thread count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger("asyncllm")
+
+__all__ = ["build", "compiler"]
+
+BASE_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11")
+
+
+def compiler() -> str | None:
+    """The C compiler to use: ``$CC``, else the first of cc, gcc, clang on the PATH; None if none."""
+    for candidate in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if candidate and shutil.which(candidate):
+            return candidate
+    return None
+
+
+def _cpu_signature() -> str:
+    # -march=native code must not be reused on another CPU sharing the same cache folder.
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            flags = next((line for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()} {platform.processor()} {flags}"
+
+
+def build(name: str, source: str, flags: tuple[str, ...] = ()) -> Path | None:
+    """Compile ``source`` into a shared library (once; cached) and return its path.
+
+    Args:
+        name: A file-name stem for the library (the cache key is appended).
+        source: The complete C source.
+        flags: Flags beyond ``BASE_FLAGS`` (``-fopenmp`` is added, and dropped if the compiler
+            lacks OpenMP: the kernels are then single-threaded).
+
+    Returns:
+        The library's path, or None when no compiler is found or the build fails (logged).
+    """
+    from asyncllm.default_model import cache_root
+
+    cc = compiler()
+    if cc is None:
+        logger.info("no C compiler found (cc, gcc, clang or $CC): the %s kernels are unavailable", name)
+        return None
+    folder = cache_root() / "kernels"
+    for openmp in (("-fopenmp",), ()):
+        all_flags = (*BASE_FLAGS, *flags, *openmp)
+        key = hashlib.sha256("\0".join((source, cc, *all_flags, _cpu_signature())).encode()).hexdigest()[:20]
+        path = folder / f"{name}_{key}.so"
+        if path.exists():
+            return path
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=folder) as scratch:
+                source_path = Path(scratch) / f"{name}.c"
+                source_path.write_text(source, encoding="utf-8")
+                built = Path(scratch) / path.name
+                command = [cc, *all_flags, str(source_path), "-o", str(built), "-lm"]
+                subprocess.run(command, check=True, capture_output=True, timeout=120)
+                os.replace(built, path)  # atomic: a concurrent builder's file is as good as ours
+            return path
+        except (OSError, subprocess.SubprocessError) as exc:
+            stderr = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else None
+            detail = stderr.decode(errors="replace")[-400:] if isinstance(stderr, bytes) else ""
+            logger.debug("building the %s kernels with %s %s failed: %s %s", name, cc, all_flags, exc, detail)
+    logger.warning("building the %s kernels failed (%s): they are unavailable", name, cc)
+    return None
