@@ -1,0 +1,92 @@
+"""The CPU C kernels for RMSNorm (+ residual add) and rotary, against the torch paths they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncllm.layers import elementwise_cpu
+from asyncllm.layers.norm import RMSNorm
+from asyncllm.layers.rotary import RotaryEmbedding, apply_rotary
+
+pytestmark = pytest.mark.skipif(
+    not elementwise_cpu.available(), reason="no C compiler: the cpu element-wise kernels are unavailable"
+)
+
+
+def _norm(hidden: int, seed: int) -> RMSNorm:
+    torch.manual_seed(seed)
+    norm = RMSNorm(hidden, 1e-6)
+    with torch.no_grad():
+        norm.weight.normal_()
+    return norm
+
+
+@pytest.mark.parametrize("rows", [1, 3, 32, 300])  # 300 x 512 crosses the kernel's OpenMP threshold
+@pytest.mark.parametrize("hidden", [512, 576, 100, 7])  # multiples of 64 and 16, a ragged tail, tiny
+def test_rms_norm_matches_torch(rows: int, hidden: int) -> None:
+    norm = _norm(hidden, rows + hidden)
+    x = torch.randn(rows, hidden) * 3
+    got = elementwise_cpu.rms_norm(x, norm.weight.detach(), norm.eps)
+    # The mean square is summed in another order than torch's: the last bit may differ.
+    torch.testing.assert_close(got, norm(x), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 32, 300])
+def test_fused_residual_add_updates_the_stream_and_normalises_the_sum(rows: int) -> None:
+    norm = _norm(512, rows)
+    x = torch.randn(rows, 512)
+    residual = torch.randn(rows, 512)
+    expected_stream = residual + x  # HF's order: hidden = residual + hidden
+    got = elementwise_cpu.rms_norm(x, norm.weight.detach(), norm.eps, residual=residual)
+    assert torch.equal(residual, expected_stream)  # one float32 add: bit for bit
+    torch.testing.assert_close(got, norm(expected_stream), rtol=2e-6, atol=2e-6)
+
+
+def test_rms_norm_of_strided_rows() -> None:
+    # Rows of a wider tensor (a view with a row stride): read in place, result contiguous.
+    norm = _norm(64, 0)
+    wide = torch.randn(5, 200)
+    x = wide[:, 10:74]
+    got = elementwise_cpu.rms_norm(x, norm.weight.detach(), norm.eps)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, norm(x.contiguous()), rtol=2e-6, atol=2e-6)
+
+
+def test_rms_norm_rejects_what_it_cannot_read() -> None:
+    weight = torch.ones(8)
+    with pytest.raises(ValueError, match="float32"):
+        elementwise_cpu.rms_norm(torch.ones(2, 8, dtype=torch.float64), weight, 1e-6)
+    with pytest.raises(ValueError, match=r"\[rows, 8\]"):
+        elementwise_cpu.rms_norm(torch.ones(2, 9), weight, 1e-6)
+    with pytest.raises(ValueError, match=r"\[rows, 8\]"):
+        elementwise_cpu.rms_norm(torch.ones(8, 2).t(), weight, 1e-6)  # rows not contiguous
+    with pytest.raises(ValueError, match="rows"):
+        elementwise_cpu.rms_norm(torch.ones(2, 8), weight, 1e-6, residual=torch.ones(3, 8))
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 4, 64), (3, 1, 36), (2, 2, 128)])
+def test_rotary_is_bit_for_bit_the_torch_path(tokens: int, heads: int, kv_heads: int, head_dim: int) -> None:
+    torch.manual_seed(tokens * head_dim)
+    rotary = RotaryEmbedding(head_dim, {"rope_type": "default", "rope_theta": 10000.0})
+    # q and k as views into one fused projection output, as the model has them (strided tokens).
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim) * 4
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    cos, sin = rotary.cos_sin(torch.randint(0, 4096, (tokens,)), torch.float32)
+    expected_q, expected_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    elementwise_cpu.rotary_(q, k, cos, sin)
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)  # the values are untouched
+
+
+def test_rotary_rejects_mismatched_shapes() -> None:
+    q, k = torch.zeros(2, 4, 8), torch.zeros(2, 2, 8)
+    with pytest.raises(ValueError, match="share tokens"):
+        elementwise_cpu.rotary_(q, torch.zeros(3, 2, 8), torch.zeros(2, 8), torch.zeros(2, 8))
+    with pytest.raises(ValueError, match="cos/sin"):
+        elementwise_cpu.rotary_(q, k, torch.zeros(2, 4), torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="float32"):
+        elementwise_cpu.rotary_(q.double(), k, torch.zeros(2, 8), torch.zeros(2, 8))
