@@ -1,4 +1,9 @@
-"""RMSNorm, computed in float32 as HF transformers does, so greedy outputs match token for token."""
+"""RMSNorm, computed in float32 as HF transformers does, so greedy outputs match token for token.
+
+``forward`` is the torch path (any device). ``forward_triton`` runs the same norm as one Triton
+kernel (``asyncllm.kernels.rms_norm``), optionally with the residual add before it fused in; the
+model calls it on the triton backend. Importing this module does not import triton.
+"""
 
 from __future__ import annotations
 
@@ -28,3 +33,19 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def forward_triton(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The norm as one Triton kernel; with ``residual``, of ``x + residual``, fused.
+
+        Args:
+            x: [tokens, size] input.
+            residual: [tokens, size] the running residual stream (x's dtype). Overwritten with
+                ``x + residual`` (rounded to the dtype, as ``residual + x`` would be), and that sum
+                is what gets normalised: the add and the norm read and write each tensor once.
+
+        Returns:
+            ``weight * rmsnorm(x)`` (or of the sum), shaped and typed like ``x``.
+        """
+        from asyncllm.kernels.rms_norm import rms_norm
+
+        return rms_norm(x, self.weight, self.eps, residual=residual)

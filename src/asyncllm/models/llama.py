@@ -8,9 +8,9 @@ window (mistral), and tied input/output embeddings.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -215,7 +215,8 @@ class DecoderLayer(nn.Module):
 
     The forward is three parts: ``pre_attention`` and ``post_attention`` are dense (norms, matmuls,
     rotary, activations: what ``torch.compile`` fuses well, see ``asyncllm.compile``), and the
-    attention between them reads and writes the paged KV cache through a backend.
+    attention between them reads and writes the paged KV cache through a backend. On the triton
+    backend an eager layer runs ``forward_fused_norms`` instead (see ``DecoderForCausalLM.fused_norm``).
     """
 
     def __init__(self, spec: DecoderSpec) -> None:
@@ -256,6 +257,39 @@ class DecoderLayer(nn.Module):
         attended = self.self_attn.attend(q, k, v, cos_sin, kv_cache, meta, rotated=rotate)
         return post(x, attended)
 
+    def forward_fused_norms(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: TritonAttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` on the triton backend (eager) with each residual add fused into the norm after it.
+
+        vLLM's layout: a layer passes on its MLP output and the residual stream separately, and the
+        next norm adds them (``RMSNorm.forward_triton``, one kernel that updates ``residual`` in
+        place). The sums are the unfused ones, rounded the same way; only the norms' reductions
+        run in another order.
+
+        Args:
+            x: The previous layer's MLP output, or the embeddings for the first layer.
+            residual: The residual stream before ``x`` is added; None for the first layer (then
+                the embeddings are the stream, and are updated in place from here on).
+
+        Returns:
+            (this layer's MLP output, the residual stream up to its attention output).
+        """
+        if residual is None:
+            residual, normed = x, self.input_layernorm.forward_triton(x)
+        else:
+            normed = self.input_layernorm.forward_triton(x, residual)
+        q, k, v = self.self_attn.project(normed, cos_sin[0], cos_sin[1], False)  # rotated by attend's kernel
+        attended = self.self_attn.attend(q, k, v, cos_sin, kv_cache, meta, rotated=False)
+        normed = self.post_attention_layernorm.forward_triton(self.self_attn.o_proj(attended), residual)
+        result: torch.Tensor = self.mlp(normed)
+        return result, residual
+
 
 class DecoderModel(nn.Module):
     """Embeddings, the layer stack and the final norm (HF's ``model.`` prefix)."""
@@ -278,6 +312,13 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.fused_norm = True
+        """On the triton backend with eager (not compiled) layers, fuse every residual add into the
+        RMSNorm after it (``DecoderLayer.forward_fused_norms``): per layer two Triton kernels where
+        the unfused path runs two adds and two norms of several element-wise kernels each. False
+        runs the unfused torch ops there too, for A/B comparisons (``benchmarks/gpu.py``). Other
+        backends and compiled layers never fuse. Read on every forward, so a CUDA graph keeps the
+        path it was captured with (the runner captures at load, with this default)."""
 
     def forward(
         self,
@@ -289,7 +330,13 @@ class DecoderForCausalLM(nn.Module):
         """Run the flat batch ([tokens] ids and positions); return normed hidden states [tokens, hidden]."""
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        layers = cast("Sequence[DecoderLayer]", self.model.layers)
+        if self.fused_norm and isinstance(meta, TritonAttentionMetadata) and all(la.compiled is None for la in layers):
+            residual = None
+            for layer, kv_cache in zip(layers, kv_caches):
+                x, residual = layer.forward_fused_norms(x, residual, cos_sin, kv_cache, meta)
+            return self.model.norm.forward_triton(x, residual)  # the last residual add, fused too
+        for layer, kv_cache in zip(layers, kv_caches):
             x = layer(x, cos_sin, kv_cache, meta)
         result: torch.Tensor = self.model.norm(x)
         return result
