@@ -1,6 +1,7 @@
 """GPU benchmark: the Triton kernels against the memory bandwidth, and the engine on the nano-vllm workload.
 
-    python benchmarks/gpu.py [--quick] [--skip-kernels] [--skip-engine] [--enforce-eager] [--json PATH]
+    python benchmarks/gpu.py [--quick] [--skip-kernels] [--skip-fused-norm] [--skip-engine] [--enforce-eager]
+                             [--json PATH]
 
 Needs one CUDA GPU (it was written for an H200 and sized to finish inside 5 minutes there); on a
 machine without one it prints why and exits with status 2 (``--help`` works anywhere). Nothing is
@@ -15,12 +16,15 @@ What it prints:
 2. Kernel level, one layer of that model: paged attention at decode batch 1/64/256 with contexts of
    512/4096 tokens (the split-KV kernels where the runner would pick them), and the KV-cache write
    of the same batch: time per call and achieved bytes/s as a fraction of the copy bandwidth.
-3. Engine level, the nano-vllm workload: 256 requests, prompt and output lengths uniform in
+3. The fused residual-add + RMSNorm (``DecoderForCausalLM.fused_norm``): a whole-model decode step
+   at batch 1/64/256 with 512-token contexts, eager and replayed from a CUDA graph, with the fused
+   kernels and with the unfused torch ops (interleaved, best of two each), and the speed-up.
+4. Engine level, the nano-vllm workload: 256 requests, prompt and output lengths uniform in
    100..1024, ignore_eos, random token ids, all submitted at once: output tokens/s, and the fraction
    of wall time the device thread spends between steps (the GPU has nothing queued then: a step
    ends with its one synchronisation). For reference nano-vllm reports 1,434 tok/s and vLLM 1,362
    tok/s on this workload on an RTX 4070 Laptop GPU.
-4. The decode steps of that run with all 256 requests decoding: median step time against the memory
+5. The decode steps of that run with all 256 requests decoding: median step time against the memory
    roofline (weight bytes + the KV bytes those 256 contexts read, over the copy bandwidth), printed
    as the fraction of the roofline achieved (target >= 70%).
 """
@@ -28,12 +32,14 @@ What it prints:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +64,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="See docs/gpu.md.")
     parser.add_argument("--quick", action="store_true", help="64 requests and fewer kernel shapes (a smoke run)")
     parser.add_argument("--skip-kernels", action="store_true", help="skip the kernel-level measurements")
+    parser.add_argument("--skip-fused-norm", action="store_true", help="skip the fused-norm on/off comparison")
     parser.add_argument("--skip-engine", action="store_true", help="skip the engine-level workload")
     parser.add_argument("--enforce-eager", action="store_true", help="run the engine without CUDA graphs")
     parser.add_argument("--requests", type=int, default=256, help="requests of the engine workload (256)")
@@ -185,6 +192,101 @@ def kernel_level(bandwidth: float, quick: bool, results: dict[str, Any]) -> None
     results["kernels"] = rows
 
 
+def fused_norm_ab(
+    model: Any,
+    kv_caches: list[tuple[Any, Any]],
+    *,
+    block_size: int,
+    batches: tuple[int, ...],
+    context: int,
+    timer: Callable[[Callable[[], object]], float] = bench_ms,
+    graphs: bool = True,
+) -> list[dict[str, Any]]:
+    """Time a decode step of the whole model with ``model.fused_norm`` on and off.
+
+    Each batch is ``batch`` sequences decoding one token at position ``context - 1`` in their own
+    blocks (``kv_caches`` must hold ``batch * context`` slots). Every variant is timed twice,
+    interleaved (off, on, off, on), and the faster time kept. With ``graphs`` the step is also
+    captured in a CUDA graph per setting and the replay timed: that is what the runner runs.
+
+    Args:
+        model: A loaded ``DecoderForCausalLM`` (eager layers).
+        kv_caches: Its per-layer caches.
+        block_size: Tokens per cache block.
+        batches: Decode batch sizes.
+        context: Tokens of context per sequence, the new one included.
+        timer: Milliseconds one call of a function takes (``bench_ms``; a plain clock on the CPU).
+        graphs: Also time CUDA-graph replays (CUDA only).
+
+    Returns:
+        One row per (batch, mode): milliseconds fused and unfused, and their ratio.
+    """
+    import torch
+
+    from asyncllm.input_batch import step_inputs
+    from asyncllm.layers.attention_triton import build_metadata
+    from asyncllm.runner import SequenceInput
+    from asyncllm.sampling_params import SamplingParams
+
+    device = next(model.parameters()).device
+    blocks = -(-context // block_size)
+    rows = []
+    for batch in batches:
+        sequences = [
+            SequenceInput(i, [i], context - 1, list(range(i * blocks, (i + 1) * blocks)), True, SamplingParams())
+            for i in range(batch)
+        ]
+        step = step_inputs(sequences, block_size)
+        meta = build_metadata(step, num_kv_heads=model.spec.num_kv_heads, device=device)
+        ids = torch.from_numpy(step.input_ids).to(device)
+        positions = torch.from_numpy(step.positions).to(device)
+        forward = functools.partial(model, ids, positions, kv_caches, meta)
+        for mode in ("eager", "graph") if graphs else ("eager",):
+            best = {False: float("inf"), True: float("inf")}
+            with torch.inference_mode():
+                for fused in (False, True, False, True):
+                    model.fused_norm = fused
+                    forward()  # compiles this path's kernels outside the capture and the timing
+                    best[fused] = min(best[fused], timer(_graphed(forward) if mode == "graph" else forward))
+            model.fused_norm = True
+            rows.append({"batch": batch, "context": context, "mode": mode, "fused_ms": best[True],
+                         "unfused_ms": best[False], "speedup": best[False] / best[True]})  # fmt: skip
+    return rows
+
+
+def _graphed(function: Callable[[], object]) -> Callable[[], object]:
+    """``function`` captured in a CUDA graph; returns the replay."""
+    import torch
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        function()
+    return graph.replay
+
+
+def fused_norm_level(folder: Path, quick: bool, results: dict[str, Any]) -> None:
+    """``fused_norm_ab`` on the benchmark model (its own runner, freed again before the engine run)."""
+    import torch
+
+    from asyncllm.model_runner import TorchModelRunner
+
+    batches, context, block = ((1, 64) if quick else (1, 64, 256)), 512, 16
+    runner = TorchModelRunner(
+        folder, device="cuda", dtype="bfloat16", attention_backend="triton", enforce_eager=True,
+        block_size=block, kv_cache_blocks=max(batches) * context // block,
+    )  # fmt: skip
+    runner.load()
+    print("\nfused residual-add + RMSNorm: whole-model decode step, bf16, context 512 (best of 2, interleaved)")
+    print(f"{'batch':>6} {'mode':>6} {'unfused ms':>11} {'fused ms':>9} {'speed-up':>9}")
+    rows = fused_norm_ab(runner.model, runner.kv_caches, block_size=block, batches=batches, context=context)
+    for row in rows:
+        print(f"{row['batch']:>6} {row['mode']:>6} {row['unfused_ms']:>11.3f} {row['fused_ms']:>9.3f} "
+              f"{row['speedup']:>8.2f}x")  # fmt: skip
+    results["fused_norm"] = rows
+    runner.close()
+    torch.cuda.empty_cache()
+
+
 async def engine_level(args: argparse.Namespace, folder: Path, bandwidth: float, results: dict[str, Any]) -> None:
     import anyio
     import torch
@@ -281,10 +383,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{results['device']}: device-to-device copy {bandwidth / 1e9:,.0f} GB/s (read + write)")
     if not args.skip_kernels:
         kernel_level(bandwidth, args.quick, results)
-    if not args.skip_engine:
+    if not (args.skip_fused_norm and args.skip_engine):
         patch_random_weights(args.seed)
         with tempfile.TemporaryDirectory() as tmp:
-            anyio.run(engine_level, args, write_config(Path(tmp)), bandwidth, results)
+            folder = write_config(Path(tmp))
+            if not args.skip_fused_norm:
+                fused_norm_level(folder, args.quick, results)
+            if not args.skip_engine:
+                anyio.run(engine_level, args, folder, bandwidth, results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0
