@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeGuard, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncllm.layers import attention_cpu, attention_triton
+from asyncllm.layers import attention_cpu, attention_triton, elementwise_cpu
 from asyncllm.layers.attention import AttentionMetadata, paged_attention, write_kv
 from asyncllm.layers.attention_cpu import CpuAttentionMetadata
 from asyncllm.layers.attention_triton import TritonAttentionMetadata
@@ -152,6 +152,8 @@ class Attention(nn.Module):
             attention_triton.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             out = attention_triton.paged_attention(q, k_cache, v_cache, meta, self.scale)
         elif isinstance(meta, CpuAttentionMetadata):
+            if not rotated:
+                elementwise_cpu.rotary_(q, k, *cos_sin)
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             out = attention_cpu.paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         else:
@@ -215,8 +217,8 @@ class DecoderLayer(nn.Module):
 
     The forward is three parts: ``pre_attention`` and ``post_attention`` are dense (norms, matmuls,
     rotary, activations: what ``torch.compile`` fuses well, see ``asyncllm.compile``), and the
-    attention between them reads and writes the paged KV cache through a backend. On the triton
-    backend an eager layer runs ``forward_fused_norms`` instead (see ``DecoderForCausalLM.fused_norm``).
+    attention between them reads and writes the paged KV cache through a backend. On the triton and
+    cpu backends an eager layer runs ``forward_fused_norms`` instead (see ``DecoderForCausalLM.fused_norm``).
     """
 
     def __init__(self, spec: DecoderSpec) -> None:
@@ -263,14 +265,14 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: TritonAttentionMetadata,
+        meta: TritonAttentionMetadata | CpuAttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward`` on the triton backend (eager) with each residual add fused into the norm after it.
+        """``forward`` on the triton or cpu backend (eager) with each residual add fused into the norm after it.
 
         vLLM's layout: a layer passes on its MLP output and the residual stream separately, and the
-        next norm adds them (``RMSNorm.forward_triton``, one kernel that updates ``residual`` in
+        next norm adds them (``RMSNorm.forward_fused``, one kernel that updates ``residual`` in
         place). The sums are the unfused ones, rounded the same way; only the norms' reductions
-        run in another order.
+        run in another order. Rotary runs in place in one kernel too (in ``Attention.attend``).
 
         Args:
             x: The previous layer's MLP output, or the embeddings for the first layer.
@@ -280,15 +282,24 @@ class DecoderLayer(nn.Module):
         Returns:
             (this layer's MLP output, the residual stream up to its attention output).
         """
+        triton = isinstance(meta, TritonAttentionMetadata)
         if residual is None:
-            residual, normed = x, self.input_layernorm.forward_triton(x)
+            residual, normed = x, self.input_layernorm.forward_fused(x, triton=triton)
         else:
-            normed = self.input_layernorm.forward_triton(x, residual)
-        q, k, v = self.self_attn.project(normed, cos_sin[0], cos_sin[1], False)  # rotated by attend's kernel
+            normed = self.input_layernorm.forward_fused(x, residual, triton=triton)
+        q, k, v = self.self_attn.project(normed, cos_sin[0], cos_sin[1], False)  # attend rotates, in place
         attended = self.self_attn.attend(q, k, v, cos_sin, kv_cache, meta, rotated=False)
-        normed = self.post_attention_layernorm.forward_triton(self.self_attn.o_proj(attended), residual)
+        attended = self.self_attn.o_proj(attended)
+        normed = self.post_attention_layernorm.forward_fused(attended, residual, triton=triton)
         result: torch.Tensor = self.mlp(normed)
         return result, residual
+
+
+def _fusable(meta: AnyAttentionMetadata) -> TypeGuard[TritonAttentionMetadata | CpuAttentionMetadata]:
+    # The cpu backend runs float32 only; its fused kernels need the C compiler the backend needed too.
+    if isinstance(meta, CpuAttentionMetadata):
+        return elementwise_cpu.available()
+    return isinstance(meta, TritonAttentionMetadata)
 
 
 class DecoderModel(nn.Module):
@@ -313,12 +324,14 @@ class DecoderForCausalLM(nn.Module):
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.fused_norm = True
-        """On the triton backend with eager (not compiled) layers, fuse every residual add into the
-        RMSNorm after it (``DecoderLayer.forward_fused_norms``): per layer two Triton kernels where
-        the unfused path runs two adds and two norms of several element-wise kernels each. False
-        runs the unfused torch ops there too, for A/B comparisons (``benchmarks/gpu.py``). Other
-        backends and compiled layers never fuse. Read on every forward, so a CUDA graph keeps the
-        path it was captured with (the runner captures at load, with this default)."""
+        """On the triton and cpu backends with eager (not compiled) layers, fuse every residual add
+        into the RMSNorm after it (``DecoderLayer.forward_fused_norms``): per layer two kernels
+        (Triton on a GPU, C on the CPU, ``RMSNorm.forward_fused``) where the unfused path runs two
+        adds and two norms of several element-wise ops each; rotary is then one in-place kernel
+        too. False runs the unfused torch ops there too, for A/B comparisons (``benchmarks/gpu.py``,
+        ``benchmarks/forward.py``). The torch backend and compiled layers never fuse. Read on every
+        forward, so a CUDA graph keeps the path it was captured with (the runner captures at load,
+        with this default)."""
 
     def forward(
         self,
@@ -331,11 +344,12 @@ class DecoderForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
         layers = cast("Sequence[DecoderLayer]", self.model.layers)
-        if self.fused_norm and isinstance(meta, TritonAttentionMetadata) and all(la.compiled is None for la in layers):
+        if self.fused_norm and _fusable(meta) and all(layer.compiled is None for layer in layers):
             residual = None
             for layer, kv_cache in zip(layers, kv_caches):
                 x, residual = layer.forward_fused_norms(x, residual, cos_sin, kv_cache, meta)
-            return self.model.norm.forward_triton(x, residual)  # the last residual add, fused too
+            final_triton = isinstance(meta, TritonAttentionMetadata)
+            return self.model.norm.forward_fused(x, residual, triton=final_triton)  # the last add, fused too
         for layer, kv_cache in zip(layers, kv_caches):
             x = layer(x, cos_sin, kv_cache, meta)
         result: torch.Tensor = self.model.norm(x)
