@@ -9,8 +9,11 @@ runner variants, each adding one thing to the previous one:
 - ``+fused``: q/k/v and gate/up stacked into one matmul each (``fuse_projections``);
 - ``+attention``: the ``cpu`` attention backend (the C decode kernel, no gathered KV);
 - ``+packed``: linear weights packed once for MKL's GEMM (``packed_gemm``, ``asyncllm.layers.linear``);
+- ``+kernels``: each residual add fused into the RMSNorm after it, and rotary in place, as C kernels
+  (``fused_norm``, ``asyncllm.layers.elementwise_cpu``);
 - ``+compile``: ``torch.compile`` of every layer's dense parts (``compile=True``; the compiled graphs call
-  the packed weights through the ``asyncllm::packed_linear`` operator);
+  the packed weights through the ``asyncllm::packed_linear`` operator, and inductor's own fused norms and
+  rotary replace the C kernels);
 - ``+threads``: the intra-op thread count the runner decides at load (``num_threads=None``), or
   ``--threads``.
 
@@ -53,7 +56,7 @@ def load_common() -> ModuleType:
 
 common = load_common()
 
-VARIANTS = ("eager", "+fused", "+attention", "+packed", "+compile", "+threads")
+VARIANTS = ("eager", "+fused", "+attention", "+packed", "+kernels", "+compile", "+threads")
 BLOCK_SIZE = 16
 
 
@@ -123,8 +126,9 @@ def variant_options(name: str, default_threads: int, threads: int | None) -> dic
         "fuse_projections": rank >= 1,
         "attention_backend": "cpu" if rank >= 2 else "torch",
         "packed_gemm": rank >= 3,
-        "compile": rank >= 4,
-        "num_threads": threads if rank >= 5 else default_threads,
+        "fused_norm": rank >= 4,
+        "compile": rank >= 5,
+        "num_threads": threads if rank >= 6 else default_threads,
     }
 
 

@@ -123,6 +123,9 @@ class TorchModelRunner:
         packed_gemm: On the CPU in float32, pack every linear weight once for MKL's GEMM
             (``asyncllm.layers.linear``; 1.1-1.3x faster steps; compiled graphs call it too) where
             the torch build exports it. False keeps ``F.linear`` (for comparisons).
+        fused_norm: On the triton and cpu backends with eager layers, fuse each residual add into
+            the RMSNorm after it and rotate q/k in place, one kernel each
+            (``DecoderForCausalLM.fused_norm``). False keeps torch's element-wise ops (for comparisons).
         num_threads: torch's intra-op threads on the CPU, set at load on the device thread; None
             decides (``asyncllm.compile.configure_cpu_threads``). Ignored on CUDA.
     """
@@ -146,6 +149,7 @@ class TorchModelRunner:
         compile: bool = False,
         fuse_projections: bool = True,
         packed_gemm: bool = True,
+        fused_norm: bool = True,
         num_threads: int | None = None,
     ) -> None:
         self.model_path = Path(model_path)
@@ -165,6 +169,7 @@ class TorchModelRunner:
         self.compile = compile
         self.fuse_projections = fuse_projections
         self.packed_gemm = packed_gemm
+        self.fused_norm = fused_norm
         self.num_packed_layers = 0
         """Linear layers running from MKL-packed weights (0: all on ``F.linear``)."""
         self.timings = RunnerTimings()
@@ -202,6 +207,7 @@ class TorchModelRunner:
             model.lm_head.weight = model.model.embed_tokens.weight
         model.rotary = RotaryEmbedding(model.spec.head_dim, model.spec.rope).to(device)
         model.eval()
+        model.fused_norm = self.fused_norm  # before any CUDA graph is captured: graphs keep their path
         if self.fuse_projections:
             model.fuse_projections()
         if self.attention_backend == "cpu":
