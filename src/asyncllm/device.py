@@ -2,22 +2,38 @@
 
 Torch state that matters for speed and safety (the CUDA stream, weights, KV tensors) lives on
 exactly one long-lived thread. The event loop hands it calls and awaits their results without
-blocking: the thread finishes a call, stores the outcome, and wakes the awaiting task through an
-anyio ``BlockingPortal`` (which works the same on asyncio and trio).
+blocking: the thread finishes a call, stores the outcome, and schedules the awaiting task's wake-up
+on the loop (``call_soon_threadsafe`` on asyncio, ``run_sync_soon`` on trio) without waiting for
+the loop to run it. (anyio's ``BlockingPortal`` waits until the loop has run the callback: the
+device thread then stalled for as long as the loop was busy with its own work, 0.8 ms between
+consecutive steps measured, about 6% of a single-stream decode step.)
 """
 
 from __future__ import annotations
 
+import asyncio
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import anyio
-from anyio.from_thread import BlockingPortal
 
 T = TypeVar("T")
+
+LoopCallback = Callable[[Callable[[], object]], object]
+"""Schedules a callback on the event loop's thread, from any thread, and returns without waiting."""
+
+
+def loop_callback() -> LoopCallback:
+    """The running event loop's thread-safe, non-waiting scheduler (call from the loop's thread)."""
+    trio = sys.modules.get("trio")
+    if trio is not None and trio.lowlevel.in_trio_run():
+        callback: LoopCallback = trio.lowlevel.current_trio_token().run_sync_soon
+        return callback
+    return asyncio.get_running_loop().call_soon_threadsafe
 
 
 class DeviceCall(Generic[T]):
@@ -29,12 +45,12 @@ class DeviceCall(Generic[T]):
         self._result: T | None = None
         self._error: BaseException | None = None
 
-    def _run(self, portal: BlockingPortal) -> None:
+    def _run(self, wake: LoopCallback) -> None:
         try:
             self._result = self._fn()
         except BaseException as exc:  # handed to the awaiting task, which decides what it means
             self._error = exc
-        portal.start_task_soon(self._done.set)
+        wake(self._done.set)
 
     async def wait(self) -> T:
         """The call's return value, or its exception re-raised. Shielded: a step is never abandoned."""
@@ -51,13 +67,14 @@ _STOP = object()
 class DeviceWorker:
     """Runs submitted callables one at a time, in order, on a dedicated thread.
 
+    Create it on the event loop's thread (it captures the loop's ``loop_callback``).
+
     Args:
-        portal: A running portal into the engine's event loop.
         name: The thread's name (shows in debuggers and ``threading.enumerate()``).
     """
 
-    def __init__(self, portal: BlockingPortal, name: str = "asyncllm-device") -> None:
-        self._portal = portal
+    def __init__(self, name: str = "asyncllm-device") -> None:
+        self._wake = loop_callback()
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._exited = anyio.Event()
@@ -91,11 +108,11 @@ class DeviceWorker:
                     self._idle = (self._idle[0] + started - waited_from, None)
                 if call is _STOP:
                     break
-                call._run(self._portal)
+                call._run(self._wake)
                 self.busy_seconds += time.perf_counter() - started
                 ran_once = True
         finally:
-            self._portal.start_task_soon(self._exited.set)
+            self._wake(self._exited.set)
 
     def submit(self, fn: Callable[[], T]) -> DeviceCall[T]:
         """Queue ``fn`` to run on the device thread; returns at once."""

@@ -21,7 +21,6 @@ from types import TracebackType
 from typing import Any
 
 import anyio
-from anyio.from_thread import BlockingPortal
 
 from asyncllm.core import EngineCore
 from asyncllm.detokenizer import Tokenizer
@@ -233,7 +232,6 @@ class Engine:
             await self._stack.aclose()
 
     async def _start(self, stack: AsyncExitStack) -> None:
-        portal = await stack.enter_async_context(BlockingPortal())
         runner, tokenizer = self._runner, self._tokenizer
         if runner is None or tokenizer is None:
             model_path = await anyio.to_thread.run_sync(_resolve_model, self.options.model)
@@ -241,7 +239,7 @@ class Engine:
                 tokenizer = await anyio.to_thread.run_sync(_load_tokenizer, model_path)
             if runner is None:
                 runner = self._torch_runner(model_path)
-        worker = DeviceWorker(portal)
+        worker = DeviceWorker()
         stack.push_async_callback(worker.stop)
         info = await worker.run(runner.load)
         stack.push_async_callback(worker.run, runner.close)
