@@ -9,7 +9,6 @@ on the whole mixed prefill/decode batch, computes logits only at the positions t
 from __future__ import annotations
 
 import logging
-import mmap
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from asyncllm.layers.attention_triton import build_metadata as build_triton_meta
 from asyncllm.layers.rotary import RotaryEmbedding
 from asyncllm.memory import (
     KVCacheSizing,
+    anonymous_mapping,
     host_available_bytes,
     peak_resident_bytes,
     reset_peak_rss,
@@ -280,13 +280,12 @@ class TorchModelRunner:
     def _zeros(self, shape: tuple[int, int, int]) -> torch.Tensor:
         if self.device.type != "cpu":
             return torch.zeros(shape, device=self.device, dtype=self.dtype)
-        # On the CPU each KV tensor gets its own anonymous mapping: the kernel hands out zeroed
-        # pages lazily (no memset of a large cache at start-up; resident memory grows with use),
-        # and dropping the tensor unmaps it, so closing the engine returns the memory to the
-        # system whatever state malloc's arenas are in.
+        # On the CPU each KV tensor gets its own anonymous mapping (huge pages where possible; see
+        # ``anonymous_mapping``): no memset of a large cache at start-up, resident memory grows
+        # with use, and dropping the tensor unmaps it.
         numel = shape[0] * shape[1] * shape[2]
         element = torch.empty((), dtype=self.dtype).element_size()
-        buffer = mmap.mmap(-1, max(1, numel * element))
+        buffer = anonymous_mapping(numel * element)
         return torch.frombuffer(buffer, dtype=self.dtype, count=numel).view(shape)
 
     def _size_kv_cache(self, model: DecoderForCausalLM, device: torch.device, dtype: torch.dtype) -> int:

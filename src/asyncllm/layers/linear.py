@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncllm.memory import anonymous_mapping
+
 logger = logging.getLogger("asyncllm")
 
 __all__ = ["Linear", "PackedWeight", "packed_gemm_available", "packed_matmul"]
@@ -79,9 +81,10 @@ class PackedWeight:
         source = weight.detach().contiguous()
         # The row count given here does not change the layout (the size is the same for any m);
         # 64 is a typical decode batch. Pages past what pack writes are never touched, so the
-        # resident cost is about the weight's own size although the reservation is larger.
+        # resident cost is about the weight's own size although the reservation is larger. Huge
+        # pages where the kernel gives them: every step streams every weight.
         size = library.cblas_sgemm_pack_get_size(_B_MATRIX, 64, self.out_features, self.in_features)
-        self.buffer = torch.empty(size, dtype=torch.uint8)
+        self.buffer = torch.frombuffer(anonymous_mapping(size), dtype=torch.uint8, count=size)
         library.cblas_sgemm_pack(
             _ROW_MAJOR, _B_MATRIX, _TRANS, 64, self.out_features, self.in_features,
             1.0, source.data_ptr(), self.in_features, self.buffer.data_ptr(),
