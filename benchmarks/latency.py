@@ -109,7 +109,11 @@ def run_hf_cb(model: Any, prompt: list[int], output_len: int) -> dict[str, Any]:
     return _summary(min(start, result.created_time), [(t, 1) for t in stamps])
 
 
-async def _measure(args: argparse.Namespace, model_path: Path, prompt: list[int], peers: list[str]) -> dict[str, Any]:
+async def _measure(
+    args: argparse.Namespace, model_path: Path, prompt: list[int], peers: list[str], vllm: Any
+) -> dict[str, Any]:
+    """Every system's repeats, interleaved: round r runs asyncllm, vLLM (``vllm``, a started
+    ``common.VLLMWorker`` or None), HF generate(), HF CB, one repeat each."""
     from asyncllm import Engine, SamplingParams
 
     runs: dict[str, list[dict[str, Any]]] = {"asyncllm": [], **{p: [] for p in peers if p != common.VLLM}}
@@ -121,10 +125,14 @@ async def _measure(args: argparse.Namespace, model_path: Path, prompt: list[int]
             common.log("loading the HF transformers model")
             hf_model = common.load_hf_model(model_path, args.device, args.dtype)
             common.hf_warmup(hf_model, common.vocab_size(model_path))
-        with common.Progress("latency runs", args.repeats * len(runs)) as progress:
-            for _ in range(args.repeats):
+        systems = len(runs) + (vllm is not None)
+        with common.Progress("latency runs", args.repeats * systems) as progress:
+            for repeat in range(args.repeats):
                 runs["asyncllm"].append(await run_asyncllm(engine, prompt, args.output_len))
                 progress.update()
+                if vllm is not None:  # its results stay in the worker; report_vllm adds them
+                    await common.run_blocking(vllm.run, f"vLLM (repeat {repeat + 1}/{args.repeats})")
+                    progress.update()
                 if common.HF_STATIC in runs:
                     runs[common.HF_STATIC].append(
                         await common.run_blocking(run_hf_generate, hf_model, prompt, args.output_len)
@@ -155,24 +163,12 @@ def main(argv: list[str] | None = None) -> int:
         args.seed,
     )[0]
     prompt = list(request.prompt_ids)
-    runs = anyio.run(_measure, args, model_path, prompt, peers, backend=args.backend)
+    # vLLM's worker loads its model first, outside the event loop, and stays up for every round.
+    with common.open_vllm(args, peers, "latency", model_path, [request]) as vllm:
+        runs = anyio.run(_measure, args, model_path, prompt, peers, vllm, backend=args.backend)
     notes: list[str] = []
-    if common.VLLM in peers:
-        vllm = common.run_vllm(
-            args.vllm_python,
-            "latency",
-            model_path,
-            [request],
-            args.repeats,
-            args.dtype,
-            common.parse_key_values(args.vllm_opt),
-        )
-        if vllm.skipped:
-            notes.append(f"vLLM skipped: {vllm.skipped}")
-        else:
-            runs[common.VLLM] = vllm.runs
-            info["vllm"] = vllm.version
-            notes.append(f"vLLM ran with {vllm.preload}")
+    common.report_vllm(vllm, runs, info, notes)
+    notes.append(common.interleaved_note(runs, args.repeats, LABELS))
 
     ttft0 = common.median_of_runs(runs["asyncllm"], "ttft")
     itl0 = common.median_of_runs(runs["asyncllm"], "itl")

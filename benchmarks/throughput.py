@@ -108,7 +108,11 @@ async def run_asyncllm(engine: Any, workload: list[Any], label: str) -> dict[str
     }
 
 
-async def _measure(args: argparse.Namespace, model_path: Path, workload: list[Any], peers: list[str]) -> dict[str, Any]:
+async def _measure(
+    args: argparse.Namespace, model_path: Path, workload: list[Any], peers: list[str], vllm: Any
+) -> dict[str, Any]:
+    """Every system's repeats, interleaved: round r runs asyncllm, vLLM (``vllm``, a started
+    ``common.VLLMWorker`` or None), HF static, HF CB, one repeat each."""
     from asyncllm import Engine, SamplingParams
 
     runs: dict[str, list[dict[str, Any]]] = {"asyncllm": [], **{p: [] for p in peers if p != common.VLLM}}
@@ -124,6 +128,8 @@ async def _measure(args: argparse.Namespace, model_path: Path, workload: list[An
         for repeat in range(args.repeats):
             tag = f"(repeat {repeat + 1}/{args.repeats})"
             runs["asyncllm"].append(await run_asyncllm(engine, workload, f"asyncllm {tag}"))
+            if vllm is not None:  # its results stay in the worker; report_vllm adds them
+                await common.run_blocking(vllm.run, f"vLLM {tag}")
             if common.HF_STATIC in runs:
                 runs[common.HF_STATIC].append(
                     await common.run_blocking(
@@ -150,25 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     workload = common.make_workload(
         args.num_requests, tuple(args.prompt_len), tuple(args.output_len), common.vocab_size(model_path), args.seed
     )
-    runs = anyio.run(_measure, args, model_path, workload, peers, backend=args.backend)
+    # vLLM's worker loads its model first, outside the event loop, and stays up for every round.
+    with common.open_vllm(args, peers, "throughput", model_path, workload) as vllm:
+        runs = anyio.run(_measure, args, model_path, workload, peers, vllm, backend=args.backend)
     notes: list[str] = []
-    vllm = None
-    if common.VLLM in peers:
-        vllm = common.run_vllm(
-            args.vllm_python,
-            "throughput",
-            model_path,
-            workload,
-            args.repeats,
-            args.dtype,
-            common.parse_key_values(args.vllm_opt),
-        )
-        if vllm.skipped:
-            notes.append(f"vLLM skipped: {vllm.skipped}")
-        else:
-            runs[common.VLLM] = vllm.runs
-            info["vllm"] = vllm.version
-            notes.append(f"vLLM ran with {vllm.preload}")
+    common.report_vllm(vllm, runs, info, notes)
+    notes.append(common.interleaved_note(runs, args.repeats))
 
     requested = sum(r.output_len for r in workload)
     prompt_tokens = sum(len(r.prompt_ids) for r in workload)
