@@ -91,7 +91,11 @@ def test_serving_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureF
 
 
 FAKE_VLLM = """
+import os
+
 __version__ = "0.0.0+fake"
+# The generate() call (1 = the worker's warm-up) that crashes the worker; 0: loading the model does.
+_FAIL_AT = int(os.environ.get("FAKE_VLLM_FAIL_AT", "-1"))
 
 
 class SamplingParams:
@@ -113,12 +117,18 @@ class _RequestOutput:
 class LLM:
     def __init__(self, model, dtype, **options):
         assert dtype == "float32", dtype
+        if _FAIL_AT == 0:
+            raise RuntimeError("fake vLLM fails to load")
+        self.calls = 0
 
     def reset_prefix_cache(self):
         return True
 
     def generate(self, prompts, sampling_params, use_tqdm=True):
         print("FAKE VLLM LOG LINE")  # vLLM logs to stdout; the benchmark must keep it off its own
+        self.calls += 1
+        if self.calls == _FAIL_AT:
+            os._exit(3)
         assert len(prompts) == len(sampling_params)
         assert all(isinstance(p["prompt_token_ids"], list) for p in prompts)
         return [_RequestOutput([7] * p.max_tokens) for p in sampling_params]
@@ -148,9 +158,82 @@ def test_vllm_peer_runs_in_its_interpreter(
     result = json.loads(out_json.read_text())
     assert "FAKE VLLM LOG LINE" in err and "FAKE VLLM LOG LINE" not in out
     assert "| vLLM CPU " in out and "vLLM ran with LD_PRELOAD=" in out
+    assert "repeats interleaved: 1 round, each running asyncllm, vLLM CPU once in that order" in out
     assert result["machine"]["vllm"] == "0.0.0+fake"
     assert result["results"]["vllm"]["runs"][0]["output_tokens"] == result["workload"]["output_tokens"]
     assert positive(result["ratios"]["vllm"])
+
+
+@pytest.mark.parametrize("name", ["throughput", "latency"])
+def test_repeats_are_interleaved_with_vllm(
+    name: str,
+    tiny_llama: Path,
+    fake_vllm_python: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Round r is asyncllm's repeat r, then vLLM's (from the worker started once), then the HF peer's.
+    module = load(name)
+    order: list[str] = []
+    asyncllm_run, vllm_run = module.run_asyncllm, common.VLLMWorker.run
+    hf_owner, hf_name = (common, "run_hf_static") if name == "throughput" else (module, "run_hf_generate")
+    hf_run = getattr(hf_owner, hf_name)
+
+    async def asyncllm(*args: Any) -> Any:
+        order.append("asyncllm")
+        return await asyncllm_run(*args)
+
+    def vllm(self: Any, label: str) -> Any:
+        order.append("vllm")
+        assert self.version == "0.0.0+fake"  # loaded before the first round
+        return vllm_run(self, label)
+
+    def hf(*args: Any) -> Any:
+        order.append("hf-static")
+        return hf_run(*args)
+
+    monkeypatch.setattr(module, "run_asyncllm", asyncllm)
+    monkeypatch.setattr(common.VLLMWorker, "run", vllm)
+    monkeypatch.setattr(hf_owner, hf_name, hf)
+    out_json = tmp_path / f"{name}.json"
+    argv = ["--model", str(tiny_llama), "--peers", "hf-static", "--vllm-python", str(fake_vllm_python)]
+    assert module.main([*argv, "--quick", "--repeats", "2", "--json", str(out_json), *SMALL_KV]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out_json.read_text())
+    assert order == ["asyncllm", "vllm", "hf-static"] * 2
+    assert all(len(result["results"][s]["runs"]) == 2 for s in ("asyncllm", "vllm", "hf-static"))
+    assert set(result["ratios"]) == {"hf-static", "vllm"}
+    label = "HF generate()" if name == "latency" else "HF generate() static batches"
+    assert f"repeats interleaved: 2 rounds, each running asyncllm, vLLM CPU, {label} once in that order" in out
+
+
+def test_vllm_worker_answers_one_repeat_at_a_time(fake_vllm_python: Path) -> None:
+    workload = common.make_workload(3, (4, 8), (2, 5), 100, seed=0)
+    with common.VLLMWorker(str(fake_vllm_python), "latency", Path("m"), workload, "float32", {}) as worker:
+        assert worker.version == "0.0.0+fake" and worker.skipped is None
+        first, second = worker.run("r1"), worker.run("r2")
+        assert first is not None and second is not None
+        assert first["output_tokens"] == workload[0].output_len and positive(first["ttft"])
+    assert worker._process.returncode == 0  # it ended at the end of its stdin
+    result = worker.result()
+    assert result.runs == [first, second] and result.skipped is None and result.version == "0.0.0+fake"
+
+
+@pytest.mark.parametrize(("fail_at", "during"), [(0, "while loading the model"), (3, "in r2")])
+def test_vllm_worker_failure_is_a_skip(
+    fail_at: int, during: str, fake_vllm_python: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Generate call 1 is the warm-up, 2 the first repeat, 3 the second: the worker dies there.
+    monkeypatch.setenv("FAKE_VLLM_FAIL_AT", str(fail_at))
+    workload = common.make_workload(2, (4, 8), (2, 5), 100, seed=0)
+    with common.VLLMWorker(str(fake_vllm_python), "throughput", Path("m"), workload, "float32", {}) as worker:
+        runs = [worker.run(f"r{i}") for i in (1, 2, 3)]
+    assert runs[1:] == [None, None] and (runs[0] is None) == (fail_at == 0)
+    result = worker.result()
+    assert result.runs == [] and result.skipped is not None
+    assert during in result.skipped and "exit status" in result.skipped
+    assert worker._process.returncode != 0
 
 
 def test_vllm_peer_is_skipped_when_absent(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
