@@ -16,6 +16,7 @@ from types import ModuleType
 import anyio
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from asyncllm import Engine, SamplingParams
@@ -341,3 +342,46 @@ def test_forward_benchmark_quick(
     assert "| eager ms | +fused ms | +attention ms |" in out and "| decode b4 ctx64 " in out
     results = json.loads(out_json.read_text())["results"]
     assert all(all(ms > 0 for ms in step["ms_per_step"].values()) for step in results.values())
+
+
+@needs_kernel
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 4, 64), (6, 2, 24), (3, 1, 36)])
+def test_cpu_prefill_kernel_matches_causal_sdpa(
+    heads: int, kv_heads: int, head_dim: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Fresh prompts of lengths on and beside the kernel's 4/8/16-query tiles, in one step, with keys and
+    # values as strided views into a fused projection (as the model passes them) and peaked softmaxes.
+    torch.manual_seed(head_dim)
+    lengths = [1, 3, 15, 16, 17, 100, 300]
+    tokens = sum(lengths)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim) * 3
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    block_size, free = 16, list(range(64))
+    sequences = []
+    for request_id, length in enumerate(lengths):
+        table = [free.pop() for _ in range(-(-length // block_size))]
+        sequences.append(SequenceInput(request_id, [3] * length, 0, table, True, SamplingParams()))
+    meta = attention_cpu.build_metadata(step_inputs(sequences, block_size), sliding_window=None)
+    calls = []
+    kernel = attention_cpu._prefill_kernel
+
+    def counting(dim: int) -> object:
+        calls.append(dim)
+        return kernel(dim)
+
+    monkeypatch.setattr(attention_cpu, "_prefill_kernel", counting)
+    k_cache, v_cache = (torch.zeros(64 * block_size, kv_heads, head_dim) for _ in range(2))
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)  # the one-token prompt is decode-shaped: it reads these
+    got = attention_cpu.paged_attention(q, k, v, k_cache, v_cache, meta, head_dim**-0.5)
+    assert calls == [head_dim]  # one call for every longer prompt of the step
+    start = 0
+    for length in lengths:
+        rows = slice(start, start + length)
+        expected = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1), k[rows].transpose(0, 1), v[rows].transpose(0, 1),
+            is_causal=True, scale=head_dim**-0.5, enable_gqa=True,
+        ).transpose(0, 1)  # fmt: skip
+        torch.testing.assert_close(got[rows], expected, atol=5e-5, rtol=1e-5)
+        start += length

@@ -29,6 +29,7 @@ import ctypes
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -224,6 +225,140 @@ int asyncllm_paged_decode_f32(const float *q, const float *k_cache, const float 
     }
     return failed ? -1 : 0;
 }
+
+/* Causal attention of prompt chunks that start at position 0 over their own new keys and values (a flash-
+   attention tiling): q, out rows [tokens, q_heads, HEAD_DIM] contiguous; k, v rows [tokens, kv_heads,
+   HEAD_DIM] with row strides k_stride, v_stride (views into the fused projection); chunk c is rows
+   [starts[c], ends[c]). Work: (chunk, KV head, block of TILE queries), each walking the key tiles up to its
+   diagonal with an online softmax; scores of a query row against TILE keys are one vector (lanes = keys)
+   from the keys transposed once per chunk. Returns 0, or -1 when scratch memory ran out. */
+#define TILE W
+int asyncllm_causal_prefill_f32(const float *q, const float *k, const float *v, float *out, const int64_t *starts,
+                                const int64_t *ends, int64_t chunks, int64_t q_heads, int64_t kv_heads,
+                                int64_t k_stride, int64_t v_stride, float scale) {
+    const int64_t group = q_heads / kv_heads;
+    int64_t total = 0, tasks = 0;
+    for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t padded = (ends[c] - starts[c] + TILE - 1) / TILE * TILE;
+        total += padded;
+        tasks += padded / TILE * kv_heads;
+    }
+    /* keys_t[offset of chunk + (kv head * HEAD_DIM + d) * padded + key]: each chunk's keys, d-major */
+    float *keys_t = (float *)calloc((size_t)(total * kv_heads * HEAD_DIM), sizeof(float));
+    int64_t *offsets = (int64_t *)malloc(sizeof(int64_t) * (size_t)(chunks + 1));
+    if (!keys_t || !offsets) {
+        free(keys_t);
+        free(offsets);
+        return -1;
+    }
+    offsets[0] = 0;
+    for (int64_t c = 0; c < chunks; ++c)
+        offsets[c + 1] = offsets[c] + (ends[c] - starts[c] + TILE - 1) / TILE * TILE * kv_heads * HEAD_DIM;
+    int failed = 0;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t ck = 0; ck < chunks * kv_heads; ++ck) {
+            const int64_t c = ck / kv_heads, g = ck % kv_heads, len = ends[c] - starts[c];
+            const int64_t padded = (len + TILE - 1) / TILE * TILE;
+            float *dst = keys_t + offsets[c] + g * HEAD_DIM * padded;
+            for (int64_t t = 0; t < len; ++t) {
+                const float *row = k + (starts[c] + t) * k_stride + g * HEAD_DIM;
+                for (int64_t d = 0; d < HEAD_DIM; ++d) dst[d * padded + t] = row[d];
+            }
+        }
+        float *queries = (float *)malloc(sizeof(float) * TILE * HEAD_DIM);
+        float *acc = (float *)malloc(sizeof(float) * TILE * HEAD_DIM);
+        if (!queries || !acc) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* Tasks in order of chunk, then query tile from the last (the longest walks first), then KV head. */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; ++task) {
+            if (!queries || !acc) continue;
+            int64_t c = 0, rest = task;
+            while (rest >= (ends[c] - starts[c] + TILE - 1) / TILE * kv_heads) {
+                rest -= (ends[c] - starts[c] + TILE - 1) / TILE * kv_heads;
+                ++c;
+            }
+            const int64_t len = ends[c] - starts[c], padded = (len + TILE - 1) / TILE * TILE;
+            const int64_t tile = padded / TILE - 1 - rest / kv_heads, g = rest % kv_heads;
+            const int64_t first = tile * TILE, rows = len - first < TILE ? len - first : TILE;
+            const float *kt = keys_t + offsets[c] + g * HEAD_DIM * padded;
+            for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+                float top[TILE], sum[TILE];
+                /* rows past the chunk's end stay zero: computed along, never written out */
+                memset(queries, 0, sizeof(float) * TILE * HEAD_DIM);
+                memset(acc, 0, sizeof(float) * TILE * HEAD_DIM);
+                for (int64_t i = 0; i < TILE; ++i) {
+                    top[i] = -INFINITY;
+                    sum[i] = 0.0f;
+                }
+                for (int64_t i = 0; i < rows; ++i) {
+                    const float *qi = q + ((starts[c] + first + i) * q_heads + h) * HEAD_DIM;
+                    for (int64_t d = 0; d < HEAD_DIM; ++d) queries[i * HEAD_DIM + d] = qi[d] * scale;
+                }
+                for (int64_t kb = 0; kb <= tile; ++kb) {
+                    const int64_t key0 = kb * TILE, keys = kb < tile ? TILE : rows; /* the diagonal tile: rows keys */
+                    /* All rows' scores at once: TILE independent accumulators, each key column loaded once. */
+                    vec s[TILE];
+                    for (int i = 0; i < TILE; ++i) s[i] = splat(0.0f);
+                    for (int64_t d = 0; d < HEAD_DIM; ++d) {
+                        const vec column = load(kt + d * padded + key0);
+                        for (int i = 0; i < TILE; ++i) s[i] += queries[i * HEAD_DIM + d] * column;
+                    }
+                    for (int64_t i = 0; i < rows; ++i) {
+                        /* keys after the query (causal) do not count */
+                        const int64_t visible = kb < tile ? TILE : i + 1;
+                        float block_top = -INFINITY;
+                        for (int j = 0; j < visible; ++j) block_top = s[i][j] > block_top ? s[i][j] : block_top;
+                        const float new_top = block_top > top[i] ? block_top : top[i];
+                        const float rescale = expf(top[i] - new_top);
+                        top[i] = new_top;
+                        vec p = vexp(s[i] - splat(new_top));
+                        for (int j = (int)visible; j < TILE; ++j) p[j] = 0.0f;
+                        sum[i] = sum[i] * rescale + hsum(p);
+                        s[i] = p;
+                        for (int d = 0; d < HEAD_DIM; ++d) acc[i * HEAD_DIM + d] *= rescale;
+                    }
+                    /* Weighted values, two rows at a time (eight independent accumulator chains per value row). */
+                    for (int64_t i = 0; i < rows; i += 2) {
+                        const int64_t i2 = i + 1 < rows ? i + 1 : i;
+                        vec a0[HEAD_DIM / W], a1[HEAD_DIM / W];
+                        for (int d = 0; d < HEAD_DIM / W; ++d) {
+                            a0[d] = load(acc + i * HEAD_DIM + d * W);
+                            a1[d] = load(acc + i2 * HEAD_DIM + d * W);
+                        }
+                        for (int64_t j = 0; j < keys; ++j) {
+                            const float *value = v + (starts[c] + key0 + j) * v_stride + g * HEAD_DIM;
+                            const vec p0 = splat(s[i][j]), p1 = splat(s[i2][j]);
+                            for (int d = 0; d < HEAD_DIM / W; ++d) {
+                                const vec row = load(value + d * W);
+                                a0[d] += p0 * row;
+                                a1[d] += p1 * row;
+                            }
+                        }
+                        for (int d = 0; d < HEAD_DIM / W; ++d) {
+                            store(acc + i2 * HEAD_DIM + d * W, a1[d]);
+                            store(acc + i * HEAD_DIM + d * W, a0[d]);
+                        }
+                    }
+                }
+                for (int64_t i = 0; i < rows; ++i) {
+                    float *oi = out + ((starts[c] + first + i) * q_heads + h) * HEAD_DIM;
+                    const float inv = 1.0f / sum[i];
+                    for (int64_t d = 0; d < HEAD_DIM; ++d) oi[d] = acc[i * HEAD_DIM + d] * inv;
+                }
+            }
+        }
+        free(queries);
+        free(acc);
+    }
+    free(keys_t);
+    free(offsets);
+    return failed ? -1 : 0;
+}
 """
 
 
@@ -346,7 +481,20 @@ def paged_attention(
         )
         if status != 0:
             raise RuntimeError("the cpu decode attention kernel could not allocate its scratch memory")
-    for chunk in meta.prefills:
+    fresh = [c for c in meta.prefills if c.kv_slots is None and c.mask is None]
+    prefill = _prefill_kernel(q.shape[-1]) if fresh else None
+    rest: tuple[CpuPrefillChunk, ...] | list[CpuPrefillChunk] = meta.prefills
+    if prefill is not None and k.stride(2) == 1 and v.stride(2) == 1 and k.stride(1) == v.stride(1) == k.shape[2]:
+        # Prompts from position 0 attend to their own new keys and values: the C kernel, all chunks at once.
+        bounds = torch.tensor([[c.query_start, c.query_end] for c in fresh], dtype=torch.int64).t().contiguous()
+        status = prefill(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), bounds[0].data_ptr(), bounds[1].data_ptr(),
+            len(fresh), q.shape[1], k.shape[1], k.stride(0), v.stride(0), scale,
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError("the cpu prefill attention kernel could not allocate its scratch memory")
+        rest = [c for c in meta.prefills if c.kv_slots is not None or c.mask is not None]
+    for chunk in rest:
         queries = q[chunk.query_start : chunk.query_end].transpose(0, 1).unsqueeze(0)
         if chunk.kv_slots is None:
             keys = k[chunk.query_start : chunk.query_end]
@@ -376,18 +524,28 @@ _Kernel = Callable[..., int]
 
 
 @functools.cache
-def _kernel(head_dim: int) -> _Kernel | None:
+def _library(head_dim: int) -> ctypes.CDLL | None:
     if head_dim % 4:
-        return None  # the kernel's vectors are 4, 8 or 16 floats wide
+        return None  # the kernels' vectors are 4, 8 or 16 floats wide
     # -ffp-contract=fast lets the multiply-adds be fused (ISO C mode forbids it by default): 20% faster.
     source = f"#define HEAD_DIM {head_dim}\n{_SOURCE}"
     path = native.build(f"paged_decode_hd{head_dim}", source, ("-ffp-contract=fast",))
     if path is None:
         return None
     library = ctypes.CDLL(str(path))
-    function = library.asyncllm_paged_decode_f32
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-    function.argtypes = [pointer] * 7 + [i64] * 6 + [ctypes.c_float]
-    function.restype = ctypes.c_int
-    result: _Kernel = function
-    return result
+    library.asyncllm_paged_decode_f32.argtypes = [pointer] * 7 + [i64] * 6 + [ctypes.c_float]
+    library.asyncllm_paged_decode_f32.restype = ctypes.c_int
+    library.asyncllm_causal_prefill_f32.argtypes = [pointer] * 6 + [i64] * 5 + [ctypes.c_float]
+    library.asyncllm_causal_prefill_f32.restype = ctypes.c_int
+    return library
+
+
+def _kernel(head_dim: int) -> _Kernel | None:
+    library = _library(head_dim)
+    return None if library is None else cast(_Kernel, library.asyncllm_paged_decode_f32)
+
+
+def _prefill_kernel(head_dim: int) -> _Kernel | None:
+    library = _library(head_dim)
+    return None if library is None else cast(_Kernel, library.asyncllm_causal_prefill_f32)
