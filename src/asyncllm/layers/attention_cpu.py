@@ -14,9 +14,11 @@ on it: at 64 sequences of 512 tokens that is 67 MB copied per layer into freshly
   read once, nothing is gathered or padded. Work is split over sequences (over sequences x KV heads when the batch is
   small) with OpenMP; the library links to the ``libgomp`` torch already loaded, so it shares
   torch's thread pool and thread count.
-- Prefill chunks use SDPA: a chunk that starts at position 0 attends only to its own new keys and
-  values, taken straight from the projection (causal SDPA, nothing gathered); a chunk with cached
-  history (chunked prefill, a prefix-cache hit) gathers its slots once, as the reference does.
+- Prompt chunks that start at position 0 attend only to their own new keys and values, taken
+  straight from the projection: a second C kernel (flash-attention tiling: tiles of as many
+  queries as a vector has lanes walk the key tiles up to their diagonal with an online softmax;
+  3.6-4.4x torch's causal SDPA here). A chunk with cached history (chunked prefill, a prefix-cache
+  hit) or a sliding window gathers its slots once and runs SDPA, as the reference does.
 
 Same cache layout ([slots, kv_heads, head_dim]), and ``write_kv`` from the reference backend.
 ``native_decode_available(head_dim)`` says whether the kernel could be built (a C compiler is
