@@ -385,3 +385,18 @@ def test_cpu_prefill_kernel_matches_causal_sdpa(
         ).transpose(0, 1)  # fmt: skip
         torch.testing.assert_close(got[rows], expected, atol=5e-5, rtol=1e-5)
         start += length
+
+
+@needs_kernel
+def test_cpu_attention_rejects_what_its_kernels_cannot_read() -> None:
+    sequences = [SequenceInput(0, [3], 4, [0], True, SamplingParams())]
+    meta = attention_cpu.build_metadata(step_inputs(sequences, 16), sliding_window=None)
+    q, kv = torch.randn(1, 8, 64), torch.randn(1, 4, 64)
+    cache = torch.randn(16, 4, 64)
+    with pytest.raises(ValueError, match="float32"):
+        attention_cpu.paged_attention(q.bfloat16(), kv, kv, cache, cache, meta, 0.125)
+    with pytest.raises(ValueError, match="contiguous"):
+        strided = torch.randn(16, 64, 4).transpose(1, 2)
+        attention_cpu.paged_attention(q, kv, kv, strided, strided, meta, 0.125)
+    with pytest.raises(ValueError, match="do not agree"):
+        attention_cpu.paged_attention(torch.randn(1, 8, 32), kv, kv, cache, cache, meta, 0.125)

@@ -12,8 +12,8 @@ consecutive steps measured, about 6% of a single-stream decode step.)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -29,11 +29,13 @@ LoopCallback = Callable[[Callable[[], object]], object]
 
 def loop_callback() -> LoopCallback:
     """The running event loop's thread-safe, non-waiting scheduler (call from the loop's thread)."""
-    trio = sys.modules.get("trio")
-    if trio is not None and trio.lowlevel.in_trio_run():
+    try:
+        return asyncio.get_running_loop().call_soon_threadsafe
+    except RuntimeError:  # not asyncio: anyio's other backend
+        import trio
+
         callback: LoopCallback = trio.lowlevel.current_trio_token().run_sync_soon
         return callback
-    return asyncio.get_running_loop().call_soon_threadsafe
 
 
 class DeviceCall(Generic[T]):
@@ -50,7 +52,9 @@ class DeviceCall(Generic[T]):
             self._result = self._fn()
         except BaseException as exc:  # handed to the awaiting task, which decides what it means
             self._error = exc
-        wake(self._done.set)
+        # The loop is gone only if the engine's task group died around a running call: nobody waits.
+        with contextlib.suppress(RuntimeError):  # trio's RunFinishedError is one too
+            wake(self._done.set)
 
     async def wait(self) -> T:
         """The call's return value, or its exception re-raised. Shielded: a step is never abandoned."""
@@ -112,7 +116,8 @@ class DeviceWorker:
                 self.busy_seconds += time.perf_counter() - started
                 ran_once = True
         finally:
-            self._wake(self._exited.set)
+            with contextlib.suppress(RuntimeError):
+                self._wake(self._exited.set)
 
     def submit(self, fn: Callable[[], T]) -> DeviceCall[T]:
         """Queue ``fn`` to run on the device thread; returns at once."""

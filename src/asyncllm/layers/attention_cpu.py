@@ -89,7 +89,8 @@ static inline float hsum(vec v) {
    Taylor polynomial (relative error under 2e-7, as libm's expf). x under -87 is clamped there: e^-87 is
    1.6e-38, nothing beside the maximum's 1. */
 static inline vec vexp(vec x) {
-    for (int j = 0; j < W; ++j) x[j] = x[j] < -87.0f ? -87.0f : x[j];
+    /* Lanes whose result is discarded (masked keys, stale scratch) may hold anything: clamp to [-87, 0]. */
+    for (int j = 0; j < W; ++j) x[j] = x[j] < -87.0f ? -87.0f : (x[j] > 0.0f ? 0.0f : x[j]);
     const vec shift = splat(12582912.0f);
     const vec t = x * splat(1.44269504f) + shift;
     const vec n = t - shift;
@@ -456,8 +457,10 @@ def paged_attention(
         [tokens, heads, head_dim] attention outputs.
 
     Raises:
-        RuntimeError: The decode kernel is unavailable or could not allocate its scratch memory.
+        ValueError: The tensors are not float32, do not agree in shape, or a cache is not contiguous.
+        RuntimeError: The decode kernel is unavailable, or a kernel could not allocate its scratch memory.
     """
+    _check_inputs(q, k, v, k_cache, v_cache)
     q = q.contiguous()
     out = torch.empty_like(q)
     num_decodes = meta.decode_rows.numel()
@@ -515,6 +518,22 @@ def paged_attention(
         )
         out[chunk.query_start : chunk.query_end] = attended.squeeze(0).transpose(0, 1)
     return out
+
+
+def _check_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> None:
+    # The kernels read raw pointers: what they cannot read must fail here, not as a wild read.
+    tensors = {"q": q, "k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache}
+    for name, tensor in tensors.items():
+        if tensor.dtype != torch.float32 or tensor.device.type != "cpu" or tensor.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D float32 CPU tensor, got {tensor.dtype} {tuple(tensor.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape):
+        raise ValueError("k_cache and v_cache must be contiguous and of one shape")
+    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    if q.shape[2] != head_dim or q.shape[1] % kv_heads or k.shape != v.shape or k.shape[1:] != (kv_heads, head_dim):
+        got = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, caches {tuple(k_cache.shape)}"
+        raise ValueError(f"attention shapes do not agree: {got}")
 
 
 def native_decode_available(head_dim: int) -> bool:

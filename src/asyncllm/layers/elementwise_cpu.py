@@ -12,8 +12,8 @@ Numerics, against HF transformers' float32 path:
 - rotary: the same products and sums in the same order, each rounded to float32 (the kernels are
   built with ``-ffp-contract=off``: no fused multiply-adds), so the result is bit for bit
   ``layers.rotary.apply_rotary``'s;
-- RMSNorm: the residual add is the same single float32 add; the mean square is summed in double
-  (torch sums float32 lanes in its own order), so the normalised row can differ from torch's in
+- RMSNorm: the residual add is the same single float32 add; the mean square is summed in float32
+  vector lanes in another order than torch's, so the normalised row can differ from torch's in
   the last bit. Greedy tokens still match transformers' (tests/test_parity.py runs this path).
 """
 

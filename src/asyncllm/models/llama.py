@@ -218,7 +218,8 @@ class DecoderLayer(nn.Module):
     The forward is three parts: ``pre_attention`` and ``post_attention`` are dense (norms, matmuls,
     rotary, activations: what ``torch.compile`` fuses well, see ``asyncllm.compile``), and the
     attention between them reads and writes the paged KV cache through a backend. On the triton and
-    cpu backends an eager layer runs ``forward_fused_norms`` instead (see ``DecoderForCausalLM.fused_norm``).
+    cpu backends an eager layer runs ``forward_fused_norms`` instead when ``DecoderForCausalLM.fused_norm``
+    is on (and, on the cpu backend, its C kernels could be built).
     """
 
     def __init__(self, spec: DecoderSpec) -> None:
@@ -330,8 +331,8 @@ class DecoderForCausalLM(nn.Module):
         adds and two norms of several element-wise ops each; rotary is then one in-place kernel
         too. False runs the unfused torch ops there too, for A/B comparisons (``benchmarks/gpu.py``,
         ``benchmarks/forward.py``). The torch backend and compiled layers never fuse. Read on every
-        forward, so a CUDA graph keeps the path it was captured with (the runner captures at load,
-        with this default)."""
+        forward, so a CUDA graph keeps the path it was captured with (the runner sets this from its
+        own ``fused_norm`` option before it captures)."""
 
     def forward(
         self,

@@ -12,7 +12,7 @@ available in any test suite (async tests run with anyio's pytest plugin: ``@pyte
   from the ``asyncllm_engine_options`` fixture (override it to change them).
 
 An ``Engine`` belongs to the event loop it was entered in (its task group, events and the
-device thread's portal live there), and anyio's pytest plugin gives each test its own loop by
+device thread's wake-ups live there), and anyio's pytest plugin gives each test its own loop by
 default. So ``asyncllm_engine`` is function-scoped by default: fresh state per test, on whichever
 backend the test runs, at the cost of loading the (tiny, already built) model each time (about
 0.1 s). To share one engine across tests, set the ini option ``asyncllm_engine_scope = session``
