@@ -110,14 +110,13 @@ static inline vec vexp(vec x) {
     return p * power;
 }
 
-/* The next block's rows are prefetched while this one is computed: a sequence's blocks are scattered over
-   the cache, and the hardware prefetchers stop at page boundaries. */
-static inline void prefetch_block(const float *cache, int64_t block, int64_t block_size, int64_t row_size,
-                                  int64_t offset, int64_t bytes) {
-    for (int64_t r = 0; r < block_size; ++r) {
-        const char *row = (const char *)(cache + (block * block_size + r) * row_size + offset);
-        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b);
-    }
+/* A sequence's blocks are scattered over the cache and the hardware prefetchers stop at page boundaries,
+   so the next block's rows are prefetched one row per row computed: spread out, into L2 (hint 2). A whole
+   block prefetched at once (32 KB, as an earlier version did) fills the line-fill buffers and stalls the
+   loads of the block being computed; that kernel read 14-15 GB/s from memory where this one reads 19-20
+   (a plain read of the same blocks: 26). */
+static inline void prefetch_row(const float *row, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)row + b, 0, 2);
 }
 
 /* q, out: [tokens, q_heads, HEAD_DIM]; caches: [slots, kv_heads, HEAD_DIM]; rows: [n] the flat-batch row
@@ -151,7 +150,7 @@ int asyncllm_paged_decode_f32(const float *q, const float *k_cache, const float 
         float *acc = (float *)malloc(sizeof(float) * (size_t)(width * HEAD_DIM));
         float *top = (float *)malloc(sizeof(float) * (size_t)width);
         float *total = (float *)malloc(sizeof(float) * (size_t)width);
-        float *scores = (float *)calloc((size_t)padded, sizeof(float));
+        float *scores = (float *)calloc((size_t)(padded * width), sizeof(float));
         int ok = queries && acc && top && total && scores;
         if (!ok) {
 #pragma omp atomic write
@@ -176,42 +175,64 @@ int asyncllm_paged_decode_f32(const float *q, const float *k_cache, const float 
             }
             const int64_t first = start / block_size, last = (len - 1) / block_size;
             for (int64_t b = first; b <= last; ++b) {
-                if (b < last) {
-                    prefetch_block(k_cache, table[b + 1], block_size, row_size, h0 * HEAD_DIM, task_bytes);
-                    prefetch_block(v_cache, table[b + 1], block_size, row_size, h0 * HEAD_DIM, task_bytes);
-                }
                 const int64_t p0 = b == first ? start - b * block_size : 0;
                 const int64_t p1 = b == last ? len - b * block_size : block_size;
                 const float *keys = k_cache + (table[b] * block_size * row_size + h0 * HEAD_DIM);
                 const float *values = v_cache + (table[b] * block_size * row_size + h0 * HEAD_DIM);
-                for (int64_t h = 0; h < width; ++h) {
-                    const int64_t kv = (h / group) * HEAD_DIM;
-                    vec qh[HEAD_DIM / W], a[HEAD_DIM / W];
-                    for (int d = 0; d < HEAD_DIM / W; ++d) qh[d] = load(queries + h * HEAD_DIM + d * W);
-                    float block_top = -INFINITY;
-                    for (int64_t p = p0; p < p1; ++p) {
-                        const float *key = keys + p * row_size + kv;
-                        vec s = qh[0] * load(key);
-                        for (int d = 1; d < HEAD_DIM / W; ++d) s += qh[d] * load(key + d * W);
-                        const float x = hsum(s);
-                        scores[p] = x;
-                        block_top = x > block_top ? x : block_top;
+                /* Keys row by row, front to back through the block (the order the memory system
+                   streams best; head by head over the rows was 25-30% slower from memory), every head's
+                   score against each row. */
+                const int64_t next = b < last ? table[b + 1] * block_size * row_size + h0 * HEAD_DIM : -1;
+                const float *next_keys = next >= 0 ? k_cache + next : 0;
+                const float *next_values = next >= 0 ? v_cache + next : 0;
+                for (int64_t p = p0; p < p1; ++p) {
+                    const float *key = keys + p * row_size;
+                    if (next_keys) {
+                        prefetch_row(next_keys + p * row_size, task_bytes);
+                        prefetch_row(next_values + p * row_size, task_bytes);
                     }
+                    for (int64_t g = 0; g < heads_per_task; ++g) {
+                        vec k[HEAD_DIM / W];
+                        for (int d = 0; d < HEAD_DIM / W; ++d) k[d] = load(key + g * HEAD_DIM + d * W);
+                        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+                            vec s = load(queries + h * HEAD_DIM) * k[0];
+                            for (int d = 1; d < HEAD_DIM / W; ++d) s += load(queries + h * HEAD_DIM + d * W) * k[d];
+                            scores[h * padded + p] = hsum(s);
+                        }
+                    }
+                }
+                if (next_keys)
+                    for (int64_t p = 0; p < block_size; ++p)
+                        if (p < p0 || p >= p1) {
+                            prefetch_row(next_keys + p * row_size, task_bytes);
+                            prefetch_row(next_values + p * row_size, task_bytes);
+                        }
+                for (int64_t h = 0; h < width; ++h) {
+                    float *sh = scores + h * padded;
+                    float block_top = -INFINITY;
+                    for (int64_t p = p0; p < p1; ++p) block_top = sh[p] > block_top ? sh[p] : block_top;
                     const float new_top = block_top > top[h] ? block_top : top[h];
                     const float rescale = expf(top[h] - new_top);
                     top[h] = new_top;
-                    for (int64_t p = p0 - p0 % W; p < p1; p += W)
-                        store(scores + p, vexp(load(scores + p) - splat(new_top)));
-                    for (int d = 0; d < HEAD_DIM / W; ++d) a[d] = load(acc + h * HEAD_DIM + d * W) * splat(rescale);
+                    for (int64_t p = p0 - p0 % W; p < p1; p += W) store(sh + p, vexp(load(sh + p) - splat(new_top)));
                     float sum = 0.0f;
-                    for (int64_t p = p0; p < p1; ++p) {
-                        const float e = scores[p];
-                        const float *value = values + p * row_size + kv;
-                        sum += e;
-                        for (int d = 0; d < HEAD_DIM / W; ++d) a[d] += splat(e) * load(value + d * W);
-                    }
-                    for (int d = 0; d < HEAD_DIM / W; ++d) store(acc + h * HEAD_DIM + d * W, a[d]);
+                    for (int64_t p = p0; p < p1; ++p) sum += sh[p];
                     total[h] = total[h] * rescale + sum;
+                    for (int d = 0; d < HEAD_DIM / W; ++d)
+                        store(acc + h * HEAD_DIM + d * W, load(acc + h * HEAD_DIM + d * W) * splat(rescale));
+                }
+                /* Values row by row too; the accumulators live in L1. */
+                for (int64_t p = p0; p < p1; ++p) {
+                    const float *value = values + p * row_size;
+                    for (int64_t g = 0; g < heads_per_task; ++g) {
+                        vec v[HEAD_DIM / W];
+                        for (int d = 0; d < HEAD_DIM / W; ++d) v[d] = load(value + g * HEAD_DIM + d * W);
+                        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+                            const vec e = splat(scores[h * padded + p]);
+                            for (int d = 0; d < HEAD_DIM / W; ++d)
+                                store(acc + h * HEAD_DIM + d * W, load(acc + h * HEAD_DIM + d * W) + e * v[d]);
+                        }
+                    }
                 }
             }
             float *oi = out + (rows[i] * q_heads + h0 * group) * HEAD_DIM;
