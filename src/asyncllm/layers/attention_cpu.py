@@ -17,8 +17,9 @@ on it: at 64 sequences of 512 tokens that is 67 MB copied per layer into freshly
 - Prompt chunks that start at position 0 attend only to their own new keys and values, taken
   straight from the projection: a second C kernel (flash-attention tiling: tiles of as many
   queries as a vector has lanes walk the key tiles up to their diagonal with an online softmax
-  run across the tile's queries at once; 4.1-6.0x torch's causal SDPA here). A chunk with cached history (chunked prefill, a prefix-cache
-  hit) or a sliding window gathers its slots once and runs SDPA, as the reference does.
+  run across the tile's queries at once; 4.6-7.6x torch's causal SDPA here). A chunk with cached
+  history (chunked prefill, a prefix-cache hit) or a sliding window gathers its slots once and
+  runs SDPA, as the reference does.
 
 Same cache layout ([slots, kv_heads, head_dim]), and ``write_kv`` from the reference backend.
 ``native_decode_available(head_dim)`` says whether the kernel could be built (a C compiler is
@@ -369,35 +370,24 @@ int asyncllm_causal_prefill_f32(const float *q, const float *k, const float *v, 
                         store(probs + j * TILE, p);
                     }
                     sum = sum * rescale + block_sum;
-                    /* Weighted values, two rows at a time (eight independent accumulator chains per value row);
-                       the accumulators are rescaled as they are loaded. */
-                    for (int64_t i = 0; i < rows; i += 2) {
-                        const int64_t i2 = i + 1 < rows ? i + 1 : i;
-                        const vec r0 = splat(rescale[i]), r1 = splat(rescale[i2]);
-                        vec a0[HEAD_DIM / W], a1[HEAD_DIM / W];
-                        for (int d = 0; d < HEAD_DIM / W; ++d) {
-                            a0[d] = load(acc + i * HEAD_DIM + d * W) * r0;
-                            a1[d] = load(acc + i2 * HEAD_DIM + d * W) * r1;
-                        }
+                    /* Weighted values, lanes = queries too: acc_t[d] (every query's accumulator for dimension
+                       d) += probabilities against key j x value j's element d, broadcast; sixteen dimensions
+                       at a time in registers, rescaled as they are loaded. */
+                    for (int64_t d0 = 0; d0 < HEAD_DIM; d0 += W) {
+                        vec a[W];
+                        for (int dd = 0; dd < W; ++dd) a[dd] = load(acc + (d0 + dd) * TILE) * rescale;
                         for (int64_t j = 0; j < keys; ++j) {
-                            const float *value = v + (starts[c] + key0 + j) * v_stride + g * HEAD_DIM;
-                            const vec p0 = splat(probs[j * TILE + i]), p1 = splat(probs[j * TILE + i2]);
-                            for (int d = 0; d < HEAD_DIM / W; ++d) {
-                                const vec row = load(value + d * W);
-                                a0[d] += p0 * row;
-                                a1[d] += p1 * row;
-                            }
+                            const float *value = v + (starts[c] + key0 + j) * v_stride + g * HEAD_DIM + d0;
+                            const vec p = load(probs + j * TILE);
+                            for (int dd = 0; dd < W; ++dd) a[dd] += p * value[dd];
                         }
-                        for (int d = 0; d < HEAD_DIM / W; ++d) {
-                            store(acc + i2 * HEAD_DIM + d * W, a1[d]);
-                            store(acc + i * HEAD_DIM + d * W, a0[d]);
-                        }
+                        for (int dd = 0; dd < W; ++dd) store(acc + (d0 + dd) * TILE, a[dd]);
                     }
                 }
                 for (int64_t i = 0; i < rows; ++i) {
                     float *oi = out + ((starts[c] + first + i) * q_heads + h) * HEAD_DIM;
                     const float inv = 1.0f / sum[i];
-                    for (int64_t d = 0; d < HEAD_DIM; ++d) oi[d] = acc[i * HEAD_DIM + d] * inv;
+                    for (int64_t d = 0; d < HEAD_DIM; ++d) oi[d] = acc[d * TILE + i] * inv;
                 }
             }
         }
