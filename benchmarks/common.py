@@ -755,6 +755,8 @@ class VLLMWorker:
         workload: The requests (latency: the first one).
         dtype: The weights' dtype.
         options: Extra ``vllm.LLM`` keyword arguments.
+        reply_timeout: Seconds to wait for any one reply (loading the model, one repeat); a worker
+            that takes longer is killed and the peer skipped, so a hung vLLM cannot hang the benchmark.
     """
 
     def __init__(
@@ -765,8 +767,10 @@ class VLLMWorker:
         workload: Sequence[RequestSpec],
         dtype: str,
         options: dict[str, Any],
+        reply_timeout: float = 1800.0,
     ) -> None:
         self.python = python
+        self.reply_timeout = reply_timeout
         self.spec = {"mode": mode, "model": str(model), "dtype": dtype, "options": options}
         self.workload = workload
         self.runs: list[dict[str, Any]] = []
@@ -906,7 +910,11 @@ class VLLMWorker:
         import select
 
         assert self._reply_fd is not None
+        deadline = time.perf_counter() + self.reply_timeout
         while b"\n" not in self._buffer:
+            if time.perf_counter() > deadline:
+                self._fail(f"{during} (no reply within {self.reply_timeout:g}s)", kill=True)
+                return None
             exited = self._process.poll() is not None
             ready, _, _ = select.select([self._reply_fd], [], [], 0 if exited else 1.0)
             chunk = os.read(self._reply_fd, 1 << 16) if ready else b""
@@ -923,20 +931,23 @@ class VLLMWorker:
             return None
         return reply
 
-    def _fail(self, during: str) -> None:
-        self._stop()
+    def _fail(self, during: str, kill: bool = False) -> None:
+        self._stop(kill)
         status = self._process.returncode
         self.skipped = f"the vLLM worker failed {during} (exit status {status}); see its stderr above"
         log(f"  {self.skipped}")
 
-    def _stop(self) -> None:
-        """End the worker (end of file on its stdin; killed if it lingers) and free the pipe and files."""
+    def _stop(self, kill: bool = False) -> None:
+        """End the worker (end of file on its stdin; killed if it lingers, or at once with ``kill``) and
+        free the pipe and files."""
         import subprocess
 
         process = self._process
         if process is not None:
             with contextlib.suppress(OSError):
                 process.stdin.close()
+            if kill and process.poll() is None:
+                process.kill()
             try:
                 process.wait(timeout=60)
             except subprocess.TimeoutExpired:

@@ -103,13 +103,12 @@ def legacy_cpu_metadata(
     sequences: Sequence[SequenceInput], slot_mapping: np.ndarray[Any, Any], block_size: int, sliding_window: int | None
 ) -> attention_cpu.CpuAttentionMetadata:
     """``attention_cpu.build_metadata``."""
-    decode_rows, decode_lens, tables, max_len, prefills = legacy_split(sequences, block_size)
+    decode_rows, decode_lens, tables, _max_len, prefills = legacy_split(sequences, block_size)
     return attention_cpu.CpuAttentionMetadata(
         slot_mapping=torch.from_numpy(np.ascontiguousarray(slot_mapping, dtype=np.int64)),
         decode_rows=torch.tensor(decode_rows, dtype=torch.int64),
         decode_block_tables=torch.from_numpy(tables),
         decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int64),
-        max_decode_len=max_len,
         block_size=block_size,
         sliding_window=sliding_window,
         prefills=tuple(_legacy_cpu_prefill(seq, offset, block_size, sliding_window) for offset, seq in prefills),

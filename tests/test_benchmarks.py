@@ -10,6 +10,7 @@ import importlib.util
 import itertools
 import json
 import math
+import signal
 import stat
 import sys
 from pathlib import Path
@@ -96,6 +97,8 @@ import os
 __version__ = "0.0.0+fake"
 # The generate() call (1 = the worker's warm-up) that crashes the worker; 0: loading the model does.
 _FAIL_AT = int(os.environ.get("FAKE_VLLM_FAIL_AT", "-1"))
+# The generate() call that never returns (a hung vLLM).
+_HANG_AT = int(os.environ.get("FAKE_VLLM_HANG_AT", "-1"))
 
 
 class SamplingParams:
@@ -129,6 +132,10 @@ class LLM:
         self.calls += 1
         if self.calls == _FAIL_AT:
             os._exit(3)
+        if self.calls == _HANG_AT:
+            import threading
+
+            threading.Event().wait()
         assert len(prompts) == len(sampling_params)
         assert all(isinstance(p["prompt_token_ids"], list) for p in prompts)
         return [_RequestOutput([7] * p.max_tokens) for p in sampling_params]
@@ -234,6 +241,17 @@ def test_vllm_worker_failure_is_a_skip(
     assert result.runs == [] and result.skipped is not None
     assert during in result.skipped and "exit status" in result.skipped
     assert worker._process.returncode != 0
+
+
+def test_hung_vllm_worker_is_killed_and_skipped(fake_vllm_python: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_VLLM_HANG_AT", "2")  # the first timed repeat never returns
+    workload = common.make_workload(2, (4, 8), (2, 5), 100, seed=0)
+    worker = common.VLLMWorker(str(fake_vllm_python), "throughput", Path("m"), workload, "float32", {}, reply_timeout=5)
+    with worker:
+        assert worker.skipped is None  # loading and the warm-up answered in time
+        assert worker.run("r1") is None and worker.run("r2") is None
+    assert worker.skipped is not None and "in r1 (no reply within 5s)" in worker.skipped
+    assert worker._process.returncode == -signal.SIGKILL
 
 
 def test_vllm_peer_is_skipped_when_absent(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -243,7 +243,7 @@ def test_compiled_matches_eager_and_transformers(tiny_cache: Path) -> None:
 def test_metadata_of_decode_only_and_prefill_only_steps() -> None:
     only_prefill = [SequenceInput(0, [1, 2, 3], 0, [0], True, SamplingParams())]
     meta = attention_cpu.build_metadata(step_inputs(only_prefill, 4), sliding_window=None)
-    assert meta.decode_rows.numel() == 0 and meta.max_decode_len == 0 and len(meta.prefills) == 1
+    assert meta.decode_rows.numel() == 0 and meta.decode_seq_lens.numel() == 0 and len(meta.prefills) == 1
     only_decode = [SequenceInput(0, [1], 6, [3, 1], True, SamplingParams())]
     meta = attention_cpu.build_metadata(step_inputs(only_decode, 4), sliding_window=None)
     assert meta.decode_block_tables.tolist() == [[3, 1]] and meta.decode_seq_lens.tolist() == [7]

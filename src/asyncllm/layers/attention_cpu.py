@@ -427,7 +427,6 @@ class CpuAttentionMetadata:
     """[decodes, max_blocks] int64 block tables, zero-padded."""
     decode_seq_lens: torch.Tensor
     """[decodes] int64 context lengths, the new token included."""
-    max_decode_len: int
     block_size: int
     sliding_window: int | None
     prefills: tuple[CpuPrefillChunk, ...]
@@ -447,7 +446,6 @@ def build_metadata(step: StepInputs, *, sliding_window: int | None) -> CpuAttent
         decode_rows=torch.from_numpy(split.decode_rows),
         decode_block_tables=torch.from_numpy(split.decode_tables),
         decode_seq_lens=torch.from_numpy(split.decode_lens),
-        max_decode_len=split.max_decode_len,
         block_size=block_size,
         sliding_window=sliding_window,
         prefills=tuple(_prefill_chunk(span, block_size, sliding_window) for span in split.prefills),
@@ -587,7 +585,7 @@ def _library(head_dim: int) -> ctypes.CDLL | None:
         return None  # the kernels' vectors are 4, 8 or 16 floats wide
     # -ffp-contract=fast lets the multiply-adds be fused (ISO C mode forbids it by default): 20% faster.
     source = f"#define HEAD_DIM {head_dim}\n{_SOURCE}"
-    path = native.build(f"paged_decode_hd{head_dim}", source, ("-ffp-contract=fast",))
+    path = native.build(f"attention_hd{head_dim}", source, ("-ffp-contract=fast",))
     if path is None:
         return None
     library = ctypes.CDLL(str(path))
