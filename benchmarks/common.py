@@ -805,7 +805,16 @@ class VLLMWorker:
         if not os.path.exists(python):
             self.skipped = f"--vllm-python {python} does not exist"
             return
-        probe = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
+        try:
+            probe = subprocess.run(
+                [python, "-c", "import vllm; print(vllm.__version__)"],
+                capture_output=True,
+                text=True,
+                timeout=self.reply_timeout,
+            )
+        except subprocess.TimeoutExpired:
+            self.skipped = f"importing vllm under {python} took over {self.reply_timeout:g}s"
+            return
         if probe.returncode != 0:
             tail = (probe.stderr.strip().splitlines() or ["?"])[-1]
             self.skipped = f"vllm does not import under {python}: {tail}"
@@ -837,6 +846,9 @@ class VLLMWorker:
                 stdout=sink,
                 env=env,
                 pass_fds=(write_fd,),
+                # Its own process group: vLLM runs its engine in a child process, which a kill of the
+                # worker alone would leave running (holding the model and its cache, maybe a core).
+                start_new_session=True,
             )
         finally:
             os.close(write_fd)  # the worker holds its own copy; end of file then means it is gone
@@ -946,12 +958,12 @@ class VLLMWorker:
         if process is not None:
             with contextlib.suppress(OSError):
                 process.stdin.close()
-            if kill and process.poll() is None:
-                process.kill()
+            if kill:
+                _kill_group(process)
             try:
                 process.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                process.kill()
+                _kill_group(process)
                 process.wait()
         if self._reply_fd is not None:
             os.close(self._reply_fd)
@@ -959,6 +971,16 @@ class VLLMWorker:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+
+def _kill_group(process: Any) -> None:
+    """SIGKILL the worker's process group: the worker and vLLM's engine processes under it."""
+    import signal
+
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    if process.poll() is None:  # not a group leader after all (no session support): the worker at least
+        process.kill()
 
 
 def _process_tree_cpu(root: int) -> float | None:

@@ -10,9 +10,11 @@ import importlib.util
 import itertools
 import json
 import math
+import os
 import signal
 import stat
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -133,8 +135,12 @@ class LLM:
         if self.calls == _FAIL_AT:
             os._exit(3)
         if self.calls == _HANG_AT:
-            import threading
+            # As vLLM does, an engine in a child process; then the hang.
+            import subprocess, sys, threading
 
+            child = subprocess.Popen([sys.executable, "-c", "import threading; threading.Event().wait()"])
+            with open(os.environ["FAKE_VLLM_CHILD_PID_FILE"], "w") as f:
+                f.write(str(child.pid))
             threading.Event().wait()
         assert len(prompts) == len(sampling_params)
         assert all(isinstance(p["prompt_token_ids"], list) for p in prompts)
@@ -243,15 +249,34 @@ def test_vllm_worker_failure_is_a_skip(
     assert worker._process.returncode != 0
 
 
-def test_hung_vllm_worker_is_killed_and_skipped(fake_vllm_python: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat_file:
+            return stat_file.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+def test_hung_vllm_worker_is_killed_and_skipped(
+    fake_vllm_python: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.setenv("FAKE_VLLM_HANG_AT", "2")  # the first timed repeat never returns
+    child_pid_file = tmp_path / "engine.pid"
+    monkeypatch.setenv("FAKE_VLLM_CHILD_PID_FILE", str(child_pid_file))
     workload = common.make_workload(2, (4, 8), (2, 5), 100, seed=0)
-    worker = common.VLLMWorker(str(fake_vllm_python), "throughput", Path("m"), workload, "float32", {}, reply_timeout=5)
+    worker = common.VLLMWorker(str(fake_vllm_python), "throughput", Path("m"), workload, "float32", {}, reply_timeout=8)
     with worker:
         assert worker.skipped is None  # loading and the warm-up answered in time
         assert worker.run("r1") is None and worker.run("r2") is None
-    assert worker.skipped is not None and "in r1 (no reply within 5s)" in worker.skipped
+    assert worker.skipped is not None and "in r1 (no reply within 8s)" in worker.skipped
     assert worker._process.returncode == -signal.SIGKILL
+    # The "engine" child went with it (its whole process group was killed); SIGKILL is delivered
+    # asynchronously, so wait for it to end, with a bound.
+    engine = int(child_pid_file.read_text())
+    deadline = time.monotonic() + 30
+    while _alive(engine) and time.monotonic() < deadline:
+        os.sched_yield()
+    assert not _alive(engine)
 
 
 def test_vllm_peer_is_skipped_when_absent(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

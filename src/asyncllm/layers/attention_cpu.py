@@ -61,7 +61,7 @@ _SOURCE = r"""
 #include <omp.h>
 #endif
 
-/* Vectors of W floats (GCC/clang vector extensions: AVX-512, AVX2 or NEON, whatever -march=native has). */
+/* Vectors as wide as divides the head size. */
 #if HEAD_DIM % 16 == 0
 #define W 16
 #elif HEAD_DIM % 8 == 0
@@ -69,24 +69,10 @@ _SOURCE = r"""
 #else
 #define W 4
 #endif
-typedef float vec __attribute__((vector_size(W * 4)));
-typedef int32_t ivec __attribute__((vector_size(W * 4)));
-
-static inline vec load(const float *p) { vec v; memcpy(&v, p, sizeof v); return v; }
-static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
-static inline vec splat(float x) { return (vec){0} + x; }
-
-/* A tree of halvings, not a lane-by-lane chain: without -ffast-math the compiler keeps the written order,
-   and sixteen dependent adds per dot product made the previous kernel compute-bound (18 of 40 GB/s on
-   cached data). */
-static inline float hsum(vec v) {
-    for (int w = W / 2; w >= 1; w /= 2)
-        for (int j = 0; j < w; ++j) v[j] += v[j + w];
-    return v[0];
-}
+""" + native.VECTOR_HELPERS + r"""
 
 /* Per lane: mask set (all ones) takes yes, else no. */
-static inline vec select(ivec mask, vec yes, vec no) {
+static inline vec vselect(ivec mask, vec yes, vec no) {
     ivec a, b;
     memcpy(&a, &yes, sizeof a);
     memcpy(&b, &no, sizeof b);
@@ -96,7 +82,7 @@ static inline vec select(ivec mask, vec yes, vec no) {
     return r;
 }
 
-static inline vec vmax(vec a, vec b) { return select(a > b, a, b); }
+static inline vec vmax(vec a, vec b) { return vselect(a > b, a, b); }
 
 /* exp(x) for x <= 0 (scores minus their running maximum), W lanes at once: 2^n * e^f with n = round(x / ln 2)
    (the 1.5 * 2^23 shift rounds, and leaves n in the low bits) and |f| <= ln 2 / 2; e^f by its degree-6
@@ -106,8 +92,8 @@ static inline vec vexp(vec x) {
     /* Lanes whose result is discarded (masked keys, stale scratch) may hold anything: clamp to [-87, 0],
        with vector compares (a lane-by-lane loop here compiled to scalar code, and the clamp cost more than
        the rest of the exponential). */
-    x = select(x < splat(-87.0f), splat(-87.0f), x);
-    x = select(x > splat(0.0f), splat(0.0f), x);
+    x = vselect(x < splat(-87.0f), splat(-87.0f), x);
+    x = vselect(x > splat(0.0f), splat(0.0f), x);
     const vec shift = splat(12582912.0f);
     const vec t = x * splat(1.44269504f) + shift;
     const vec n = t - shift;
@@ -140,9 +126,10 @@ static inline void prefetch_row(const float *row, int64_t bytes) {
    of each decode query; tables: [n, max_blocks]; lens: [n] context length, the new token included;
    window: 0 for none, else the sliding window. Returns 0, or -1 when scratch memory ran out.
 
-   One pass over the context, a block at a time, with an online softmax: per query head, the block's scores,
-   their exponentials against the running maximum (rescaling what was accumulated when the maximum grows),
-   and the weighted value rows; keys and values are read once, each while it is in the L1 cache. */
+   One pass over the context, a block at a time, with an online softmax: every query head's score against
+   each key row of the block (rows in order), per head the exponentials against the running maximum
+   (rescaling what was accumulated when the maximum grows), then every head's update from each value row;
+   keys and values are read once, each while it is in the L1 cache. */
 int asyncllm_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, float *out,
                               const int64_t *rows, const int64_t *tables, const int64_t *lens, int64_t n,
                               int64_t q_heads, int64_t kv_heads, int64_t block_size, int64_t max_blocks,
@@ -356,7 +343,7 @@ int asyncllm_causal_prefill_f32(const float *q, const float *k, const float *v, 
                     }
                     /* On the diagonal tile key j is visible to queries i >= j only (causal). */
                     if (kb == tile)
-                        for (int j = 0; j < TILE; ++j) scores[j] = select(lane >= j, scores[j], splat(-INFINITY));
+                        for (int j = 0; j < TILE; ++j) scores[j] = vselect(lane >= j, scores[j], splat(-INFINITY));
                     vec block_top = scores[0];
                     for (int j = 1; j < TILE; ++j) block_top = vmax(block_top, scores[j]);
                     const vec new_top = vmax(top, block_top);
@@ -365,14 +352,14 @@ int asyncllm_causal_prefill_f32(const float *q, const float *k, const float *v, 
                     vec block_sum = splat(0.0f);
                     for (int j = 0; j < TILE; ++j) {
                         vec p = vexp(scores[j] - new_top);
-                        if (kb == tile) p = select(lane >= j, p, splat(0.0f));
+                        if (kb == tile) p = vselect(lane >= j, p, splat(0.0f));
                         block_sum += p;
                         store(probs + j * TILE, p);
                     }
                     sum = sum * rescale + block_sum;
                     /* Weighted values, lanes = queries too: acc_t[d] (every query's accumulator for dimension
-                       d) += probabilities against key j x value j's element d, broadcast; sixteen dimensions
-                       at a time in registers, rescaled as they are loaded. */
+                       d) += probabilities against key j x value j's element d, broadcast; W dimensions at a
+                       time in registers, rescaled as they are loaded. */
                     for (int64_t d0 = 0; d0 < HEAD_DIM; d0 += W) {
                         vec a[W];
                         for (int dd = 0; dd < W; ++dd) a[dd] = load(acc + (d0 + dd) * TILE) * rescale;

@@ -38,30 +38,24 @@ _SOURCE = r"""
    pool costs more than a decode step's few rows of arithmetic). */
 #define PARALLEL_FLOATS 65536
 
-typedef float vec __attribute__((vector_size(64)));
-#define LANES 16
-
-static inline vec load(const float *p) { vec v; memcpy(&v, p, sizeof v); return v; }
-static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
+#define W 16
+""" + native.VECTOR_HELPERS + r"""
 
 /* The sum of squares of n floats: four vector accumulators (as torch's own reductions keep several),
    then their lanes, then the tail. */
 static inline float sum_of_squares(const float *x, int64_t n) {
     vec acc[4] = {{0}, {0}, {0}, {0}};
     int64_t j = 0;
-    for (; j + 4 * LANES <= n; j += 4 * LANES)
+    for (; j + 4 * W <= n; j += 4 * W)
         for (int a = 0; a < 4; ++a) {
-            const vec v = load(x + j + a * LANES);
+            const vec v = load(x + j + a * W);
             acc[a] += v * v;
         }
-    for (; j + LANES <= n; j += LANES) {
+    for (; j + W <= n; j += W) {
         const vec v = load(x + j);
         acc[0] += v * v;
     }
-    vec total = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-    for (int w = LANES / 2; w >= 1; w /= 2)
-        for (int l = 0; l < w; ++l) total[l] += total[l + w];
-    float sum = total[0];
+    float sum = hsum((acc[0] + acc[1]) + (acc[2] + acc[3]));
     for (; j < n; ++j) sum += x[j] * x[j];
     return sum;
 }
