@@ -15,7 +15,7 @@ from hypothesis import strategies as st  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, normalizers  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
-from asyncllm.detokenizer import IncrementalDetokenizer  # noqa: E402
+from asyncllm.detokenizer import IncrementalDetokenizer, decoder_for  # noqa: E402
 from asyncllm.testing.scripted import EOS_ID, ByteTokenizer  # noqa: E402
 
 assert _TORCH_PRELOADED or "torch" not in sys.modules, "detokenizing must not import torch"
@@ -280,3 +280,26 @@ def test_sp_streaming_equals_one_shot(
     assert "".join(streamed) == "".join(one_shot)
     if skip_special_tokens or not spaces_between_special_tokens:
         assert "".join(streamed) == sp_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_fast_tokenizer_decodes_through_its_rust_tokenizer(sp_tokenizer: PreTrainedTokenizerFast) -> None:
+    decode = decoder_for(sp_tokenizer)
+    assert decode == sp_tokenizer.backend_tokenizer.decode  # the Python wrapper is skipped
+    ids = [*sp_tokenizer.encode(SP_TEXT, add_special_tokens=False), sp_tokenizer.eos_token_id]
+    for skip in (True, False):
+        assert decode(ids, skip) == sp_tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+def test_tokenizer_with_its_own_decode_keeps_it(sp_tokenizer: PreTrainedTokenizerFast) -> None:
+    class Shouting(PreTrainedTokenizerFast):
+        def _decode(self, token_ids, skip_special_tokens=False, **kwargs):  # type: ignore[no-untyped-def]
+            return super()._decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs).upper()
+
+    shouting = Shouting(tokenizer_object=sp_tokenizer.backend_tokenizer, clean_up_tokenization_spaces=False)
+    ids = shouting.encode("hello world", add_special_tokens=False)
+    assert "".join(stream(IncrementalDetokenizer(shouting), ids)) == "HELLO WORLD"
+
+    backend = sp_tokenizer.backend_tokenizer
+    cleaning = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=True)
+    assert decoder_for(cleaning) != cleaning.backend_tokenizer.decode
+    assert decoder_for(ByteTokenizer())([104, 105], True) == ByteTokenizer().decode([104, 105])
