@@ -8,12 +8,13 @@ runner variants, each adding one thing to the previous one:
 - ``eager``: HF's separate projections, the ``torch`` reference attention, torch's default threads;
 - ``+fused``: q/k/v and gate/up stacked into one matmul each (``fuse_projections``);
 - ``+attention``: the ``cpu`` attention backend (the C decode kernel, no gathered KV);
-- ``+packed``: linear weights packed once for MKL's GEMM (``packed_gemm``, ``asyncllm.layers.linear``);
+- ``+packed``: linear weights packed once for a packed GEMM (``packed_gemm``, ``asyncllm.layers.linear``:
+  ``gemm_cpu``'s column panels with AVX-512, else MKL's packed layout);
 - ``+kernels``: each residual add fused into the RMSNorm after it, and rotary in place, as C kernels
   (``fused_norm``, ``asyncllm.layers.elementwise_cpu``);
 - ``+compile``: ``torch.compile`` of every layer's dense parts (``compile=True``; the compiled graphs call
-  the packed weights through the ``asyncllm::packed_linear`` operator, and inductor's own fused norms and
-  rotary replace the C kernels);
+  the packed weights through the ``asyncllm::panel_linear`` or ``packed_linear`` operator, and inductor's
+  own fused norms and rotary replace the C kernels);
 - ``+threads``: the intra-op thread count the runner decides at load (``num_threads=None``), or
   ``--threads``.
 
@@ -26,7 +27,7 @@ the median over repeats in ms per step, and the spread table the half-range over
 
     python benchmarks/forward.py                  # the table in docs/performance.md
     python benchmarks/forward.py --quick          # smoke run (tiny shapes, one repeat)
-    python benchmarks/forward.py --gemm           # only the matmuls: F.linear against packed, GFLOPS
+    python benchmarks/forward.py --gemm           # only the matmuls: F.linear, MKL packed, panels (GFLOPS)
 """
 
 from __future__ import annotations
@@ -163,15 +164,22 @@ GEMM_ROWS = (1, 4, 8, 16, 32, 64, 128, 256, 2048)
 
 
 def gemm_table(path: Path, repeats: int, quick: bool) -> str:
-    """GFLOPS of every distinct linear shape of the model, ``F.linear`` / packed, per row count."""
+    """GFLOPS of every distinct linear shape of the model per row count: F.linear / MKL packed / panels.
+
+    Each timed batch of calls cycles through copies of the weight that together exceed the cache
+    (128 MB of each layout), so the weights come from memory as they do in a decode step, where
+    every matmul reads its weight once; ``quick`` uses one copy.
+    """
     import statistics
 
     import torch
 
+    from asyncllm.layers import gemm_cpu
     from asyncllm.layers.linear import PackedWeight, packed_gemm_available
 
     if not packed_gemm_available():
         return "MKL's packed GEMM is unavailable in this torch build"
+    panels_available = gemm_cpu.available()
     config = common.model_config(path)
     hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
@@ -184,37 +192,45 @@ def gemm_table(path: Path, repeats: int, quick: bool) -> str:
         "lm_head": (vocab, hidden),
     }
     rows_list = GEMM_ROWS[:4] if quick else GEMM_ROWS
+    labels = ("linear", "mkl", "panels") if panels_available else ("linear", "mkl")
     generator = torch.Generator().manual_seed(0)
     table = []
     for name, (out_features, in_features) in shapes.items():
-        weight = torch.randn(out_features, in_features, generator=generator)
-        packed = PackedWeight(weight)
+        copies = 1 if quick else -(-(128 << 20) // (4 * out_features * in_features))
+        weights = [torch.randn(out_features, in_features, generator=generator) for _ in range(copies)]
+        layouts: dict[str, list[Any]] = {
+            "linear": weights,
+            "mkl": [PackedWeight(weight) for weight in weights],
+            "panels": [gemm_cpu.PanelWeight(weight) for weight in weights] if panels_available else [],
+        }
         cells = []
         for rows in rows_list:
             x = torch.randn(rows, in_features, generator=generator)
             budget = 20_000_000 if quick else 2_000_000_000  # flops per timed batch of calls
-            calls = max(1, budget // (2 * rows * out_features * in_features))
-            timings: dict[str, list[float]] = {"linear": [], "packed": []}
+            calls = max(copies, budget // (2 * rows * out_features * in_features))
+            timings: dict[str, list[float]] = {label: [] for label in labels}
             for _ in range(repeats):  # interleaved
-                for label in ("linear", "packed"):
-                    timings[label].append(_seconds_per_call(label, x, weight, packed, calls))
+                for label in labels:
+                    timings[label].append(_seconds_per_call(x, layouts[label], calls))
             flops = 2 * rows * out_features * in_features
-            linear, fast = (flops / statistics.median(timings[k]) / 1e9 for k in ("linear", "packed"))
-            cells.append(f"{linear:.0f} / {fast:.0f}")
+            cells.append(" / ".join(f"{flops / statistics.median(timings[k]) / 1e9:.0f}" for k in labels))
         table.append([f"{name} [{out_features} x {in_features}]", *cells])
-    return common.format_table(["matmul (GFLOPS: F.linear / packed)", *(f"{r} rows" for r in rows_list)], table)
+    names = {"linear": "F.linear", "mkl": "MKL packed", "panels": "panels"}
+    header = f"matmul (GFLOPS: {' / '.join(names[k] for k in labels)})"
+    return common.format_table([header, *(f"{r} rows" for r in rows_list)], table)
 
 
-def _seconds_per_call(label: str, x: Any, weight: Any, packed: Any, calls: int) -> float:
+def _seconds_per_call(x: Any, layouts: list[Any], calls: int) -> float:
+    import torch
     import torch.nn.functional as F
 
-    def run() -> Any:
-        return F.linear(x, weight) if label == "linear" else packed.linear(x)
+    def run(layout: Any) -> Any:
+        return F.linear(x, layout) if isinstance(layout, torch.Tensor) else layout.linear(x)
 
-    run()  # warm
+    run(layouts[-1])  # warm
     start = time.perf_counter()
-    for _ in range(calls):
-        run()
+    for call in range(calls):
+        run(layouts[call % len(layouts)])
     return (time.perf_counter() - start) / calls
 
 
@@ -227,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
         common.print_header(
-            "asyncllm matmul microbenchmark (F.linear against MKL-packed weights, float32, CPU)",
+            "asyncllm matmul microbenchmark (F.linear, MKL-packed and panel-packed weights, float32, CPU)",
             common.machine_info(),
             [f"model: {common.model_summary(path)}", f"{args.repeats} interleaved repeats; median GFLOPS"],
         )

@@ -23,6 +23,7 @@ from asyncllm.layers.attention_cpu import CpuAttentionMetadata
 from asyncllm.layers.attention_cpu import build_metadata as build_cpu_metadata
 from asyncllm.layers.attention_triton import TritonAttentionMetadata
 from asyncllm.layers.attention_triton import build_metadata as build_triton_metadata
+from asyncllm.layers.linear import Linear, PackedFormat
 from asyncllm.layers.rotary import RotaryEmbedding
 from asyncllm.memory import (
     KVCacheSizing,
@@ -120,9 +121,11 @@ class TorchModelRunner:
             ``asyncllm.compile``). False keeps the eager forward.
         fuse_projections: Run q/k/v and gate/up as one matmul each (``fuse_projections()`` after
             loading). False keeps HF's separate projections (for comparisons).
-        packed_gemm: On the CPU in float32, pack every linear weight once for MKL's GEMM
-            (``asyncllm.layers.linear``; 1.1-1.3x faster steps; compiled graphs call it too) where
-            the torch build exports it. False keeps ``F.linear`` (for comparisons).
+        packed_gemm: On the CPU in float32, pack every linear weight once for a packed GEMM
+            (``asyncllm.layers.linear``; compiled graphs call it too): True takes the best this
+            machine has (``gemm_cpu``'s column panels with AVX-512, else MKL's packed layout where
+            the torch build exports it); "panels" or "mkl" asks for one (for comparisons; a format
+            the machine lacks leaves the weights unpacked). False keeps ``F.linear``.
         fused_norm: On the triton and cpu backends with eager layers, fuse each residual add into
             the RMSNorm after it and rotate q/k in place, one kernel each
             (``DecoderForCausalLM.fused_norm``). False keeps torch's element-wise ops (for comparisons).
@@ -148,7 +151,7 @@ class TorchModelRunner:
         max_model_len: int | None = None,
         compile: bool = False,
         fuse_projections: bool = True,
-        packed_gemm: bool = True,
+        packed_gemm: bool | PackedFormat = True,
         fused_norm: bool = True,
         num_threads: int | None = None,
     ) -> None:
@@ -171,6 +174,8 @@ class TorchModelRunner:
         self.packed_gemm = packed_gemm
         self.fused_norm = fused_norm
         self.num_packed_layers = 0
+        self.packed_format: PackedFormat | None = None
+        """The packed GEMM the linear layers run ("panels" or "mkl"), once loaded; None: ``F.linear``."""
         """Linear layers running from MKL-packed weights (0: all on ``F.linear``)."""
         self.timings = RunnerTimings()
         """Seconds spent preparing inputs, in the forward and sampling, over all steps."""
@@ -213,7 +218,9 @@ class TorchModelRunner:
         if self.attention_backend == "cpu":
             self.attention_backend = _cpu_backend_or_torch(model.spec.head_dim, dtype, requested_backend == "cpu")
         if self.packed_gemm and device.type == "cpu" and dtype == torch.float32:
-            self.num_packed_layers = model.pack_weights()
+            self.num_packed_layers = model.pack_weights(None if self.packed_gemm is True else self.packed_gemm)
+            formats = {m.packed_format for m in model.modules() if isinstance(m, Linear) and m.packed_format}
+            self.packed_format = formats.pop() if len(formats) == 1 else None
         self.model = model
         self.device, self.dtype = device, dtype
         eos_token_ids = load_eos_token_ids(self.model_path, config)
@@ -242,7 +249,7 @@ class TorchModelRunner:
             eos_token_ids=eos_token_ids,
             description=f"{spec.architecture} on {device} ({str(dtype).removeprefix('torch.')}, "
             f"{self.attention_backend} attention, {'compiled' if self.compile else 'eager'}"
-            f"{', packed GEMM' if self.num_packed_layers else ''}"
+            f"{f', {self.packed_format} GEMM' if self.packed_format else ''}"
             f"{f', {self.num_threads} threads' if device.type == 'cpu' else ''})",
         )
 

@@ -1,21 +1,27 @@
-"""Linear layers whose weights can be packed once for MKL's GEMM on the CPU.
+"""Linear layers whose weights are packed once for a CPU GEMM: column panels, or MKL's layout.
 
 ``F.linear`` on the CPU calls MKL's ``sgemm``, which repacks the whole weight matrix into its
 internal panel layout on every call. At the batch sizes of decoding (a few to a few hundred rows)
 that repacking costs as much as the multiplication: measured on this project's 2-core machine, a
 [3072 x 512] weight runs at 28-77 GFLOPS for 16-32 rows through ``F.linear`` and at 66-101 GFLOPS
 from a weight packed once; whole decode steps of the benchmark model are 1.2-1.33x faster
-(docs/performance.md). MKL exposes the packed form as ``cblas_sgemm_pack`` /
-``cblas_sgemm_compute``; torch's CPU builds for x86 link MKL statically and export those symbols
-from ``libtorch_cpu.so``, so they are reached with ``ctypes`` (the call releases the GIL and runs
-on torch's OpenMP threads, so ``torch.set_num_threads`` governs it like any other op).
+(docs/performance.md). Two packed formats:
 
-The packed layout does not depend on the row count: one packed copy serves every batch size
-(checked at start-up by ``packed_gemm_available``, which compares against ``F.linear`` and turns
-the feature off if they disagree or the symbols are missing). Packing is for float32 on the CPU;
-everything else runs ``F.linear`` as before. Under ``torch.compile`` the multiplication is the
-custom operator ``asyncllm::packed_linear``, which inductor keeps as an opaque call between the
-kernels it fuses (the packed weight is a module buffer, so one graph still serves every layer).
+- ``"panels"`` (x86 with AVX-512): ``asyncllm.layers.gemm_cpu``'s own kernel and layout, which
+  fetches the next part of the weight while it computes; 1.1-1.5x MKL's packed GEMM at 4-32 rows
+  with the weights coming from memory, as they do in a decode step, and level elsewhere;
+- ``"mkl"``: MKL's ``cblas_sgemm_pack`` / ``cblas_sgemm_compute``. torch's CPU builds for x86 link
+  MKL statically and export those symbols from ``libtorch_cpu.so``, so they are reached with
+  ``ctypes``.
+
+Either call releases the GIL and runs on torch's OpenMP threads, so ``torch.set_num_threads``
+governs it like any other op. Neither layout depends on the row count: one packed copy serves
+every batch size. Each is checked once per process against ``F.linear`` (``gemm_cpu.available``,
+``packed_gemm_available``) and left unused if it disagrees or is missing. Packing is for float32 on
+the CPU; everything else runs ``F.linear`` as before. Under ``torch.compile`` the multiplication is
+the custom operator ``asyncllm::panel_linear`` or ``asyncllm::packed_linear``, which inductor keeps
+as an opaque call between the kernels it fuses (the packed weight is a module buffer, so one graph
+still serves every layer).
 """
 
 from __future__ import annotations
@@ -24,17 +30,26 @@ import ctypes
 import functools
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncllm.layers import gemm_cpu
 from asyncllm.memory import anonymous_mapping
 
 logger = logging.getLogger("asyncllm")
 
-__all__ = ["Linear", "PackedWeight", "packed_gemm_available", "packed_matmul"]
+__all__ = [
+    "Linear",
+    "PackedFormat",
+    "PackedWeight",
+    "best_packed_format",
+    "format_available",
+    "packed_gemm_available",
+    "packed_matmul",
+]
 
 # CBLAS constants (mkl_cblas.h).
 _ROW_MAJOR = 101
@@ -130,6 +145,18 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_feat
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+@torch.library.custom_op("asyncllm::panel_linear", mutates_args=())
+def _panel_linear_op(
+    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    return gemm_cpu.panel_matmul(x, panels, bias, out_features)
+
+
+@_panel_linear_op.register_fake
+def _(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
 @functools.cache
 def packed_gemm_available() -> bool:
     """Whether MKL's packed GEMM is reachable and agrees with ``F.linear`` (checked once per process)."""
@@ -147,13 +174,32 @@ def packed_gemm_available() -> bool:
     return True
 
 
-class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters and state dict) that can run from an MKL-packed weight.
+PackedFormat = Literal["panels", "mkl"]
+"""How a ``Linear`` holds its packed weight: ``gemm_cpu``'s column panels, or MKL's packed layout."""
 
-    ``pack()`` packs the weight once (float32, CPU) and, with ``release=True``, drops the
-    unpacked copy; until then, and wherever packing is unavailable, it is a plain ``nn.Linear``.
-    The packed weight is a non-persistent buffer (not in the state dict), so ``torch.compile``
-    sees it as a graph input like the weight it replaces.
+
+def best_packed_format() -> PackedFormat | None:
+    """The packed format to use here: panels (x86 with AVX-512), else MKL's, else None (``F.linear``)."""
+    if gemm_cpu.available():
+        return "panels"
+    if packed_gemm_available():
+        return "mkl"
+    return None
+
+
+def format_available(packed_format: PackedFormat) -> bool:
+    """Whether ``packed_format`` runs on this machine with this torch build."""
+    return gemm_cpu.available() if packed_format == "panels" else packed_gemm_available()
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and state dict) that can run from a packed weight.
+
+    ``pack()`` packs the weight once (float32, CPU), into ``gemm_cpu``'s column panels or MKL's
+    packed layout, and, with ``release=True``, drops the unpacked copy; until then, and wherever
+    packing is unavailable, it is a plain ``nn.Linear``. The packed weight is a non-persistent
+    buffer (not in the state dict), so ``torch.compile`` sees it as a graph input like the weight
+    it replaces.
     """
 
     packed_weight: torch.Tensor | None
@@ -161,24 +207,32 @@ class Linear(nn.Linear):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.register_buffer("packed_weight", None, persistent=False)
+        self.packed_format: PackedFormat | None = None
+        """The layout of ``packed_weight``; None while unpacked."""
 
     @property
     def packed(self) -> bool:
         """Whether the layer runs from its packed weight."""
         return self.packed_weight is not None
 
-    def pack(self, release: bool) -> bool:
-        """Pack the weight for MKL's GEMM; return whether it is now packed.
+    def pack(self, release: bool, packed_format: PackedFormat | None = None) -> bool:
+        """Pack the weight; return whether it is now packed.
 
         Args:
             release: Replace the unpacked weight by an empty tensor to give its memory back. Only
                 for a weight nothing else shares (not a tied embedding) and when nothing will read
                 it again (no CUDA graphs).
+            packed_format: "panels" or "mkl"; None takes ``best_packed_format()``. A format this
+                machine lacks leaves the layer unpacked.
         """
         weight = self.weight
-        if weight.dtype != torch.float32 or weight.device.type != "cpu" or not packed_gemm_available():
+        if weight.dtype != torch.float32 or weight.device.type != "cpu":
             return False
-        self.packed_weight = PackedWeight(weight).buffer
+        chosen = packed_format or best_packed_format()
+        if chosen is None or not format_available(chosen):
+            return False
+        self.packed_weight = (gemm_cpu.PanelWeight(weight) if chosen == "panels" else PackedWeight(weight)).buffer
+        self.packed_format = chosen
         if release:
             self.weight = nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
         return True
@@ -187,8 +241,12 @@ class Linear(nn.Linear):
         packed = self.packed_weight
         if packed is None:
             return F.linear(x, self.weight, self.bias)
+        panels = self.packed_format == "panels"
         if torch.compiler.is_compiling():
-            result: torch.Tensor = torch.ops.asyncllm.packed_linear(x, packed, self.bias, self.out_features)
+            op = torch.ops.asyncllm.panel_linear if panels else torch.ops.asyncllm.packed_linear
+            result: torch.Tensor = op(x, packed, self.bias, self.out_features)
             return result
-        # Eager: the plain function (a custom operator's dispatch would cost microseconds per call).
+        # Eager: the plain functions (a custom operator's dispatch would cost microseconds per call).
+        if panels:
+            return gemm_cpu.panel_matmul(x, packed, self.bias, self.out_features)
         return packed_matmul(x, packed, self.bias, self.out_features)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 logger = logging.getLogger("asyncllm")
 
-__all__ = ["VECTOR_HELPERS", "build", "compiler"]
+__all__ = ["VECTOR_HELPERS", "build", "compiler", "cpu_flags"]
 
 BASE_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11")
 
@@ -56,14 +56,23 @@ def compiler() -> str | None:
     return None
 
 
-def _cpu_signature() -> str:
-    # -march=native code must not be reused on another CPU sharing the same cache folder.
+def _cpu_flags_line() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:
-            flags = next((line for line in info if line.startswith(("flags", "Features"))), "")
+            return next((line for line in info if line.startswith(("flags", "Features"))), "")
     except OSError:
-        flags = ""
-    return f"{platform.machine()} {platform.processor()} {flags}"
+        return ""
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (``avx512f``, ``asimd``, ...); empty elsewhere."""
+    _, _, flags = _cpu_flags_line().partition(":")
+    return frozenset(flags.split())
+
+
+def _cpu_signature() -> str:
+    # -march=native code must not be reused on another CPU sharing the same cache folder.
+    return f"{platform.machine()} {platform.processor()} {_cpu_flags_line()}"
 
 
 def build(name: str, source: str, flags: tuple[str, ...] = ()) -> Path | None:

@@ -20,7 +20,7 @@ from asyncllm.layers import attention_cpu, attention_triton, elementwise_cpu
 from asyncllm.layers.attention import AttentionMetadata, paged_attention, write_kv
 from asyncllm.layers.attention_cpu import CpuAttentionMetadata
 from asyncllm.layers.attention_triton import TritonAttentionMetadata
-from asyncllm.layers.linear import Linear
+from asyncllm.layers.linear import Linear, PackedFormat
 from asyncllm.layers.norm import RMSNorm
 from asyncllm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
@@ -367,8 +367,10 @@ class DecoderForCausalLM(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
-    def pack_weights(self) -> int:
-        """Pack every linear layer's weight for MKL's GEMM (float32 on the CPU; see ``layers.linear``).
+    def pack_weights(self, packed_format: PackedFormat | None = None) -> int:
+        """Pack every linear layer's weight for a packed GEMM (float32 on the CPU; see ``layers.linear``).
+
+        ``packed_format`` is "panels" or "mkl"; None takes the best this machine has.
 
         Call it after ``fuse_projections`` and before ``torch.compile`` (the compiled graphs then
         call the packed weights); never with CUDA graphs. The unpacked weights are released
@@ -379,7 +381,7 @@ class DecoderForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 shared = module is self.lm_head and self.spec.tie_word_embeddings
-                packed += module.pack(release=not shared)
+                packed += module.pack(release=not shared, packed_format=packed_format)
         return packed
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
