@@ -8,8 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncllm.layers import gemm_cpu, native
-from asyncllm.layers.linear import Linear, PackedWeight, best_packed_format, packed_gemm_available
+from asyncllm.layers import gemm_cpu, linear, native
+from asyncllm.layers.linear import (
+    PANEL_MAX_ROWS,
+    Linear,
+    PackedWeight,
+    best_packed_format,
+    format_available,
+    packed_gemm_available,
+)
 
 needs_panels = pytest.mark.skipif(not gemm_cpu.available(), reason="the panel GEMM needs x86 with AVX-512")
 
@@ -56,7 +63,8 @@ def test_panels_available_on_avx512_machines() -> None:
     # CI's machines have AVX-512: the default CPU path must be exercised there, not silently skipped.
     if platform.machine() in ("x86_64", "AMD64") and "avx512f" in native.cpu_flags():
         assert gemm_cpu.available()
-        assert best_packed_format() == "panels"
+        assert best_packed_format(1 << 20) == ("both" if packed_gemm_available() else "panels")
+        assert best_packed_format(1 << 60) == "panels"  # no room for a second copy: the panels alone
 
 
 @needs_panels
@@ -102,20 +110,45 @@ def test_panels_reject_what_they_cannot_run() -> None:
         panels.linear(torch.randn(2, 8, dtype=torch.bfloat16))
 
 
-@pytest.mark.parametrize("packed_format", [None, "panels", "mkl"])
+@pytest.mark.parametrize("packed_format", [None, "both", "panels", "mkl"])
 def test_linear_pack_releases_the_weight_and_keeps_the_results(packed_format: str | None) -> None:
-    if packed_format == "panels" and not gemm_cpu.available():
-        pytest.skip("the panel GEMM needs x86 with AVX-512")
-    if packed_format == "mkl" and not packed_gemm_available():
-        pytest.skip("this torch build does not export MKL's packed GEMM")
+    if packed_format is not None and not format_available(packed_format):  # type: ignore[arg-type]
+        pytest.skip(f"{packed_format} is unavailable here")
     layer = Linear(48, 40, bias=True)
-    x = torch.randn(6, 48)
     with torch.no_grad():
-        before = layer(x)
+        inputs = [torch.randn(rows, 48) for rows in (1, 6, PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1, 300)]
+        before = [layer(x) for x in inputs]
         assert layer.pack(release=True, packed_format=packed_format)  # type: ignore[arg-type]
-        assert layer.packed_format == (packed_format or best_packed_format())
+        assert layer.packed_format == (packed_format or best_packed_format(48 * 40 * 4))
         assert layer.weight.numel() == 0  # the unpacked copy's memory is given back
-        torch.testing.assert_close(layer(x), before, rtol=1e-4, atol=1e-4)
+        for x, expected in zip(inputs, before, strict=True):
+            torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not format_available("both"), reason="needs both the panel GEMM and MKL's packed GEMM")
+def test_both_formats_split_inputs_by_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, int]] = []
+    panel_matmul, packed_matmul = gemm_cpu.panel_matmul, linear.packed_matmul
+
+    def on_panels(x: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(("panels", x.shape[0]))
+        return panel_matmul(x, *args)  # type: ignore[arg-type]
+
+    def on_mkl(x: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(("mkl", x.shape[0]))
+        return packed_matmul(x, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gemm_cpu, "panel_matmul", on_panels)
+    monkeypatch.setattr(linear, "packed_matmul", on_mkl)
+    layer = Linear(32, 16, bias=False)
+    assert layer.pack(release=False, packed_format="both")
+    assert layer.packed_weight is not None and layer.panel_weight is not None
+    with torch.no_grad():
+        for rows in (1, PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1, 2048):
+            x = torch.randn(rows, 32)
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-4, atol=1e-4)
+    # decode-sized inputs on the panels (the weights' memory traffic decides), prefill-sized on MKL's
+    assert calls == [("panels", 1), ("panels", PANEL_MAX_ROWS), ("mkl", PANEL_MAX_ROWS + 1), ("mkl", 2048)]
 
 
 def test_linear_without_packing_is_nn_linear() -> None:
@@ -128,12 +161,12 @@ def test_linear_without_packing_is_nn_linear() -> None:
     assert set(Linear(8, 4).state_dict()) == {"weight", "bias"}
 
 
-@pytest.mark.parametrize("packed_gemm", [True, False, "panels", "mkl"])
+@pytest.mark.parametrize("packed_gemm", [True, False, "both", "panels", "mkl"])
 def test_runner_packs_every_linear_layer(tiny_llama, packed_gemm: bool | str) -> None:  # type: ignore[no-untyped-def]
     from asyncllm.model_runner import TorchModelRunner
 
-    expected = best_packed_format() if packed_gemm is True else packed_gemm or None
-    if (expected == "panels" and not gemm_cpu.available()) or (expected == "mkl" and not packed_gemm_available()):
+    expected = best_packed_format(1 << 20) if packed_gemm is True else packed_gemm or None  # a tiny model
+    if isinstance(expected, str) and not format_available(expected):  # type: ignore[arg-type]
         pytest.skip(f"{expected} is unavailable here")
     runner = TorchModelRunner(tiny_llama, device="cpu", dtype="float32", kv_cache_blocks=8, packed_gemm=packed_gemm)  # type: ignore[arg-type]
     info = runner.load()
@@ -158,16 +191,17 @@ def test_gemm_benchmark_quick(tiny_llama, load_benchmark, capsys) -> None:  # ty
     assert "| lm_head [" in out and "| gate_up [" in out
 
 
-@pytest.mark.parametrize("packed_format", ["panels", "mkl"])
+@pytest.mark.parametrize("packed_format", ["both", "panels", "mkl"])
 def test_compiled_graphs_call_the_packed_weight(packed_format: str) -> None:
-    if not (gemm_cpu.available() if packed_format == "panels" else packed_gemm_available()):
+    if not format_available(packed_format):  # type: ignore[arg-type]
         pytest.skip(f"{packed_format} is unavailable here")
     layer = Linear(24, 40, bias=True)
-    x = torch.randn(5, 24)
+    inputs = [torch.randn(5, 24), torch.randn(PANEL_MAX_ROWS + 3, 24)]
     with torch.no_grad():
-        expected = layer(x)
+        expected = [layer(x) for x in inputs]
         assert layer.pack(release=True, packed_format=packed_format)  # type: ignore[arg-type]
         # aot_eager traces through dynamo and AOT autograd like inductor does, without generating code:
         # the custom operator and its fake implementation are what is under test.
         compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
-        torch.testing.assert_close(compiled(x), expected, rtol=1e-4, atol=1e-4)
+        for x, want in zip(inputs, expected, strict=True):
+            torch.testing.assert_close(compiled(x), want, rtol=1e-4, atol=1e-4)

@@ -122,10 +122,12 @@ class TorchModelRunner:
         fuse_projections: Run q/k/v and gate/up as one matmul each (``fuse_projections()`` after
             loading). False keeps HF's separate projections (for comparisons).
         packed_gemm: On the CPU in float32, pack every linear weight once for a packed GEMM
-            (``asyncllm.layers.linear``; compiled graphs call it too): True takes the best this
-            machine has (``gemm_cpu``'s column panels with AVX-512, else MKL's packed layout where
-            the torch build exports it); "panels" or "mkl" asks for one (for comparisons; a format
-            the machine lacks leaves the weights unpacked). False keeps ``F.linear``.
+            (``asyncllm.layers.linear``; compiled graphs call it too). True takes the best this
+            machine has: with AVX-512 and MKL's exported packed GEMM, both copies (decode-sized
+            inputs on ``gemm_cpu``'s column panels, prefill-sized ones on MKL's layout) while the
+            second copy takes at most a quarter of the available memory, else the panels alone;
+            MKL's alone without AVX-512. "both", "panels" or "mkl" asks for one (for comparisons;
+            a format the machine lacks leaves the weights unpacked). False keeps ``F.linear``.
         fused_norm: On the triton and cpu backends with eager layers, fuse each residual add into
             the RMSNorm after it and rotate q/k in place, one kernel each
             (``DecoderForCausalLM.fused_norm``). False keeps torch's element-wise ops (for comparisons).

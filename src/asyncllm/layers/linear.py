@@ -5,23 +5,24 @@ internal panel layout on every call. At the batch sizes of decoding (a few to a 
 that repacking costs as much as the multiplication: measured on this project's 2-core machine, a
 [3072 x 512] weight runs at 28-77 GFLOPS for 16-32 rows through ``F.linear`` and at 66-101 GFLOPS
 from a weight packed once; whole decode steps of the benchmark model are 1.2-1.33x faster
-(docs/performance.md). Two packed formats:
+(docs/performance.md). Two packed layouts, used alone or together:
 
 - ``"panels"`` (x86 with AVX-512): ``asyncllm.layers.gemm_cpu``'s own kernel and layout, which
   fetches the next part of the weight while it computes; 1.1-1.5x MKL's packed GEMM at 4-32 rows
-  with the weights coming from memory, as they do in a decode step, and level elsewhere;
+  with the weights coming from memory, as they do in a decode step;
 - ``"mkl"``: MKL's ``cblas_sgemm_pack`` / ``cblas_sgemm_compute``. torch's CPU builds for x86 link
   MKL statically and export those symbols from ``libtorch_cpu.so``, so they are reached with
-  ``ctypes``.
+  ``ctypes``. Faster than the panels for prefill-sized inputs (a 2,048-row step 12-17%);
+- ``"both"``: a copy in each layout, each input on the better one by its row count
+  (``PANEL_MAX_ROWS``); the default where both run and the second copy fits comfortably in memory.
 
 Either call releases the GIL and runs on torch's OpenMP threads, so ``torch.set_num_threads``
 governs it like any other op. Neither layout depends on the row count: one packed copy serves
 every batch size. Each is checked once per process against ``F.linear`` (``gemm_cpu.available``,
 ``packed_gemm_available``) and left unused if it disagrees or is missing. Packing is for float32 on
 the CPU; everything else runs ``F.linear`` as before. Under ``torch.compile`` the multiplication is
-the custom operator ``asyncllm::panel_linear`` or ``asyncllm::packed_linear``, which inductor keeps
-as an opaque call between the kernels it fuses (the packed weight is a module buffer, so one graph
-still serves every layer).
+the custom operator ``asyncllm::packed_linear``, which inductor keeps as an opaque call between the
+kernels it fuses (the packed weights are module buffers, so one graph still serves every layer).
 """
 
 from __future__ import annotations
@@ -37,17 +38,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.layers import gemm_cpu
-from asyncllm.memory import anonymous_mapping
+from asyncllm.memory import anonymous_mapping, host_available_bytes
 
 logger = logging.getLogger("asyncllm")
 
 __all__ = [
+    "BOTH_FORMATS_MEMORY_SHARE",
+    "PANEL_MAX_ROWS",
     "Linear",
     "PackedFormat",
     "PackedWeight",
     "best_packed_format",
     "format_available",
     "packed_gemm_available",
+    "packed_linear",
     "packed_matmul",
 ]
 
@@ -132,28 +136,49 @@ def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return out.view(*x.shape[:-1], out_features)
 
 
-@torch.library.custom_op("asyncllm::packed_linear", mutates_args=())
-def _packed_linear_op(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+PANEL_MAX_ROWS = 64
+"""With both packed formats, inputs of up to this many rows go to the panel GEMM, larger ones to MKL's.
+
+The panel GEMM wins where the weights' memory traffic decides (decode batches: 1.2-1.3x whole steps at 8-32
+rows, level at 64); MKL's wins where the arithmetic does (prefill: a 2,048-row step 12-17% faster,
+docs/performance.md)."""
+
+
+def packed_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor | None,
+    panels: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out_features: int,
 ) -> torch.Tensor:
-    # What compiled graphs call: the foreign call stays opaque to dynamo and inductor.
+    """``x @ weight.T (+ bias)`` from whichever packed copies the layer has (at least one; no checks)."""
+    if panels is not None and (packed is None or x.numel() <= PANEL_MAX_ROWS * x.shape[-1]):
+        return gemm_cpu.panel_matmul(x, panels, bias, out_features)
+    assert packed is not None
     return packed_matmul(x, packed, bias, out_features)
 
 
-@_packed_linear_op.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], out_features))
-
-
-@torch.library.custom_op("asyncllm::panel_linear", mutates_args=())
-def _panel_linear_op(
-    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int
+@torch.library.custom_op("asyncllm::packed_linear", mutates_args=())
+def _packed_linear_op(
+    x: torch.Tensor,
+    packed: torch.Tensor | None,
+    panels: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out_features: int,
 ) -> torch.Tensor:
-    return gemm_cpu.panel_matmul(x, panels, bias, out_features)
+    # What compiled graphs call: the foreign call stays opaque to dynamo and inductor, and the row count
+    # (dynamic under compile) picks the kernel at run time.
+    return packed_linear(x, packed, panels, bias, out_features)
 
 
-@_panel_linear_op.register_fake
-def _(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+@_packed_linear_op.register_fake
+def _(
+    x: torch.Tensor,
+    packed: torch.Tensor | None,
+    panels: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out_features: int,
+) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
 
 
@@ -174,46 +199,64 @@ def packed_gemm_available() -> bool:
     return True
 
 
-PackedFormat = Literal["panels", "mkl"]
-"""How a ``Linear`` holds its packed weight: ``gemm_cpu``'s column panels, or MKL's packed layout."""
+PackedFormat = Literal["both", "panels", "mkl"]
+"""How a ``Linear`` holds its packed weight: ``gemm_cpu``'s column panels, MKL's packed layout, or both
+(twice the weight's memory; inputs of up to ``PANEL_MAX_ROWS`` rows run on the panels, larger ones on MKL's)."""
+
+BOTH_FORMATS_MEMORY_SHARE = 0.25
+"""``best_packed_format`` keeps both copies only while the second one takes at most this share of the
+memory the host has available: a large model gets the panels alone."""
 
 
-def best_packed_format() -> PackedFormat | None:
-    """The packed format to use here: panels (x86 with AVX-512), else MKL's, else None (``F.linear``)."""
-    if gemm_cpu.available():
+def best_packed_format(weight_bytes: int = 0) -> PackedFormat | None:
+    """The packed format to use here for ``weight_bytes`` of float32 weights.
+
+    Both where both kernels run and a second copy of the weights fits comfortably (see
+    ``BOTH_FORMATS_MEMORY_SHARE``); else the panels (x86 with AVX-512); else MKL's; else None
+    (``F.linear``).
+    """
+    panels, mkl = gemm_cpu.available(), packed_gemm_available()
+    if panels and mkl and weight_bytes <= BOTH_FORMATS_MEMORY_SHARE * host_available_bytes():
+        return "both"
+    if panels:
         return "panels"
-    if packed_gemm_available():
+    if mkl:
         return "mkl"
     return None
 
 
 def format_available(packed_format: PackedFormat) -> bool:
     """Whether ``packed_format`` runs on this machine with this torch build."""
-    return gemm_cpu.available() if packed_format == "panels" else packed_gemm_available()
+    panels, mkl = gemm_cpu.available(), packed_gemm_available()
+    return {"both": panels and mkl, "panels": panels, "mkl": mkl}[packed_format]
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and state dict) that can run from a packed weight.
 
-    ``pack()`` packs the weight once (float32, CPU), into ``gemm_cpu``'s column panels or MKL's
-    packed layout, and, with ``release=True``, drops the unpacked copy; until then, and wherever
-    packing is unavailable, it is a plain ``nn.Linear``. The packed weight is a non-persistent
-    buffer (not in the state dict), so ``torch.compile`` sees it as a graph input like the weight
-    it replaces.
+    ``pack()`` packs the weight once (float32, CPU), into ``gemm_cpu``'s column panels, MKL's packed
+    layout or both, and, with ``release=True``, drops the unpacked copy; until then, and wherever
+    packing is unavailable, it is a plain ``nn.Linear``. The packed weights are non-persistent
+    buffers (not in the state dict), so ``torch.compile`` sees them as graph inputs like the weight
+    they replace.
     """
 
     packed_weight: torch.Tensor | None
+    """MKL's packed layout, or None."""
+    panel_weight: torch.Tensor | None
+    """``gemm_cpu``'s column panels, or None."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.register_buffer("packed_weight", None, persistent=False)
+        self.register_buffer("panel_weight", None, persistent=False)
         self.packed_format: PackedFormat | None = None
-        """The layout of ``packed_weight``; None while unpacked."""
+        """Which packed copies the layer has; None while unpacked."""
 
     @property
     def packed(self) -> bool:
-        """Whether the layer runs from its packed weight."""
-        return self.packed_weight is not None
+        """Whether the layer runs from a packed weight."""
+        return self.packed_format is not None
 
     def pack(self, release: bool, packed_format: PackedFormat | None = None) -> bool:
         """Pack the weight; return whether it is now packed.
@@ -222,31 +265,31 @@ class Linear(nn.Linear):
             release: Replace the unpacked weight by an empty tensor to give its memory back. Only
                 for a weight nothing else shares (not a tied embedding) and when nothing will read
                 it again (no CUDA graphs).
-            packed_format: "panels" or "mkl"; None takes ``best_packed_format()``. A format this
-                machine lacks leaves the layer unpacked.
+            packed_format: "both", "panels" or "mkl"; None takes ``best_packed_format`` for this
+                weight alone. A format this machine lacks leaves the layer unpacked.
         """
         weight = self.weight
         if weight.dtype != torch.float32 or weight.device.type != "cpu":
             return False
-        chosen = packed_format or best_packed_format()
+        chosen = packed_format or best_packed_format(weight.numel() * weight.element_size())
         if chosen is None or not format_available(chosen):
             return False
-        self.packed_weight = (gemm_cpu.PanelWeight(weight) if chosen == "panels" else PackedWeight(weight)).buffer
+        if chosen in ("both", "mkl"):
+            self.packed_weight = PackedWeight(weight).buffer
+        if chosen in ("both", "panels"):
+            self.panel_weight = gemm_cpu.PanelWeight(weight).buffer
         self.packed_format = chosen
         if release:
             self.weight = nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self.packed_weight
-        if packed is None:
+        if self.packed_format is None:
             return F.linear(x, self.weight, self.bias)
-        panels = self.packed_format == "panels"
         if torch.compiler.is_compiling():
-            op = torch.ops.asyncllm.panel_linear if panels else torch.ops.asyncllm.packed_linear
-            result: torch.Tensor = op(x, packed, self.bias, self.out_features)
+            result: torch.Tensor = torch.ops.asyncllm.packed_linear(
+                x, self.packed_weight, self.panel_weight, self.bias, self.out_features
+            )
             return result
-        # Eager: the plain functions (a custom operator's dispatch would cost microseconds per call).
-        if panels:
-            return gemm_cpu.panel_matmul(x, packed, self.bias, self.out_features)
-        return packed_matmul(x, packed, self.bias, self.out_features)
+        # Eager: the plain function (a custom operator's dispatch would cost microseconds per call).
+        return packed_linear(x, self.packed_weight, self.panel_weight, self.bias, self.out_features)

@@ -20,7 +20,7 @@ from asyncllm.layers import attention_cpu, attention_triton, elementwise_cpu
 from asyncllm.layers.attention import AttentionMetadata, paged_attention, write_kv
 from asyncllm.layers.attention_cpu import CpuAttentionMetadata
 from asyncllm.layers.attention_triton import TritonAttentionMetadata
-from asyncllm.layers.linear import Linear, PackedFormat
+from asyncllm.layers.linear import Linear, PackedFormat, best_packed_format
 from asyncllm.layers.norm import RMSNorm
 from asyncllm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
@@ -370,18 +370,23 @@ class DecoderForCausalLM(nn.Module):
     def pack_weights(self, packed_format: PackedFormat | None = None) -> int:
         """Pack every linear layer's weight for a packed GEMM (float32 on the CPU; see ``layers.linear``).
 
-        ``packed_format`` is "panels" or "mkl"; None takes the best this machine has.
-
+        ``packed_format`` is "both", "panels" or "mkl"; None takes ``best_packed_format`` for all
+        the layers' weights together (both copies only while the second fits comfortably in memory).
         Call it after ``fuse_projections`` and before ``torch.compile`` (the compiled graphs then
         call the packed weights); never with CUDA graphs. The unpacked weights are released
         (except the tied output embedding, which the input embedding still reads). Returns the
         number of layers packed (0 where unavailable).
         """
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        if packed_format is None:
+            weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+            packed_format = best_packed_format(weight_bytes)
+            if packed_format is None:
+                return 0
         packed = 0
-        for module in self.modules():
-            if isinstance(module, Linear):
-                shared = module is self.lm_head and self.spec.tie_word_embeddings
-                packed += module.pack(release=not shared, packed_format=packed_format)
+        for module in linears:
+            shared = module is self.lm_head and self.spec.tie_word_embeddings
+            packed += module.pack(release=not shared, packed_format=packed_format)
         return packed
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
