@@ -13,6 +13,7 @@ by spaces, as HF's slow tokenizers do; fast tokenizers ignore that option, so it
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Protocol
 
@@ -39,11 +40,20 @@ _FORWARDING_PRIVATE_DECODE = {
 }
 
 
-def _defining_class(tokenizer: object, name: str) -> tuple[str, str] | None:
-    for klass in type(tokenizer).__mro__:
+def _defining_class(cls: type, name: str) -> tuple[str, str] | None:
+    for klass in cls.__mro__:
         if name in vars(klass):
             return klass.__module__, klass.__name__
     return None
+
+
+@functools.cache
+def _decode_forwards(cls: type) -> bool:
+    # Once per tokenizer class, not per request.
+    return (
+        _defining_class(cls, "decode") in _FORWARDING_DECODE
+        and _defining_class(cls, "_decode") in _FORWARDING_PRIVATE_DECODE
+    )
 
 
 def decoder_for(tokenizer: Tokenizer) -> Decode:
@@ -56,11 +66,7 @@ def decoder_for(tokenizer: Tokenizer) -> Decode:
     called directly; any other tokenizer keeps its own ``decode``.
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    forwards = (
-        getattr(tokenizer, "clean_up_tokenization_spaces", True) is False
-        and _defining_class(tokenizer, "decode") in _FORWARDING_DECODE
-        and _defining_class(tokenizer, "_decode") in _FORWARDING_PRIVATE_DECODE
-    )
+    forwards = getattr(tokenizer, "clean_up_tokenization_spaces", True) is False and _decode_forwards(type(tokenizer))
     if backend is not None and forwards:
         rust_decode: Decode = backend.decode
         return rust_decode

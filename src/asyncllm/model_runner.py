@@ -176,9 +176,10 @@ class TorchModelRunner:
         self.packed_gemm = packed_gemm
         self.fused_norm = fused_norm
         self.num_packed_layers = 0
+        """Linear layers running from packed weights (0: all on ``F.linear``)."""
         self.packed_format: PackedFormat | None = None
-        """The packed GEMM the linear layers run ("panels" or "mkl"), once loaded; None: ``F.linear``."""
-        """Linear layers running from MKL-packed weights (0: all on ``F.linear``)."""
+        """The packed weights the linear layers run from ("both", "panels" or "mkl"), once loaded; None:
+        ``F.linear``."""
         self.timings = RunnerTimings()
         """Seconds spent preparing inputs, in the forward and sampling, over all steps."""
         self.num_threads = num_threads

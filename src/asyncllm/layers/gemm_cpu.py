@@ -22,9 +22,12 @@ Numerics: each output is the float32 fused multiply-add chain over the inputs in
 rounding per step (MKL sums in another order; both differ from the exact product by float32
 rounding only; greedy tokens match transformers', tests/test_parity.py).
 
-Measured on the 2-core machine (weights from memory, all of the benchmark model's matmuls, against
-MKL packed): 1.3-1.5x at 4-8 rows, 1.2-1.3x at 16, 1.1x at 32, level to 1.1x from 64 to 2,048;
-level at 1 row, where both read the weights at the memory's speed. See docs/performance.md.
+Measured on the 2-core machine (weights from memory, all of the benchmark model's matmuls back to
+back, against MKL packed): 1.3-1.5x at 4-8 rows, 1.2-1.3x at 16, 1.0-1.2x at 32, 0.9-1.1x from 64 to
+2,048, level at 1 row (both read the weights at the memory's speed there). Inside the model the
+prefill-sized inputs lost (a 2,048-row step 12-17% slower, a 256-row one 2-5%): there the arithmetic
+decides and MKL blocks for the caches better, so ``layers.linear`` sends inputs of more than
+``PANEL_MAX_ROWS`` rows to MKL's layout where it keeps both. See docs/performance.md, "Fifth round".
 """
 
 from __future__ import annotations

@@ -208,7 +208,7 @@ BOTH_FORMATS_MEMORY_SHARE = 0.25
 memory the host has available: a large model gets the panels alone."""
 
 
-def best_packed_format(weight_bytes: int = 0) -> PackedFormat | None:
+def best_packed_format(weight_bytes: int) -> PackedFormat | None:
     """The packed format to use here for ``weight_bytes`` of float32 weights.
 
     Both where both kernels run and a second copy of the weights fits comfortably (see
@@ -250,13 +250,17 @@ class Linear(nn.Linear):
         super().__init__(*args, **kwargs)
         self.register_buffer("packed_weight", None, persistent=False)
         self.register_buffer("panel_weight", None, persistent=False)
-        self.packed_format: PackedFormat | None = None
+
+    @property
+    def packed_format(self) -> PackedFormat | None:
         """Which packed copies the layer has; None while unpacked."""
+        mkl, panels = self.packed_weight is not None, self.panel_weight is not None
+        return "both" if mkl and panels else "mkl" if mkl else "panels" if panels else None
 
     @property
     def packed(self) -> bool:
         """Whether the layer runs from a packed weight."""
-        return self.packed_format is not None
+        return self.packed_weight is not None or self.panel_weight is not None
 
     def pack(self, release: bool, packed_format: PackedFormat | None = None) -> bool:
         """Pack the weight; return whether it is now packed.
@@ -278,18 +282,16 @@ class Linear(nn.Linear):
             self.packed_weight = PackedWeight(weight).buffer
         if chosen in ("both", "panels"):
             self.panel_weight = gemm_cpu.PanelWeight(weight).buffer
-        self.packed_format = chosen
         if release:
             self.weight = nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_format is None:
+        packed, panels = self.packed_weight, self.panel_weight
+        if packed is None and panels is None:
             return F.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():
-            result: torch.Tensor = torch.ops.asyncllm.packed_linear(
-                x, self.packed_weight, self.panel_weight, self.bias, self.out_features
-            )
+            result: torch.Tensor = torch.ops.asyncllm.packed_linear(x, packed, panels, self.bias, self.out_features)
             return result
         # Eager: the plain function (a custom operator's dispatch would cost microseconds per call).
-        return packed_linear(x, self.packed_weight, self.panel_weight, self.bias, self.out_features)
+        return packed_linear(x, packed, panels, self.bias, self.out_features)
