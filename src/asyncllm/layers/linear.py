@@ -158,28 +158,14 @@ def packed_linear(
     return packed_matmul(x, packed, bias, out_features)
 
 
-@torch.library.custom_op("asyncllm::packed_linear", mutates_args=())
-def _packed_linear_op(
-    x: torch.Tensor,
-    packed: torch.Tensor | None,
-    panels: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    out_features: int,
-) -> torch.Tensor:
-    # What compiled graphs call: the foreign call stays opaque to dynamo and inductor, and the row count
-    # (dynamic under compile) picks the kernel at run time.
-    return packed_linear(x, packed, panels, bias, out_features)
-
-
-@_packed_linear_op.register_fake
-def _(
-    x: torch.Tensor,
-    packed: torch.Tensor | None,
-    panels: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    out_features: int,
-) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], out_features))
+# What compiled graphs call: the foreign call stays opaque to dynamo and inductor, and the row count
+# (dynamic under compile) picks the kernel at run time. Eager code calls ``packed_linear`` itself (a
+# custom operator's dispatch would cost microseconds per call).
+_packed_linear_op = torch.library.custom_op("asyncllm::packed_linear", packed_linear, mutates_args=())
+# The shape of the result, for tracing (same arguments as the operator).
+_packed_linear_op.register_fake(
+    lambda x, packed, panels, bias, out_features: x.new_empty((*x.shape[:-1], out_features))
+)
 
 
 @functools.cache
@@ -293,5 +279,4 @@ class Linear(nn.Linear):
         if torch.compiler.is_compiling():
             result: torch.Tensor = torch.ops.asyncllm.packed_linear(x, packed, panels, self.bias, self.out_features)
             return result
-        # Eager: the plain function (a custom operator's dispatch would cost microseconds per call).
         return packed_linear(x, packed, panels, self.bias, self.out_features)
