@@ -13,7 +13,7 @@ runner variants, each adding one thing to the previous one:
 - ``+kernels``: each residual add fused into the RMSNorm after it, and rotary in place, as C kernels
   (``fused_norm``, ``asyncllm.layers.elementwise_cpu``);
 - ``+compile``: ``torch.compile`` of every layer's dense parts (``compile=True``; the compiled graphs call
-  the packed weights through the ``asyncllm::panel_linear`` or ``packed_linear`` operator, and inductor's
+  the packed weights through the ``asyncllm::packed_linear`` operator, and inductor's
   own fused norms and rotary replace the C kernels);
 - ``+threads``: the intra-op thread count the runner decides at load (``num_threads=None``), or
   ``--threads``.

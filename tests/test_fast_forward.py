@@ -236,7 +236,7 @@ def test_compiled_matches_eager_and_transformers(tiny_cache: Path) -> None:
     assert _greedy_with_runner(eager, PROMPTS) == expected
     assert _greedy_with_runner(compiled, PROMPTS) == expected
     assert compiled.attention_backend == "cpu" and compiled.compile_seconds > 0
-    # the compiled graphs call the packed weights (asyncllm::panel_linear or asyncllm::packed_linear)
+    # the compiled graphs call the packed weights (the asyncllm::packed_linear operator)
     assert compiled.num_packed_layers == eager.num_packed_layers > 0
 
 
