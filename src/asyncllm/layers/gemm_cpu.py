@@ -41,7 +41,7 @@ import torch
 from asyncllm.layers import native
 from asyncllm.memory import anonymous_mapping
 
-__all__ = ["PANEL_COLUMNS", "PanelWeight", "available", "panel_matmul"]
+__all__ = ["PANEL_COLUMNS", "PanelWeight", "available", "check_input", "packing_source", "panel_matmul"]
 
 PANEL_COLUMNS = 48
 """Output columns per panel: three AVX-512 vectors of 16 floats."""
@@ -179,6 +179,19 @@ def available() -> bool:
     return True
 
 
+def packing_source(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` as the contiguous 2-D float32 CPU tensor a packer reads; ValueError for anything else."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        raise ValueError(f"packing needs a 2-D float32 CPU weight, not {weight.dtype} {tuple(weight.shape)}")
+    return weight.detach().contiguous()
+
+
+def check_input(x: torch.Tensor, in_features: int) -> None:
+    """ValueError unless ``x`` is a [..., in_features] float32 CPU tensor (the packed weights' input)."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != in_features:
+        raise ValueError(f"expected [..., {in_features}] float32 CPU input, got {x.dtype} {tuple(x.shape)}")
+
+
 class PanelWeight:
     """A float32 [out_features, in_features] CPU weight packed into column panels for ``panel_matmul``."""
 
@@ -186,10 +199,8 @@ class PanelWeight:
         library = _library()
         if library is None:
             raise RuntimeError("the panel GEMM needs an x86 CPU with AVX-512 and a C compiler")
-        if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
-            raise ValueError(f"packing needs a 2-D float32 CPU weight, not {weight.dtype} {tuple(weight.shape)}")
+        source = packing_source(weight)
         self.out_features, self.in_features = (int(size) for size in weight.shape)
-        source = weight.detach().contiguous()
         count = -(-self.out_features // PANEL_COLUMNS) * PANEL_COLUMNS * self.in_features
         # Huge pages where the kernel gives them: every decode step streams every weight.
         self.buffer = torch.frombuffer(anonymous_mapping(max(count, 1) * 4), dtype=torch.float32, count=count)
@@ -197,8 +208,7 @@ class PanelWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` from the panels; ``x`` is [..., in_features] float32."""
-        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != self.in_features:
-            raise ValueError(f"expected [..., {self.in_features}] float32 CPU input, got {x.dtype} {tuple(x.shape)}")
+        check_input(x, self.in_features)
         return panel_matmul(x, self.buffer, bias, self.out_features)
 
 

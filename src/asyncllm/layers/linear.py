@@ -94,10 +94,8 @@ class PackedWeight:
         library = _mkl()
         if library is None:
             raise RuntimeError("MKL's packed GEMM is unavailable in this torch build")
-        if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
-            raise ValueError(f"packing needs a 2-D float32 CPU weight, not {weight.dtype} {tuple(weight.shape)}")
+        source = gemm_cpu.packing_source(weight)
         self.out_features, self.in_features = (int(size) for size in weight.shape)
-        source = weight.detach().contiguous()
         # The row count given here does not change the layout (the size is the same for any m);
         # 64 is a typical decode batch. Pages past what pack writes are never touched, so the
         # resident cost is about the weight's own size although the reservation is larger. Huge
@@ -111,8 +109,7 @@ class PackedWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` from the packed weight; ``x`` is [..., in_features] float32."""
-        if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != self.in_features:
-            raise ValueError(f"expected [..., {self.in_features}] float32 CPU input, got {x.dtype} {tuple(x.shape)}")
+        gemm_cpu.check_input(x, self.in_features)
         return packed_matmul(x, self.buffer, bias, self.out_features)
 
 
