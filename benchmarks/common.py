@@ -181,6 +181,9 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--backend", default="asyncio", choices=("asyncio", "trio"), help="anyio backend")
     parser.add_argument(
+        "--no-roofline", action="store_true", help="skip measuring the machine for the roofline (float32 CPU runs)"
+    )
+    parser.add_argument(
         "--peers",
         default=f"{HF_STATIC},{HF_CB}",
         help=f"comma-separated peers among {HF_STATIC},{HF_CB},{VLLM} ('none' for asyncllm alone); "
@@ -418,6 +421,174 @@ def ratio(numerator: float, denominator: float) -> float | None:
 def median_of_runs(runs: Sequence[dict[str, Any]], key: str) -> float:
     """The median of ``run[key]`` over the runs."""
     return median(run[key] for run in runs if run.get(key) is not None)
+
+
+# ------------------------------------------------------------------------------------------------
+# Roofline: the least time the machine needs for a workload (see roofline.py for the model)
+# ------------------------------------------------------------------------------------------------
+
+FLOAT32_BYTES = 4
+
+#: Matmul shapes (rows, inputs, outputs) timed for the peak: the benchmark model's prefill
+#: projections and a square one. The best rate over all of them counts.
+PEAK_SHAPES = ((2048, 512, 3072), (2048, 1536, 512), (1024, 1024, 1024))
+#: Bytes summed for the bandwidth: several times any last-level cache, so the read comes from memory.
+BANDWIDTH_BYTES = 512 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class MachinePeaks:
+    """What the machine reaches at best, measured with torch's current thread count."""
+
+    flops: float
+    """float32 matmul FLOPs per second (MKL through ``torch.mm``, operands in cache)."""
+    bandwidth: float
+    """Memory read bytes per second (``torch.sum`` over ``BANDWIDTH_BYTES``)."""
+
+    def describe(self) -> str:
+        return f"float32 matmul {self.flops / 1e9:.0f} GFLOPS, memory read {self.bandwidth / 1e9:.1f} GB/s"
+
+
+def _best_seconds(fn: Callable[..., Any], *args: Any, repeats: int, **kwargs: Any) -> float:
+    fn(*args, **kwargs)  # the first call pays for allocation and the thread pool's start
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(*args, **kwargs)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def roofline_applies(args: argparse.Namespace) -> bool:
+    """Whether the roofline's model (float32 on the CPU) describes this run."""
+    return bool(args.device == "cpu" and args.dtype == "float32" and not getattr(args, "no_roofline", False))
+
+
+def measure_machine(repeats: int = 8, bandwidth_bytes: int = BANDWIDTH_BYTES) -> MachinePeaks:
+    """Time the peak matmul rate and the read bandwidth (about a second or two); best of ``repeats``."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    flops = 0.0
+    for rows, inputs, outputs in PEAK_SHAPES:
+        a = torch.randn(rows, inputs, generator=generator)
+        b = torch.randn(inputs, outputs, generator=generator)
+        out = torch.empty(rows, outputs)
+        seconds = _best_seconds(torch.mm, a, b, out=out, repeats=repeats)
+        flops = max(flops, 2 * rows * inputs * outputs / seconds)
+    data = torch.ones(bandwidth_bytes // FLOAT32_BYTES)
+    seconds = _best_seconds(data.sum, repeats=repeats)
+    return MachinePeaks(flops=flops, bandwidth=data.numel() * FLOAT32_BYTES / seconds)
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """Per-token costs of a Llama-style decoder in float32, from its ``config.json``."""
+
+    layer_weights: int
+    """Weights of all decoder layers' projections (q, k, v, o, gate, up, down)."""
+    head_weights: int
+    """Weights of the output projection (vocab x hidden)."""
+    attention_flops_per_pair: int
+    """FLOPs of one query against one cached key and value, summed over heads and layers."""
+    kv_bytes_per_token: int
+    """Bytes of one token's cached keys and values, all layers."""
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelCost:
+        hidden = int(config["hidden_size"])
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or hidden // heads)
+        layers = int(config["num_hidden_layers"])
+        attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o; k, v
+        mlp = 3 * hidden * int(config["intermediate_size"])
+        return cls(
+            layer_weights=layers * (attention + mlp),
+            head_weights=int(config["vocab_size"]) * hidden,
+            # q.k and p.v: two multiply-adds per head dimension, per head.
+            attention_flops_per_pair=4 * heads * head_dim * layers,
+            kv_bytes_per_token=2 * kv_heads * head_dim * layers * FLOAT32_BYTES,
+        )
+
+    @property
+    def weight_bytes(self) -> int:
+        return (self.layer_weights + self.head_weights) * FLOAT32_BYTES
+
+    def prefill_flops(self, prompt_len: int) -> float:
+        """One prompt's prefill: its tokens through the layers, causal attention, logits of the last."""
+        pairs = prompt_len * (prompt_len + 1) // 2
+        return 2 * prompt_len * self.layer_weights + self.attention_flops_per_pair * pairs + 2 * self.head_weights
+
+    def decode_step(self, contexts: Sequence[int]) -> tuple[float, float]:
+        """(FLOPs, bytes) of one decode step for running requests with these context lengths."""
+        context = sum(contexts)
+        flops = 2 * len(contexts) * (self.layer_weights + self.head_weights)
+        flops += self.attention_flops_per_pair * context
+        return flops, self.weight_bytes + self.kv_bytes_per_token * context
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """The least time for a workload (seconds), and its parts."""
+
+    prefill: float
+    decode: float
+    compute_only: float
+    """Every FLOP at the peak rate, nothing waiting for memory: a floor for any schedule."""
+    decode_steps: int
+
+    @property
+    def total(self) -> float:
+        return self.prefill + self.decode
+
+    def fraction(self, seconds: float) -> float:
+        """How close a measured time is to the roofline (1.0: no time lost)."""
+        return self.total / seconds if seconds > 0 else float("nan")
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "total": self.total,
+            "prefill": self.prefill,
+            "decode": self.decode,
+            "compute_only": self.compute_only,
+            "decode_steps": self.decode_steps,
+        }
+
+    def describe(self) -> str:
+        return (
+            f"{self.total:.2f} s (prefill {self.prefill:.2f} s at peak FLOPS, {self.decode_steps} decode steps "
+            f"{self.decode:.2f} s at max(compute, memory); all FLOPs at peak alone {self.compute_only:.2f} s)"
+        )
+
+
+def workload_roofline(cost: ModelCost, workload: Sequence[RequestSpec], peaks: MachinePeaks) -> Roofline:
+    """The roofline of ``workload``, every request arriving at once."""
+    requests = [(len(r.prompt_ids), r.output_len) for r in workload]
+    prefill_flops = sum(cost.prefill_flops(prompt) for prompt, _ in requests)
+    decode_seconds, decode_flops = 0.0, 0.0
+    steps = max((output for _, output in requests), default=1) - 1
+    for step in range(1, steps + 1):
+        # Step s computes token s + 1 of each request that wants more than s tokens; its context
+        # is the prompt and the s tokens before it.
+        contexts = [prompt + step for prompt, output in requests if output > step]
+        flops, nbytes = cost.decode_step(contexts)
+        decode_flops += flops
+        decode_seconds += max(flops / peaks.flops, nbytes / peaks.bandwidth)
+    return Roofline(
+        prefill=prefill_flops / peaks.flops,
+        decode=decode_seconds,
+        compute_only=(prefill_flops + decode_flops) / peaks.flops,
+        decode_steps=steps,
+    )
+
+
+def latency_roofline(cost: ModelCost, prompt_len: int, output_len: int, peaks: MachinePeaks) -> tuple[float, float]:
+    """(TTFT, mean inter-token latency) floors of one request alone, in seconds."""
+    ttft = cost.prefill_flops(prompt_len) / peaks.flops
+    steps = [cost.decode_step([prompt_len + step]) for step in range(1, output_len)]
+    itl = sum(max(f / peaks.flops, b / peaks.bandwidth) for f, b in steps) / max(len(steps), 1)
+    return ttft, itl
 
 
 # ------------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ Ratios are peer / asyncllm: > 1 means asyncllm is faster.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import sys
 import time
@@ -183,6 +184,23 @@ def main(argv: list[str] | None = None) -> int:
         rows.append([LABELS[system], ttft * 1e3, itl * 1e3, 1 / itl if itl else None, r_ttft, r_itl])
         results[system] = {"ttft": ttft, "itl": itl, "runs": system_runs}
     notes.append("ratios are peer / asyncllm: > 1 means asyncllm is faster")
+    roofline_json = None
+    if common.roofline_applies(args):
+        common.log("measuring the machine for the roofline")
+        peaks = common.measure_machine()
+        cost = common.ModelCost.from_config(common.model_config(model_path))
+        ttft_floor, itl_floor = common.latency_roofline(cost, args.prompt_len, args.output_len, peaks)
+        fractions = ", ".join(
+            f"{LABELS[system]} {ttft_floor / r['ttft']:.2f} / {itl_floor / r['itl']:.2f}"
+            for system, r in results.items()
+            if r["ttft"] > 0 and r["itl"] > 0
+        )
+        notes.append(
+            f"roofline: {peaks.describe()} (measured after the runs); TTFT at least {ttft_floor * 1e3:.1f} ms "
+            f"(the prompt at peak FLOPS), mean ITL at least {itl_floor * 1e3:.2f} ms (each step at max(compute, "
+            f"memory)); of roofline (TTFT / ITL): {fractions}"
+        )
+        roofline_json = {"peaks": dataclasses.asdict(peaks), "ttft": ttft_floor, "itl": itl_floor}
 
     common.print_header(
         "latency" + (" (--quick: a smoke test, not a measurement)" if args.quick else ""),
@@ -211,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             "workload": {"prompt_len": args.prompt_len, "output_len": args.output_len, "seed": args.seed},
             "results": results,
             "ratios": ratios,
+            "roofline": roofline_json,
             "notes": notes,
         },
     )

@@ -22,6 +22,7 @@ Prints output tokens/s (median over repeats) per system and the ratio asyncllm/p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import sys
 import time
@@ -165,6 +166,19 @@ def main(argv: list[str] | None = None) -> int:
 
     requested = sum(r.output_len for r in workload)
     prompt_tokens = sum(len(r.prompt_ids) for r in workload)
+    roofline, roofline_json = None, None
+    if common.roofline_applies(args):
+        common.log("measuring the machine for the roofline")
+        peaks = common.measure_machine()
+        roofline = common.workload_roofline(
+            common.ModelCost.from_config(common.model_config(model_path)), workload, peaks
+        )
+        notes.append(
+            f"roofline: {peaks.describe()} (measured after the runs); the workload needs at least "
+            f"{roofline.describe()}, i.e. at most {requested / roofline.total:.0f} output tokens/s; "
+            "'of roofline' = that time / the system's (benchmarks/roofline.py)"
+        )
+        roofline_json = {"peaks": dataclasses.asdict(peaks), **roofline.as_json()}
     ours = common.median_of_runs(runs["asyncllm"], "tokens_per_s")
     rows, ratios, results = [], {}, {}
     for system, system_runs in runs.items():
@@ -173,10 +187,12 @@ def main(argv: list[str] | None = None) -> int:
         r = None if system == "asyncllm" else common.ratio(ours, tps)
         if system != "asyncllm":
             ratios[system] = r
-        rows.append([common.PEER_LABELS[system], tps, seconds, system_runs[0]["output_tokens"], r])
+        of_roofline = None if roofline is None else roofline.fraction(seconds)
+        rows.append([common.PEER_LABELS[system], tps, seconds, system_runs[0]["output_tokens"], of_roofline, r])
         results[system] = {
             "tokens_per_s": tps,
             "seconds": seconds,
+            "of_roofline": of_roofline,
             "runs": [{k: v for k, v in run.items() if k != "outputs"} for run in system_runs],
         }
     if common.HF_STATIC in runs:
@@ -205,7 +221,11 @@ def main(argv: list[str] | None = None) -> int:
             f"random ids (seed {args.seed}), greedy, ignore_eos; median of {args.repeats}",
         ],
     )
-    print(common.format_table(["system", "output tok/s", "seconds", "output tokens", "asyncllm / peer"], rows))
+    print(
+        common.format_table(
+            ["system", "output tok/s", "seconds", "output tokens", "of roofline", "asyncllm / peer"], rows
+        )
+    )
     print()
     for note in notes:
         print(f"- {note}")
@@ -226,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             "results": results,
             "ratios": ratios,
+            "roofline": roofline_json,
             "notes": notes,
         },
     )

@@ -51,6 +51,11 @@ def test_throughput_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.Captu
     for row in ("| asyncllm ", "| HF generate() static batches ", "| HF continuous batching "):
         assert row in out
     assert "asyncllm / peer" in out and "machine:" in out and "versions:" in out
+    assert (
+        "of roofline" in out
+        and positive(result["roofline"]["total"])
+        and positive(result["roofline"]["peaks"]["flops"])
+    )
     assert set(result["ratios"]) == {"hf-static", "hf-cb"}
     assert all(positive(r) for r in result["ratios"].values())
     requested = result["workload"]["output_tokens"]
@@ -68,6 +73,7 @@ def test_latency_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureF
     for row in ("| asyncllm ", "| HF generate() ", "| HF continuous batching "):
         assert row in out
     assert "TTFT ms" in out and "mean ITL ms" in out
+    assert positive(result["roofline"]["ttft"]) and positive(result["roofline"]["itl"]) and "of roofline" in out
     for system in ("asyncllm", "hf-static", "hf-cb"):
         assert positive(result["results"][system]["ttft"]) and positive(result["results"][system]["itl"])
         assert [run["output_tokens"] for run in result["results"][system]["runs"]] == [16]
@@ -342,3 +348,73 @@ def test_synthetic_model_is_the_one_issue_7_asks_for() -> None:
         "vocab_size": 32000,
         "max_position_embeddings": 2048,
     }
+
+
+TINY_CONFIG = {
+    "hidden_size": 4,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "num_hidden_layers": 1,
+    "intermediate_size": 8,
+    "vocab_size": 10,
+}
+
+
+def test_model_cost_counts_the_benchmark_models_weights_and_kv() -> None:
+    cost = common.ModelCost.from_config(
+        {
+            "hidden_size": 512,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "num_hidden_layers": 8,
+            "intermediate_size": 1536,
+            "vocab_size": 32000,
+        }
+    )
+    # Per layer: q and o 512 x 512 each, k and v 512 x 256 each, gate/up/down 512 x 1536 each.
+    assert cost.layer_weights == 8 * (2 * 512 * 512 + 2 * 512 * 256 + 3 * 512 * 1536) == 25_165_824
+    assert cost.head_weights == 32000 * 512
+    assert cost.weight_bytes == 4 * (25_165_824 + 16_384_000)  # the 166 MB a decode step streams
+    assert cost.attention_flops_per_pair == 4 * 8 * 64 * 8
+    assert cost.kv_bytes_per_token == 2 * 4 * 64 * 8 * 4
+
+
+def test_workload_roofline_by_hand() -> None:
+    cost = common.ModelCost.from_config(TINY_CONFIG)
+    # Weights: q, o 4 x 4; k, v 4 x 2; gate, up, down 4 x 8: 144; the head 10 x 4: 40.
+    assert (cost.layer_weights, cost.head_weights, cost.attention_flops_per_pair) == (144, 40, 16)
+    assert cost.kv_bytes_per_token == 16 and cost.weight_bytes == 736
+    workload = [common.RequestSpec((5, 6), 3), common.RequestSpec((7,), 1)]
+    peaks = common.MachinePeaks(flops=1e9, bandwidth=2e9)
+    bound = common.workload_roofline(cost, workload, peaks)
+    # Prefill: 2 FLOPs per weight per token, 16 per causal pair (3 and 1 pairs), the head once each.
+    prefill_flops = (2 * 2 * 144 + 16 * 3 + 2 * 40) + (2 * 1 * 144 + 16 * 1 + 2 * 40)
+    assert bound.prefill == pytest.approx(prefill_flops / 1e9)
+    # Two decode steps, only the first request running, contexts 3 and 4: memory decides both
+    # (weights 736 bytes + 16 per cached token, at 2e9 B/s, against 368 + 16 * context FLOPs at 1e9).
+    step_flops = [2 * 184 + 16 * 3, 2 * 184 + 16 * 4]
+    assert bound.decode_steps == 2
+    assert bound.decode == pytest.approx(
+        max(step_flops[0] / 1e9, (736 + 48) / 2e9) + max(step_flops[1] / 1e9, (736 + 64) / 2e9)
+    )
+    assert bound.compute_only == pytest.approx((prefill_flops + sum(step_flops)) / 1e9)
+    assert bound.total == pytest.approx(bound.prefill + bound.decode)
+    assert bound.fraction(2 * bound.total) == pytest.approx(0.5)
+    ttft, itl = common.latency_roofline(cost, 2, 3, peaks)
+    assert ttft == pytest.approx((2 * 2 * 144 + 16 * 3 + 2 * 40) / 1e9) and itl == pytest.approx(bound.decode / 2)
+
+
+def test_measure_machine_reports_positive_rates() -> None:
+    peaks = common.measure_machine(repeats=1, bandwidth_bytes=1 << 22)
+    assert positive(peaks.flops) and positive(peaks.bandwidth)
+    assert "GFLOPS" in peaks.describe() and "GB/s" in peaks.describe()
+
+
+def test_roofline_script(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_json = tmp_path / "roofline.json"
+    argv = ["--model", str(tiny_llama), "--num-requests", "4", "--prompt-len", "4", "8", "--output-len", "2", "5"]
+    assert load("roofline").main([*argv, "--json", str(out_json)]) == 0
+    out, result = capsys.readouterr().out, json.loads(out_json.read_text())
+    assert "roofline:" in out and "output tokens/s" in out
+    assert positive(result["roofline"]["total"]) and result["roofline"]["decode_steps"] <= 4
+    assert result["roofline"]["compute_only"] <= result["roofline"]["total"] + 1e-12
