@@ -461,7 +461,7 @@ def _best_seconds(fn: Callable[..., Any], *args: Any, repeats: int, **kwargs: An
 
 def roofline_applies(args: argparse.Namespace) -> bool:
     """Whether the roofline's model (float32 on the CPU) describes this run."""
-    return bool(args.device == "cpu" and args.dtype == "float32" and not getattr(args, "no_roofline", False))
+    return bool(args.device == "cpu" and args.dtype == "float32" and not args.no_roofline)
 
 
 def measure_machine(repeats: int = 8, bandwidth_bytes: int = BANDWIDTH_BYTES) -> MachinePeaks:
@@ -526,6 +526,11 @@ class ModelCost:
         flops = 2 * len(contexts) * (self.layer_weights + self.head_weights)
         flops += self.attention_flops_per_pair * context
         return flops, self.weight_bytes + self.kv_bytes_per_token * context
+
+
+def model_cost(path: Path) -> ModelCost:
+    """The float32 per-token costs of the model folder (its ``config.json``)."""
+    return ModelCost.from_config(model_config(path))
 
 
 @dataclass(frozen=True)

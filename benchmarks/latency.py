@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     if common.roofline_applies(args):
         common.log("measuring the machine for the roofline")
         peaks = common.measure_machine()
-        cost = common.ModelCost.from_config(common.model_config(model_path))
+        cost = common.model_cost(model_path)
         ttft_floor, itl_floor = common.latency_roofline(cost, args.prompt_len, args.output_len, peaks)
         fractions = ", ".join(
             f"{LABELS[system]} {ttft_floor / r['ttft']:.2f} / {itl_floor / r['itl']:.2f}"

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
     model_path = common.resolve_model(args.model)
-    cost = common.ModelCost.from_config(common.model_config(model_path))
+    cost = common.model_cost(model_path)
     workload = common.make_workload(
         args.num_requests, tuple(args.prompt_len), tuple(args.output_len), common.vocab_size(model_path), args.seed
     )

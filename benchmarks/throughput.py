@@ -170,9 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     if common.roofline_applies(args):
         common.log("measuring the machine for the roofline")
         peaks = common.measure_machine()
-        roofline = common.workload_roofline(
-            common.ModelCost.from_config(common.model_config(model_path)), workload, peaks
-        )
+        roofline = common.workload_roofline(common.model_cost(model_path), workload, peaks)
         notes.append(
             f"roofline: {peaks.describe()} (measured after the runs); the workload needs at least "
             f"{roofline.describe()}, i.e. at most {requested / roofline.total:.0f} output tokens/s; "
