@@ -1,8 +1,9 @@
 """Shared pieces of the benchmark scripts: workloads, models, the HF peers, progress, tables, JSON.
 
-The scripts (``throughput.py``, ``latency.py``, ``serving.py``) load this file by path (see
-``load_common`` in each), so they run as ``python benchmarks/<name>.py`` from anywhere, and import
-as modules (``main(argv)``) from tests and from ``asyncllm bench``.
+The scripts (``throughput.py``, ``latency.py``, ``serving.py``, ...) load this file by path
+(``asyncllm.testing.import_path``, under one private module name), so they run as
+``python benchmarks/<name>.py`` from anywhere, and import as modules (``main(argv)``) from tests and
+from ``asyncllm bench``.
 
 Conventions of every benchmark:
 - asyncllm and its peers run the same seeded workload in the same process and the same run; the

@@ -24,27 +24,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+from asyncllm.testing import import_path
 
-def load_common() -> ModuleType:
-    """``benchmarks/common.py``, loaded by path under a private name (no sys.path changes)."""
-    name = "asyncllm_benchmarks_common"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("common.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-common = load_common()
+common = import_path(Path(__file__).with_name("common.py"), "asyncllm_benchmarks_common")
 
 FULL = {"prompt_len": 256, "output_len": 128, "repeats": 3}
 QUICK = {"prompt_len": 32, "output_len": 16, "repeats": 1}

@@ -14,28 +14,15 @@ the same model; the script prints mean TTFT for each and the ratio cached / unca
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import random
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+from asyncllm.testing import import_path
 
-def load_common() -> ModuleType:
-    name = "asyncllm_benchmarks_common"
-    module = sys.modules.get(name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("common.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return module
-
-
-common = load_common()
+common = import_path(Path(__file__).with_name("common.py"), "asyncllm_benchmarks_common")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

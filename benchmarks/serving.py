@@ -32,30 +32,17 @@ Ratios: goodput asyncllm/peer; latencies peer/asyncllm. > 1 means asyncllm is be
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import sys
 import threading
 import time
 from collections import deque
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+from asyncllm.testing import import_path
 
-def load_common() -> ModuleType:
-    """``benchmarks/common.py``, loaded by path under a private name (no sys.path changes)."""
-    name = "asyncllm_benchmarks_common"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("common.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-common = load_common()
+common = import_path(Path(__file__).with_name("common.py"), "asyncllm_benchmarks_common")
 
 FULL = {
     "num_requests": 32,

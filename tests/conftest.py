@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from collections.abc import Callable
 from types import ModuleType
 
@@ -20,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from asyncllm.testing import import_path
 from asyncllm.testing.tiny_models import tiny_model_path
 
 
@@ -44,13 +43,6 @@ def load_benchmark() -> Callable[[str], ModuleType]:
     folder = Path(__file__).resolve().parents[1] / "benchmarks"
 
     def load(name: str) -> ModuleType:
-        module_name = f"asyncllm_bench_{name}"
-        if module_name not in sys.modules:
-            spec = importlib.util.spec_from_file_location(module_name, folder / f"{name}.py")
-            assert spec is not None and spec.loader is not None
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[module_name] = module
-            spec.loader.exec_module(module)
-        return sys.modules[module_name]
+        return import_path(folder / f"{name}.py", f"asyncllm_bench_{name}")
 
     return load

@@ -11,13 +11,10 @@ traffic the same way and compares its outputs with a batch that keeps nothing ac
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import anyio
@@ -33,24 +30,13 @@ from asyncllm.input_batch import InputBatch, StepInputs, step_inputs
 from asyncllm.layers import attention_cpu, attention_triton
 from asyncllm.model_runner import TorchModelRunner, _attention_metadata
 from asyncllm.runner import SequenceInput
+from asyncllm.testing import import_path
 
 CPU = torch.device("cpu")
 PARAMS = SamplingParams()
 
 
-def _load_reference() -> ModuleType:
-    name = "asyncllm_bench_input_prep"
-    if name not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "benchmarks" / "input_prep.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-legacy = _load_reference()
+legacy = import_path(Path(__file__).resolve().parents[1] / "benchmarks" / "input_prep.py", "asyncllm_bench_input_prep")
 
 
 def _same(got: Any, expected: Any) -> None:
