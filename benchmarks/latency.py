@@ -17,7 +17,8 @@ How each system is timed:
 - ``vllm`` (with ``--vllm-python``): TTFT = wall time of a 1-token ``LLM.generate``; ITL =
   (wall time of the full generate - TTFT) / (tokens - 1).
 
-Ratios are peer / asyncllm: > 1 means asyncllm is faster.
+Ratios are peer / asyncllm: > 1 means asyncllm is faster. For float32 on the CPU, each system's TTFT and
+ITL are also given as fractions of their floors on this machine (benchmarks/roofline.py).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ Peers, on the same workload in the same run:
 - ``vllm`` (with ``--vllm-python``): vLLM's CPU backend in its own interpreter, tcmalloc and Intel
   OpenMP preloaded when found.
 
-Prints output tokens/s (median over repeats) per system and the ratio asyncllm/peer.
+Prints output tokens/s (median over repeats) per system, its fraction of the roofline (float32 on the CPU;
+benchmarks/roofline.py) and the ratio asyncllm/peer.
 """
 
 from __future__ import annotations
