@@ -45,6 +45,7 @@ from asyncllm.layers.attention import PrefillSpan, split_step
 __all__ = [
     "CpuAttentionMetadata",
     "CpuPrefillChunk",
+    "attend_into",
     "build_metadata",
     "native_decode_available",
     "paged_attention",
@@ -122,7 +123,8 @@ static inline void prefetch_row(const float *row, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)row + b, 0, 2);
 }
 
-/* q, out: [tokens, q_heads, HEAD_DIM]; caches: [slots, kv_heads, HEAD_DIM]; rows: [n] the flat-batch row
+/* q: [tokens, q_heads, HEAD_DIM] with row stride q_stride (a view into the fused projection: no copy);
+   out: [tokens, q_heads, HEAD_DIM] contiguous; caches: [slots, kv_heads, HEAD_DIM]; rows: [n] the flat-batch row
    of each decode query; tables: [n, max_blocks]; lens: [n] context length, the new token included;
    window: 0 for none, else the sliding window. Returns 0, or -1 when scratch memory ran out.
 
@@ -130,10 +132,10 @@ static inline void prefetch_row(const float *row, int64_t bytes) {
    each key row of the block (rows in order), per head the exponentials against the running maximum
    (rescaling what was accumulated when the maximum grows), then every head's update from each value row;
    keys and values are read once, each while it is in the L1 cache. */
-int asyncllm_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, float *out,
-                              const int64_t *rows, const int64_t *tables, const int64_t *lens, int64_t n,
-                              int64_t q_heads, int64_t kv_heads, int64_t block_size, int64_t max_blocks,
-                              int64_t window, float scale) {
+int asyncllm_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                              float *out, const int64_t *rows, const int64_t *tables, const int64_t *lens,
+                              int64_t n, int64_t q_heads, int64_t kv_heads, int64_t block_size,
+                              int64_t max_blocks, int64_t window, float scale) {
     const int64_t group = q_heads / kv_heads;
     const int64_t row_size = kv_heads * HEAD_DIM;
     int threads = 1;
@@ -168,7 +170,7 @@ int asyncllm_paged_decode_f32(const float *q, const float *k_cache, const float 
             const int64_t len = lens[i];
             const int64_t start = (window > 0 && len > window) ? len - window : 0;
             const int64_t *table = tables + i * max_blocks;
-            const float *qi = q + (rows[i] * q_heads + h0 * group) * HEAD_DIM;
+            const float *qi = q + rows[i] * q_stride + h0 * group * HEAD_DIM;
             for (int64_t j = 0; j < width * HEAD_DIM; ++j) {
                 queries[j] = qi[j] * scale;
                 acc[j] = 0.0f;
@@ -255,8 +257,9 @@ int asyncllm_paged_decode_f32(const float *q, const float *k_cache, const float 
 }
 
 /* Causal attention of prompt chunks that start at position 0 over their own new keys and values (a flash-
-   attention tiling): q, out rows [tokens, q_heads, HEAD_DIM] contiguous; k, v rows [tokens, kv_heads,
-   HEAD_DIM] with row strides k_stride, v_stride (views into the fused projection); chunk c is rows
+   attention tiling): q rows [tokens, q_heads, HEAD_DIM], k, v rows [tokens, kv_heads, HEAD_DIM], with row
+   strides q_stride, k_stride, v_stride (views into the fused projection); out rows [tokens, q_heads,
+   HEAD_DIM] contiguous; chunk c is rows
    [starts[c], ends[c]). Work: (chunk, KV head, block of TILE queries), each walking the key tiles up to its
    diagonal with an online softmax. The softmax runs across the tile's queries at once (lanes = queries):
    the scores of every query against one key are one vector, so a tile's maxima, exponentials and sums are
@@ -264,9 +267,9 @@ int asyncllm_paged_decode_f32(const float *q, const float *k_cache, const float 
    which spent most of its time in per-row maxima, sums and scalar exponentials). Returns 0, or -1 when
    scratch memory ran out. */
 #define TILE W
-int asyncllm_causal_prefill_f32(const float *q, const float *k, const float *v, float *out, const int64_t *starts,
-                                const int64_t *ends, int64_t chunks, int64_t q_heads, int64_t kv_heads,
-                                int64_t k_stride, int64_t v_stride, float scale) {
+int asyncllm_causal_prefill_f32(const float *q, int64_t q_stride, const float *k, const float *v, float *out,
+                                const int64_t *starts, const int64_t *ends, int64_t chunks, int64_t q_heads,
+                                int64_t kv_heads, int64_t k_stride, int64_t v_stride, float scale) {
     const int64_t group = q_heads / kv_heads;
     int64_t total = 0, tasks = 0;
     for (int64_t c = 0; c < chunks; ++c) {
@@ -326,7 +329,7 @@ int asyncllm_causal_prefill_f32(const float *q, const float *k, const float *v, 
                 memset(queries_t, 0, sizeof(float) * TILE * HEAD_DIM);
                 memset(acc, 0, sizeof(float) * TILE * HEAD_DIM);
                 for (int64_t i = 0; i < rows; ++i) {
-                    const float *qi = q + ((starts[c] + first + i) * q_heads + h) * HEAD_DIM;
+                    const float *qi = q + (starts[c] + first + i) * q_stride + h * HEAD_DIM;
                     for (int64_t d = 0; d < HEAD_DIM; ++d) queries_t[d * TILE + i] = qi[d] * scale;
                 }
                 /* The online softmax runs across the tile's queries at once: lane i is query i. */
@@ -483,8 +486,31 @@ def paged_attention(
         RuntimeError: The decode kernel is unavailable, or a kernel could not allocate its scratch memory.
     """
     _check_inputs(q, k, v, k_cache, v_cache)
-    q = q.contiguous()
-    out = torch.empty_like(q)
+    # The kernels take q's row stride (q is a view into the fused projection); the heads of a row
+    # must be packed.
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype)
+    attend_into(q, k, v, k_cache, v_cache, meta, scale, out)
+    return out
+
+
+def attend_into(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: CpuAttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """``paged_attention`` into ``out`` ([tokens, heads, head_dim], contiguous), without its checks.
+
+    For callers that own the layouts (``asyncllm.models.lean_cpu``): q with packed heads (row stride
+    free), everything float32 on the CPU, the caches contiguous. Raises RuntimeError as
+    ``paged_attention`` does.
+    """
     num_decodes = meta.decode_rows.numel()
     if num_decodes:
         kernel = _kernel(q.shape[-1])
@@ -492,6 +518,7 @@ def paged_attention(
             raise RuntimeError("the cpu attention backend needs its C kernel; see native_decode_available()")
         status = kernel(
             q.data_ptr(),
+            q.stride(0),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
             out.data_ptr(),
@@ -515,8 +542,8 @@ def paged_attention(
         # Prompts from position 0 attend to their own new keys and values: the C kernel, all chunks at once.
         bounds = torch.tensor([[c.query_start, c.query_end] for c in fresh], dtype=torch.int64).t().contiguous()
         status = prefill(
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), bounds[0].data_ptr(), bounds[1].data_ptr(),
-            len(fresh), q.shape[1], k.shape[1], k.stride(0), v.stride(0), scale,
+            q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), out.data_ptr(), bounds[0].data_ptr(),
+            bounds[1].data_ptr(), len(fresh), q.shape[1], k.shape[1], k.stride(0), v.stride(0), scale,
         )  # fmt: skip
         if status != 0:
             raise RuntimeError("the cpu prefill attention kernel could not allocate its scratch memory")
@@ -539,7 +566,6 @@ def paged_attention(
             enable_gqa=True,
         )
         out[chunk.query_start : chunk.query_end] = attended.squeeze(0).transpose(0, 1)
-    return out
 
 
 def _check_inputs(
@@ -577,9 +603,9 @@ def _library(head_dim: int) -> ctypes.CDLL | None:
         return None
     library = ctypes.CDLL(str(path))
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-    library.asyncllm_paged_decode_f32.argtypes = [pointer] * 7 + [i64] * 6 + [ctypes.c_float]
+    library.asyncllm_paged_decode_f32.argtypes = [pointer, i64, *[pointer] * 6, *[i64] * 6, ctypes.c_float]
     library.asyncllm_paged_decode_f32.restype = ctypes.c_int
-    library.asyncllm_causal_prefill_f32.argtypes = [pointer] * 6 + [i64] * 5 + [ctypes.c_float]
+    library.asyncllm_causal_prefill_f32.argtypes = [pointer, i64, *[pointer] * 5, *[i64] * 5, ctypes.c_float]
     library.asyncllm_causal_prefill_f32.restype = ctypes.c_int
     return library
 

@@ -27,7 +27,7 @@ import torch
 
 from asyncllm.layers import native
 
-__all__ = ["available", "rms_norm", "rotary_"]
+__all__ = ["available", "kernel", "rms_norm", "rotary_"]
 
 _SOURCE = r"""
 #include <math.h>
@@ -133,7 +133,12 @@ def available() -> bool:
 
 
 @functools.cache
-def _function(name: str) -> Callable[..., None]:
+def kernel(name: str) -> Callable[..., None]:
+    """The raw ``ctypes`` function ``name`` (``asyncllm_rms_norm_f32``, ``asyncllm_rotary_f32``): no checks.
+
+    For callers that own the layout of every pointer they pass (``asyncllm.models.lean_cpu``);
+    everyone else calls ``rms_norm`` and ``rotary_``. RuntimeError when the kernels are unavailable.
+    """
     library = _library()
     if library is None:
         raise RuntimeError("the cpu element-wise kernels are unavailable; see available()")
@@ -176,7 +181,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         if residual.shape[0] != rows:
             raise ValueError(f"residual has {residual.shape[0]} rows, x has {rows}")
     out = torch.empty((rows, hidden), dtype=torch.float32)
-    _function("asyncllm_rms_norm_f32")(
+    kernel("asyncllm_rms_norm_f32")(
         out.data_ptr(),
         x.data_ptr(),
         None if residual is None else residual.data_ptr(),
@@ -216,7 +221,7 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     for name, tensor in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         if tensor.dtype != torch.float32 or tensor.device.type != "cpu" or tensor.stride(-1) != 1:
             raise ValueError(f"{name} must be a float32 CPU tensor with a contiguous last dimension")
-    _function("asyncllm_rotary_f32")(
+    kernel("asyncllm_rotary_f32")(
         q.data_ptr(),
         k.data_ptr(),
         cos.data_ptr(),

@@ -41,7 +41,15 @@ import torch
 from asyncllm.layers import native
 from asyncllm.memory import anonymous_mapping
 
-__all__ = ["PANEL_COLUMNS", "PanelWeight", "available", "check_input", "packing_source", "panel_matmul"]
+__all__ = [
+    "PANEL_COLUMNS",
+    "PanelWeight",
+    "available",
+    "check_input",
+    "packing_source",
+    "panel_matmul",
+    "panel_matmul_into",
+]
 
 PANEL_COLUMNS = 48
 """Output columns per panel: three AVX-512 vectors of 16 floats."""
@@ -220,14 +228,26 @@ def panel_matmul(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
         rows = rows.contiguous()
     count = rows.shape[0]
     out = torch.empty(count, out_features, dtype=torch.float32)
-    library = _library()
-    if library is None:  # panels exist only where the kernel does
-        raise RuntimeError("the panel GEMM is unavailable here")
     if count:
-        library.asyncllm_panel_matmul(
-            rows.data_ptr(), rows.stride(0), panels.data_ptr(), out.data_ptr(), out_features,
-            count, out_features, in_features,
+        panel_matmul_into(
+            rows.data_ptr(), rows.stride(0), count, panels.data_ptr(), out.data_ptr(), out_features,
+            out_features, in_features,
         )  # fmt: skip
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], out_features)
+
+
+def panel_matmul_into(
+    x: int, x_stride: int, rows: int, panels: int, out: int, out_stride: int, out_features: int, in_features: int
+) -> None:
+    """The panel GEMM on raw addresses: ``out[:rows, :out_features] = x[:rows, :in_features] @ weight.T``.
+
+    ``panels`` is the address of a ``PanelWeight`` buffer of that weight; strides count floats. No
+    checks (``panel_matmul`` is the checked entry): for callers that own every layout they pass
+    (``asyncllm.models.lean_cpu``). ``rows`` must be positive.
+    """
+    library = _library()
+    if library is None:  # panels exist only where the kernel does
+        raise RuntimeError("the panel GEMM is unavailable here")
+    library.asyncllm_panel_matmul(x, x_stride, panels, out, out_stride, rows, out_features, in_features)

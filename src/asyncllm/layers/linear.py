@@ -53,6 +53,7 @@ __all__ = [
     "packed_gemm_available",
     "packed_linear",
     "packed_matmul",
+    "packed_matmul_into",
 ]
 
 # CBLAS constants (mkl_cblas.h).
@@ -116,21 +117,37 @@ class PackedWeight:
 def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` with ``weight`` packed by ``PackedWeight`` into ``packed`` (no checks)."""
     in_features = x.shape[-1]
-    rows = x.reshape(-1, in_features).contiguous()
+    rows = x.reshape(-1, in_features)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
     count = rows.shape[0]
     out = torch.empty(count, out_features, dtype=torch.float32)
-    library = _mkl()
-    if library is None:  # a packed weight exists only where packing was available
-        raise RuntimeError("MKL's packed GEMM is unavailable in this torch build")
     if count:
-        library.cblas_sgemm_compute(
-            _ROW_MAJOR, _NO_TRANS, _PACKED, count, out_features, in_features,
-            rows.data_ptr(), in_features, packed.data_ptr(), out_features,
-            0.0, out.data_ptr(), out_features,
+        packed_matmul_into(
+            rows.data_ptr(), rows.stride(0), count, packed.data_ptr(), out.data_ptr(), out_features,
+            out_features, in_features,
         )  # fmt: skip
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], out_features)
+
+
+def packed_matmul_into(
+    x: int, x_stride: int, rows: int, packed: int, out: int, out_stride: int, out_features: int, in_features: int
+) -> None:
+    """MKL's packed GEMM on raw addresses: ``out[:rows, :out_features] = x[:rows, :in_features] @ weight.T``.
+
+    ``packed`` is the address of a ``PackedWeight`` buffer of that weight; strides count floats. No
+    checks (``packed_matmul`` is the checked entry): for callers that own every layout they pass
+    (``asyncllm.models.lean_cpu``). ``rows`` must be positive.
+    """
+    library = _mkl()
+    if library is None:  # a packed weight exists only where packing was available
+        raise RuntimeError("MKL's packed GEMM is unavailable in this torch build")
+    library.cblas_sgemm_compute(
+        _ROW_MAJOR, _NO_TRANS, _PACKED, rows, out_features, in_features,
+        x, x_stride, packed, out_features, 0.0, out, out_stride,
+    )  # fmt: skip
 
 
 PANEL_MAX_ROWS = 64

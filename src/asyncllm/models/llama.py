@@ -23,6 +23,7 @@ from asyncllm.layers.attention_triton import TritonAttentionMetadata
 from asyncllm.layers.linear import Linear, PackedFormat, best_packed_format
 from asyncllm.layers.norm import RMSNorm
 from asyncllm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from asyncllm.models.lean_cpu import LeanCpuForward
 
 AnyAttentionMetadata = AttentionMetadata | CpuAttentionMetadata | TritonAttentionMetadata
 """The metadata of one of the attention backends: it also picks the backend each layer calls."""
@@ -333,6 +334,12 @@ class DecoderForCausalLM(nn.Module):
         ``benchmarks/forward.py``). The torch backend and compiled layers never fuse. Read on every
         forward, so a CUDA graph keeps the path it was captured with (the runner sets this from its
         own ``fused_norm`` option before it captures)."""
+        self.lean: LeanCpuForward | None = None
+        """The layer stack as direct kernel calls (``models.lean_cpu``), built by ``pack_weights``
+        where it applies; None: the modules."""
+        self.lean_forward = True
+        """With fused norms on the cpu backend, run ``lean`` (when built) instead of the modules: the
+        same bits, less Python per layer. False runs the modules (for A/B comparisons and tests)."""
 
     def forward(
         self,
@@ -346,6 +353,8 @@ class DecoderForCausalLM(nn.Module):
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
         layers = cast("Sequence[DecoderLayer]", self.model.layers)
         if self.fused_norm and _fusable(meta) and all(layer.compiled is None for layer in layers):
+            if self.lean is not None and self.lean_forward and isinstance(meta, CpuAttentionMetadata):
+                return self.lean(x, cos_sin, kv_caches, meta)
             residual = None
             for layer, kv_cache in zip(layers, kv_caches):
                 x, residual = layer.forward_fused_norms(x, residual, cos_sin, kv_cache, meta)
@@ -374,8 +383,8 @@ class DecoderForCausalLM(nn.Module):
         the layers' weights together (both copies only while the second fits comfortably in memory).
         Call it after ``fuse_projections`` and before ``torch.compile`` (the compiled graphs then
         call the packed weights); never with CUDA graphs. The unpacked weights are released
-        (except the tied output embedding, which the input embedding still reads). Returns the
-        number of layers packed (0 where unavailable).
+        (except the tied output embedding, which the input embedding still reads), and ``lean`` is
+        built where it applies. Returns the number of layers packed (0 where unavailable).
         """
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         if packed_format is None:
@@ -387,6 +396,7 @@ class DecoderForCausalLM(nn.Module):
         for module in linears:
             shared = module is self.lm_head and self.spec.tie_word_embeddings
             packed += module.pack(release=not shared, packed_format=packed_format)
+        self.lean = LeanCpuForward.for_model(self) if packed else None
         return packed
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,213 @@
+"""The CPU's lean forward: a decoder's layer stack as direct kernel calls, same bits as the modules.
+
+On the CPU in float32 every heavy part of a layer is already a foreign call that releases the GIL:
+the packed GEMMs (``layers.gemm_cpu``'s panels, MKL's packed layout), the fused norms and rotary
+(``layers.elementwise_cpu``) and the attention kernels (``layers.attention_cpu``). Between them the
+module forward spends Python: module calls, attribute lookups, argument checks, views, and a fresh
+tensor for every intermediate result. At a decode step's few rows that is most of a layer: on the
+benchmark model (8 layers, hidden 512) one sequence's forward took 9.6-11 ms through the modules and
+5.4-6.8 ms through the calls below, bit for bit the same hidden states (docs/performance.md,
+"Seventh round").
+
+``LeanCpuForward`` makes those calls itself. Built once per model after its weights are packed, it
+holds each layer's packed-weight addresses and norm weights; a step then runs, per layer: the input
+norm (with the previous layer's residual add), the q/k/v matmul, rotary in place, the KV write, the
+attention, o_proj, the post-attention norm (with its residual add), the gate/up matmul, SiLU times
+up in place, and the down matmul, into six scratch tensors allocated once per step and reused by
+every layer (they stay in the cache where fresh tensors would not). The kernels and their order are
+the module path's (``DecoderLayer.forward_fused_norms``), so the results are identical, which the
+tests check bit for bit.
+
+It applies to the families without q/k/v biases or q/k norms (llama, mistral), with fused
+projections and every layer packed, on the cpu attention backend with the fused norms on; anything
+else runs the modules (``DecoderForCausalLM.forward`` decides per step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from asyncllm.layers import attention_cpu, elementwise_cpu, gemm_cpu
+from asyncllm.layers.attention import write_kv
+from asyncllm.layers.attention_cpu import CpuAttentionMetadata
+from asyncllm.layers.linear import PANEL_MAX_ROWS, Linear, packed_matmul_into
+
+if TYPE_CHECKING:
+    from asyncllm.models.llama import DecoderForCausalLM
+
+__all__ = ["LeanCpuForward"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Matmul:
+    """One packed linear layer (no bias) as addresses: ``x @ weight.T`` into a given output."""
+
+    panels: int
+    """Address of the column panels, or 0."""
+    packed: int
+    """Address of MKL's packed copy, or 0."""
+    out_features: int
+    in_features: int
+
+    @classmethod
+    def of(cls, linear: Linear) -> _Matmul | None:
+        if linear.bias is not None or not linear.packed:
+            return None
+        panels, packed = linear.panel_weight, linear.packed_weight
+        return cls(
+            0 if panels is None else panels.data_ptr(),
+            0 if packed is None else packed.data_ptr(),
+            linear.out_features,
+            linear.in_features,
+        )
+
+    def __call__(self, x: int, x_stride: int, rows: int, out: int, out_stride: int) -> None:
+        # The same choice as ``layers.linear.packed_linear``: panels for decode-sized inputs.
+        shape = (self.out_features, self.in_features)
+        if self.panels and (not self.packed or rows <= PANEL_MAX_ROWS):
+            gemm_cpu.panel_matmul_into(x, x_stride, rows, self.panels, out, out_stride, *shape)
+        else:
+            packed_matmul_into(x, x_stride, rows, self.packed, out, out_stride, *shape)
+
+
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: _Matmul
+    o: _Matmul
+    post_norm: torch.Tensor
+    gate_up: _Matmul
+    down: _Matmul
+
+
+class LeanCpuForward:
+    """A packed float32 decoder's layer stack on the CPU as direct kernel calls (see the module docstring).
+
+    Build it with ``for_model``; call it as the model's layer stack: flat batch in, final normed
+    hidden states out. It keeps references to the model's weights, so they outlive it.
+    """
+
+    def __init__(self, model: DecoderForCausalLM, layers: list[_Layer]) -> None:
+        spec = model.spec
+        self._layers = layers
+        self._final_norm = model.model.norm.weight
+        self._eps = spec.rms_norm_eps
+        self._hidden = spec.hidden_size
+        self._heads, self._kv_heads, self._head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self._intermediate = spec.intermediate_size
+        self._scale = spec.head_dim**-0.5
+        self._norm = elementwise_cpu.kernel("asyncllm_rms_norm_f32")
+        self._rotate = elementwise_cpu.kernel("asyncllm_rotary_f32")
+
+    @classmethod
+    def for_model(cls, model: DecoderForCausalLM) -> LeanCpuForward | None:
+        """The lean forward of ``model``, or None where it does not apply.
+
+        It applies to a model without q/k/v biases or q/k norms whose projections are fused and
+        whose layers' weights are all packed, where the element-wise and attention C kernels are
+        built. Build it after ``pack_weights``.
+        """
+        from asyncllm.models.llama import DecoderLayer
+
+        spec = model.spec
+        if spec.attention_bias or spec.qk_norm or spec.head_dim % 2 or not elementwise_cpu.available():
+            return None
+        if not attention_cpu.native_decode_available(spec.head_dim):
+            return None
+        layers = []
+        for layer in model.model.layers:
+            assert isinstance(layer, DecoderLayer)
+            attention, mlp = layer.self_attn, layer.mlp
+            if attention.qkv_proj is None or mlp.gate_up_proj is None:
+                return None
+            matmuls = [_Matmul.of(m) for m in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            qkv, o, gate_up, down = matmuls
+            if qkv is None or o is None or gate_up is None or down is None:
+                return None
+            layers.append(
+                _Layer(layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight, gate_up, down)
+            )
+        return cls(model, layers)
+
+    def __call__(
+        self,
+        embeddings: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        meta: CpuAttentionMetadata,
+    ) -> torch.Tensor:
+        """Run the layer stack and the final norm; return normed hidden states [tokens, hidden].
+
+        Args:
+            embeddings: [tokens, hidden] the flat batch's input embeddings, contiguous; used as the
+                residual stream (overwritten).
+            cos_sin: The rotary cosines and sines of the tokens' positions, [tokens, head_dim] each
+                (``RotaryEmbedding.cos_sin``).
+            kv_caches: Each layer's (key cache, value cache).
+            meta: The step's cpu attention metadata.
+
+        Raises:
+            ValueError: A KV cache is not a contiguous float32 CPU tensor.
+            RuntimeError: An attention kernel could not allocate its scratch memory.
+        """
+        tokens, hidden = embeddings.shape[0], self._hidden
+        heads, kv_heads, head_dim = self._heads, self._kv_heads, self._head_dim
+        q_size, kv_size, intermediate = heads * head_dim, kv_heads * head_dim, self._intermediate
+        qkv_size = q_size + 2 * kv_size
+        eps, norm = self._eps, self._norm
+        residual = embeddings
+        if not residual.is_contiguous():
+            raise ValueError("the lean forward needs contiguous embeddings")
+        cos, sin = cos_sin
+        if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+            raise ValueError("the lean forward needs cos and sin rows of one layout, contiguous")
+        # Scratch for every layer (rows contiguous): one allocation each per step.
+        normed = torch.empty(tokens, hidden)
+        qkv = torch.empty(tokens, qkv_size)
+        attended = torch.empty(tokens, heads, head_dim)
+        projected = torch.empty(tokens, hidden)
+        gate_up = torch.empty(tokens, 2 * intermediate)
+        mlp_out = torch.empty(tokens, hidden)
+        q = qkv[:, :q_size].view(tokens, heads, head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(tokens, kv_heads, head_dim)
+        v = qkv[:, q_size + kv_size :].view(tokens, kv_heads, head_dim)
+        gate, up = gate_up[:, :intermediate], gate_up[:, intermediate:]
+        addresses = (normed.data_ptr(), qkv.data_ptr(), attended.data_ptr(), projected.data_ptr())
+        normed_at, qkv_at, attended_at, projected_at = addresses
+        gate_up_at, mlp_out_at, residual_at = gate_up.data_ptr(), mlp_out.data_ptr(), residual.data_ptr()
+        k_at = k.data_ptr()
+        for index, (layer, (k_cache, v_cache)) in enumerate(zip(self._layers, kv_caches, strict=True)):
+            if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == torch.float32):
+                raise ValueError("the lean forward needs contiguous float32 KV caches")
+            if index == 0:  # the embeddings are the residual stream: nothing to add yet
+                norm(normed_at, residual_at, None, layer.input_norm.data_ptr(), tokens, hidden, hidden, hidden, 0, eps)
+            else:
+                norm(
+                    normed_at, mlp_out_at, residual_at, layer.input_norm.data_ptr(),
+                    tokens, hidden, hidden, hidden, hidden, eps,
+                )  # fmt: skip
+            layer.qkv(normed_at, hidden, tokens, qkv_at, qkv_size)
+            self._rotate(
+                qkv_at, k_at, cos.data_ptr(), sin.data_ptr(), tokens, heads, kv_heads, head_dim // 2,
+                qkv_size, head_dim, qkv_size, head_dim, cos.stride(0),
+            )  # fmt: skip
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            attention_cpu.attend_into(q, k, v, k_cache, v_cache, meta, self._scale, attended)
+            layer.o(attended_at, q_size, tokens, projected_at, hidden)
+            norm(
+                normed_at, projected_at, residual_at, layer.post_norm.data_ptr(),
+                tokens, hidden, hidden, hidden, hidden, eps,
+            )  # fmt: skip
+            layer.gate_up(normed_at, hidden, tokens, gate_up_at, 2 * intermediate)
+            F.silu(gate, inplace=True)
+            gate.mul_(up)
+            layer.down(gate_up_at, 2 * intermediate, tokens, mlp_out_at, hidden)
+        out = torch.empty(tokens, hidden)
+        final_norm = self._final_norm.data_ptr()
+        norm(out.data_ptr(), mlp_out_at, residual_at, final_norm, tokens, hidden, hidden, hidden, hidden, eps)
+        return out
