@@ -160,6 +160,32 @@ async def test_a_stalled_consumer_does_not_slow_the_others() -> None:
     assert "".join(c.text for c in chunks) == ("abc" * 67)[:200]
 
 
+async def test_generate_is_woken_once_with_the_whole_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    # generate() reads the output only at the end: one wake-up of its task, not one per step.
+    from asyncllm.stream import RequestStream
+
+    reads = []
+    original = RequestStream.__anext__
+
+    async def counting(self: RequestStream) -> object:
+        reads.append(self.request_id)
+        return await original(self)
+
+    monkeypatch.setattr(RequestStream, "__anext__", counting)
+    engine, runner = _scripted(num_kv_blocks=64)
+    async with engine:
+        streamed = [c async for c in engine.stream("streamed", SamplingParams(max_tokens=50, ignore_eos=True))]
+        reads.clear()
+        completion = await engine.generate("generated", SamplingParams(max_tokens=50, ignore_eos=True))
+        two = await engine.generate("two samples", SamplingParams(n=2, max_tokens=20, ignore_eos=True))
+    assert len(streamed) >= 10  # a streaming consumer is woken step by step (lagging reads merge)
+    assert len(completion.token_ids) == 50 and completion.text == ("abc" * 17)[:50]
+    assert completion.finish_reason == "length"
+    assert [len(s.token_ids) for s in two.samples] == [20, 20]
+    # one chunk per sample, then the end of the iteration
+    assert len(reads) == 2 + 3
+
+
 async def test_device_work_stays_on_one_thread() -> None:
     engine, runner = _scripted()
     async with engine:

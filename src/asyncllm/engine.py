@@ -356,13 +356,27 @@ class Engine:
             EngineClosedError: The engine is not running.
             EngineDeadError: The engine died.
         """
+        return self._submit(prompt, params, cache_salt, wake_at_end=False)
+
+    def _submit(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | Mapping[str, Any] | None,
+        cache_salt: str | None,
+        *,
+        wake_at_end: bool,
+    ) -> RequestStream:
         core, inputs = self._require_running()
         limit = self.options.max_waiting_requests
         if limit is not None and len(core.scheduler.waiting) >= limit:
             raise EngineOverloadedError(f"{limit} requests are already waiting (max_waiting_requests); retry later")
         request = inputs.process(prompt, params if params is not None else SamplingParams(), cache_salt=cache_salt)
         stream = RequestStream(
-            request.request_id, request.prompt_token_ids, core.abort_nowait, num_samples=len(request.group) or 1
+            request.request_id,
+            request.prompt_token_ids,
+            core.abort_nowait,
+            num_samples=len(request.group) or 1,
+            wake_at_end=wake_at_end,
         )
         core.add(request, stream)
         return stream
@@ -391,7 +405,8 @@ class Engine:
         """
         parts: list[_SampleParts] = []
         prompt_logprobs: tuple[Logprobs | None, ...] | None = None
-        async with self.stream(prompt, params, cache_salt=cache_salt) as stream:
+        # Woken once, when the request ends: the output arrives merged, one chunk per sample.
+        async with self._submit(prompt, params, cache_salt, wake_at_end=True) as stream:
             parts = [_SampleParts() for _ in range(stream.num_samples)]
             async for chunk in stream:
                 parts[chunk.index].add(chunk)

@@ -65,6 +65,9 @@ class RequestStream:
     stream:`` to make the abort on early exit explicit; a stream dropped mid-way aborts too (when it
     is garbage collected), and so does a cancellation (or timeout) that hits while waiting for the
     next chunk.
+
+    With ``wake_at_end`` (what ``Engine.generate`` uses) the consumer is woken only when the request
+    ends or fails, and reads the output merged into one chunk per sample.
     """
 
     def __init__(
@@ -74,6 +77,7 @@ class RequestStream:
         abort: Callable[[int], None],
         *,
         num_samples: int = 1,
+        wake_at_end: bool = False,
     ) -> None:
         self.request_id = request_id
         """The engine's id for this request."""
@@ -87,6 +91,10 @@ class RequestStream:
         self._error: BaseException | None = None
         self._wakeup = anyio.Event()
         self._closed = False
+        # A consumer that only wants the whole output (``Engine.generate``) is woken once, at the end:
+        # a wake-up per step and request is event-loop time the device waits for (64 requests: about
+        # 2 ms a step, 4% of the throughput benchmark).
+        self._wake_at_end = wake_at_end
 
     # -- producer side (the engine's loop) -------------------------------------------------------
 
@@ -114,7 +122,8 @@ class RequestStream:
         if finish_reason is not None:
             pending.finish_reason = finish_reason
             pending.stop_reason = stop_reason
-        self._wakeup.set()
+        if not self._wake_at_end or self.finished:
+            self._wakeup.set()
 
     def _fail(self, error: BaseException) -> None:
         self._error = error
