@@ -12,9 +12,11 @@ runner variants, each adding one thing to the previous one:
   ``gemm_cpu``'s column panels with AVX-512, else MKL's packed layout);
 - ``+kernels``: each residual add fused into the RMSNorm after it, and rotary in place, as C kernels
   (``fused_norm``, ``asyncllm.layers.elementwise_cpu``);
+- ``+lean``: the layer stack as direct kernel calls into per-step scratch (``model.lean_forward``,
+  ``asyncllm.models.lean_cpu``; the variants before it run the modules);
 - ``+compile``: ``torch.compile`` of every layer's dense parts (``compile=True``; the compiled graphs call
   the packed weights through the ``asyncllm::packed_linear`` operator, and inductor's
-  own fused norms and rotary replace the C kernels);
+  own fused norms and rotary replace the C kernels and the lean forward);
 - ``+threads``: the intra-op thread count the runner decides at load (``num_threads=None``), or
   ``--threads``.
 
@@ -44,7 +46,7 @@ from asyncllm.testing import import_path
 
 common = import_path(Path(__file__).with_name("common.py"), "asyncllm_benchmarks_common")
 
-VARIANTS = ("eager", "+fused", "+attention", "+packed", "+kernels", "+compile", "+threads")
+VARIANTS = ("eager", "+fused", "+attention", "+packed", "+kernels", "+lean", "+compile", "+threads")
 BLOCK_SIZE = 16
 
 
@@ -115,9 +117,14 @@ def variant_options(name: str, default_threads: int, threads: int | None) -> dic
         "attention_backend": "cpu" if rank >= 2 else "torch",
         "packed_gemm": rank >= 3,
         "fused_norm": rank >= 4,
-        "compile": rank >= 5,
-        "num_threads": threads if rank >= 6 else default_threads,
+        "compile": rank >= 6,
+        "num_threads": threads if rank >= 7 else default_threads,
     }
+
+
+def variant_lean(name: str) -> bool:
+    """Whether a variant runs the lean forward where the model has one (a model switch, not a runner option)."""
+    return VARIANTS.index(name) >= VARIANTS.index("+lean")
 
 
 def make_batch(scenario: Scenario, seed: int, vocab_size: int) -> Any:
@@ -268,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
             path, device="cpu", dtype="float32", block_size=BLOCK_SIZE, kv_cache_blocks=1, **options
         )
         runner.load()
+        if runner.model is not None:
+            runner.model.lean_forward = variant_lean(name)
         load_seconds[name] = time.perf_counter() - start
         if options["attention_backend"] == "cpu" and runner.attention_backend != "cpu":
             common.log(f"variant {name}: the cpu attention kernel is unavailable, it runs torch attention")

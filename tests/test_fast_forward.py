@@ -336,10 +336,11 @@ def test_forward_benchmark_quick(
 
     module = load_benchmark("forward")
     out_json = tmp_path / "forward.json"
-    argv = ["--quick", "--model", str(tiny_llama), "--variants", "eager,+fused,+attention", "--json", str(out_json)]
+    variants = "eager,+fused,+attention,+lean"
+    argv = ["--quick", "--model", str(tiny_llama), "--variants", variants, "--json", str(out_json)]
     assert module.main(argv) == 0
     out = capsys.readouterr().out
-    assert "| eager ms | +fused ms | +attention ms |" in out and "| decode b4 ctx64 " in out
+    assert "| eager ms | +fused ms | +attention ms | +lean ms |" in out and "| decode b4 ctx64 " in out
     results = json.loads(out_json.read_text())["results"]
     assert all(all(ms > 0 for ms in step["ms_per_step"].values()) for step in results.values())
 

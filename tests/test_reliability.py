@@ -172,7 +172,7 @@ async def test_generate_is_woken_once_with_the_whole_output(monkeypatch: pytest.
         return await original(self)
 
     monkeypatch.setattr(RequestStream, "__anext__", counting)
-    engine, runner = _scripted(num_kv_blocks=64)
+    engine, _ = _scripted(num_kv_blocks=64)
     async with engine:
         streamed = [c async for c in engine.stream("streamed", SamplingParams(max_tokens=50, ignore_eos=True))]
         reads.clear()
