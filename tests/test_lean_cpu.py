@@ -1,10 +1,11 @@
 """The lean CPU forward (``asyncllm.models.lean_cpu``): the module forward's bits, with less Python.
 
 The lean path calls the same kernels in the same order as ``DecoderLayer.forward_fused_norms``, so
-its hidden states and the keys and values it writes must equal the modules' exactly, on every kind
-of step (decodes, fresh prompts, chunks with cached history, sliding windows) and on both GEMMs
-(the panels up to ``PANEL_MAX_ROWS`` rows, MKL's packed layout above). Greedy outputs against
-transformers then follow from the parity tests, which run the default path: this one.
+its hidden states and the keys and values it writes must equal the modules' exactly: on every
+family (qwen2's q/k/v bias and qwen3's q/k norms included), on every kind of step (decodes, fresh
+prompts, chunks with cached history, sliding windows) and on both GEMMs (the panels up to
+``PANEL_MAX_ROWS`` rows, MKL's packed layout above). Greedy outputs against transformers then
+follow from the parity tests, which run the default path: this one.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ LARGE = [(0, 70), (13, 1), (8, 9), (0, 3), (40, 1)]  # 84 rows: MKL's packed GEM
 @pytest.mark.parametrize("sliding_window", [None, 5])
 @pytest.mark.parametrize("shapes", [SMALL, LARGE], ids=["small", "large"])
 @pytest.mark.parametrize("packed_format", ["both", "panels", "mkl"])
-@pytest.mark.parametrize("family", ["llama", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_lean_forward_equals_the_modules(
     tiny_cache: Path, family: str, packed_format: str, shapes: list[tuple[int, int]], sliding_window: int | None
 ) -> None:
@@ -108,14 +109,14 @@ def test_lean_forward_runs_by_default(tiny_llama: Path, monkeypatch: pytest.Monk
     assert calls == [1]
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_lean_forward_not_built_for_biases_or_qk_norms(tiny_cache: Path, family: str) -> None:
-    runner = _runner(tiny_model_path(tiny_cache, family))
+def test_lean_forward_not_built_without_packed_weights(tiny_llama: Path) -> None:
+    runner = _runner(tiny_llama, packed_gemm=False)
     assert runner.model is not None and runner.model.lean is None
 
 
-def test_lean_forward_not_built_without_packed_weights(tiny_llama: Path) -> None:
-    runner = _runner(tiny_llama, packed_gemm=False)
+def test_lean_forward_not_built_without_fused_projections(tiny_llama: Path) -> None:
+    runner = TorchModelRunner(tiny_llama, device="cpu", kv_cache_blocks=NUM_BLOCKS, fuse_projections=False)
+    runner.load()
     assert runner.model is not None and runner.model.lean is None
 
 

@@ -11,15 +11,16 @@ benchmark model (8 layers, hidden 512) one sequence's forward took 9.6-11 ms thr
 
 ``LeanCpuForward`` makes those calls itself. Built once per model after its weights are packed, it
 holds each layer's packed-weight addresses and norm weights; a step then runs, per layer: the input
-norm (with the previous layer's residual add), the q/k/v matmul, rotary in place, the KV write, the
+norm (with the previous layer's residual add), the q/k/v matmul (its bias and the per-head q/k norms
+where the family has them: qwen2, qwen3), rotary in place, the KV write, the
 attention, o_proj, the post-attention norm (with its residual add), the gate/up matmul, SiLU times
 up in place, and the down matmul, into six scratch tensors allocated once per step and reused by
 every layer (they stay in the cache where fresh tensors would not). The kernels and their order are
 the module path's (``DecoderLayer.forward_fused_norms``), so the results are identical, which the
 tests check bit for bit.
 
-It applies to the families without q/k/v biases or q/k norms (llama, mistral), with fused
-projections and every layer packed, on the cpu attention backend with the fused norms on; anything
+It applies to every family the decoder covers (llama, mistral, qwen2, qwen3) once the projections
+are fused and every layer is packed, on the cpu attention backend with the fused norms on; anything
 else runs the modules (``DecoderForCausalLM.forward`` decides per step).
 """
 
@@ -55,8 +56,10 @@ class _Matmul:
     in_features: int
 
     @classmethod
-    def of(cls, linear: Linear) -> _Matmul | None:
-        if linear.bias is not None or not linear.packed:
+    def of(cls, linear: Linear, *, bias_allowed: bool = False) -> _Matmul | None:
+        """``linear``'s packed weight; None when it is unpacked, or has a bias and ``bias_allowed`` is False
+        (the caller adds an allowed bias itself)."""
+        if (linear.bias is not None and not bias_allowed) or not linear.packed:
             return None
         panels, packed = linear.panel_weight, linear.packed_weight
         return cls(
@@ -79,6 +82,9 @@ class _Matmul:
 class _Layer:
     input_norm: torch.Tensor
     qkv: _Matmul
+    qkv_bias: torch.Tensor | None  # qwen2
+    q_norm: torch.Tensor | None  # qwen3: per-head RMSNorm weights of q and k
+    k_norm: torch.Tensor | None
     o: _Matmul
     post_norm: torch.Tensor
     gate_up: _Matmul
@@ -108,14 +114,14 @@ class LeanCpuForward:
     def for_model(cls, model: DecoderForCausalLM) -> LeanCpuForward | None:
         """The lean forward of ``model``, or None where it does not apply.
 
-        It applies to a model without q/k/v biases or q/k norms whose projections are fused and
-        whose layers' weights are all packed, where the element-wise and attention C kernels are
-        built. Build it after ``pack_weights``.
+        It applies to a model whose projections are fused and whose layers' weights are all packed
+        (no bias but the q/k/v one), where the element-wise and attention C kernels are built. Build
+        it after ``pack_weights``.
         """
         from asyncllm.models.llama import DecoderLayer
 
         spec = model.spec
-        if spec.attention_bias or spec.qk_norm or spec.head_dim % 2 or not elementwise_cpu.available():
+        if spec.head_dim % 2 or not elementwise_cpu.available():
             return None
         if not attention_cpu.native_decode_available(spec.head_dim):
             return None
@@ -125,12 +131,23 @@ class LeanCpuForward:
             attention, mlp = layer.self_attn, layer.mlp
             if attention.qkv_proj is None or mlp.gate_up_proj is None:
                 return None
-            matmuls = [_Matmul.of(m) for m in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            qkv, o, gate_up, down = matmuls
+            qkv = _Matmul.of(attention.qkv_proj, bias_allowed=True)
+            o, gate_up, down = (_Matmul.of(m) for m in (attention.o_proj, mlp.gate_up_proj, mlp.down_proj))
             if qkv is None or o is None or gate_up is None or down is None:
                 return None
+            q_norm, k_norm = attention.q_norm, attention.k_norm
             layers.append(
-                _Layer(layer.input_layernorm.weight, qkv, o, layer.post_attention_layernorm.weight, gate_up, down)
+                _Layer(
+                    input_norm=layer.input_layernorm.weight,
+                    qkv=qkv,
+                    qkv_bias=attention.qkv_proj.bias,
+                    q_norm=None if q_norm is None else q_norm.weight,
+                    k_norm=None if k_norm is None else k_norm.weight,
+                    o=o,
+                    post_norm=layer.post_attention_layernorm.weight,
+                    gate_up=gate_up,
+                    down=down,
+                )
             )
         return cls(model, layers)
 
@@ -180,7 +197,6 @@ class LeanCpuForward:
         addresses = (normed.data_ptr(), qkv.data_ptr(), attended.data_ptr(), projected.data_ptr())
         normed_at, qkv_at, attended_at, projected_at = addresses
         gate_up_at, mlp_out_at, residual_at = gate_up.data_ptr(), mlp_out.data_ptr(), residual.data_ptr()
-        k_at = k.data_ptr()
         for index, (layer, (k_cache, v_cache)) in enumerate(zip(self._layers, kv_caches, strict=True)):
             if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == torch.float32):
                 raise ValueError("the lean forward needs contiguous float32 KV caches")
@@ -192,12 +208,18 @@ class LeanCpuForward:
                     tokens, hidden, hidden, hidden, hidden, eps,
                 )  # fmt: skip
             layer.qkv(normed_at, hidden, tokens, qkv_at, qkv_size)
+            if layer.qkv_bias is not None:
+                qkv += layer.qkv_bias
+            queries, keys = q, k
+            if layer.q_norm is not None and layer.k_norm is not None:  # as ``RMSNorm.forward``: fresh tensors
+                queries = torch.rms_norm(q, (head_dim,), layer.q_norm, eps)
+                keys = torch.rms_norm(k, (head_dim,), layer.k_norm, eps)
             self._rotate(
-                qkv_at, k_at, cos.data_ptr(), sin.data_ptr(), tokens, heads, kv_heads, head_dim // 2,
-                qkv_size, head_dim, qkv_size, head_dim, cos.stride(0),
+                queries.data_ptr(), keys.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, kv_heads,
+                head_dim // 2, queries.stride(0), queries.stride(1), keys.stride(0), keys.stride(1), cos.stride(0),
             )  # fmt: skip
-            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-            attention_cpu.attend_into(q, k, v, k_cache, v_cache, meta, self._scale, attended)
+            write_kv(k_cache, v_cache, keys, v, meta.slot_mapping)
+            attention_cpu.attend_into(queries, keys, v, k_cache, v_cache, meta, self._scale, attended)
             layer.o(attended_at, q_size, tokens, projected_at, hidden)
             norm(
                 normed_at, projected_at, residual_at, layer.post_norm.data_ptr(),
