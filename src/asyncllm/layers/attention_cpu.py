@@ -610,11 +610,14 @@ def _library(head_dim: int) -> ctypes.CDLL | None:
     return library
 
 
-def _kernel(head_dim: int) -> _Kernel | None:
+def _function(head_dim: int, name: str) -> _Kernel | None:
     library = _library(head_dim)
-    return None if library is None else cast(_Kernel, library.asyncllm_paged_decode_f32)
+    return None if library is None else cast(_Kernel, getattr(library, name))
+
+
+def _kernel(head_dim: int) -> _Kernel | None:
+    return _function(head_dim, "asyncllm_paged_decode_f32")
 
 
 def _prefill_kernel(head_dim: int) -> _Kernel | None:
-    library = _library(head_dim)
-    return None if library is None else cast(_Kernel, library.asyncllm_causal_prefill_f32)
+    return _function(head_dim, "asyncllm_causal_prefill_f32")

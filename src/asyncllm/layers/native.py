@@ -6,12 +6,17 @@ norms and rotary) are C sources in Python strings. ``build`` compiles one with `
 ``cache_root()/kernels`` under a name keyed by the source, the compiler, the flags and the CPU's
 feature flags (code built for one CPU is never loaded on another sharing the folder), and returns
 the library's path; ``None`` when there is no compiler or the build fails (logged), so callers
-fall back to torch. A ``ctypes`` call releases the GIL; the OpenMP runtime is the ``libgomp``
-torch already loaded, so the kernels share torch's thread pool and thread count.
+fall back to torch. Every use touches the library's modification time, and the first build call of
+a process removes the folder's libraries unused for ``STALE_AFTER_DAYS`` (left by older versions of
+the sources, other compilers or other CPUs), so the folder does not grow with every upgrade. A
+``ctypes`` call releases the GIL; the OpenMP runtime is the ``libgomp`` torch already loaded, so the
+kernels share torch's thread pool and thread count.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -19,11 +24,15 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 logger = logging.getLogger("asyncllm")
 
-__all__ = ["VECTOR_HELPERS", "build", "compiler", "cpu_flags"]
+__all__ = ["STALE_AFTER_DAYS", "VECTOR_HELPERS", "build", "compiler", "cpu_flags"]
+
+STALE_AFTER_DAYS = 30
+"""A built library not used for this many days is removed from the cache (rebuilt if ever needed)."""
 
 BASE_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11")
 
@@ -94,11 +103,13 @@ def build(name: str, source: str, flags: tuple[str, ...] = ()) -> Path | None:
         logger.info("no C compiler found (cc, gcc, clang or $CC): the %s kernels are unavailable", name)
         return None
     folder = cache_root() / "kernels"
+    _remove_stale(folder)
     for openmp in (("-fopenmp",), ()):
         all_flags = (*BASE_FLAGS, *flags, *openmp)
         key = hashlib.sha256("\0".join((source, cc, *all_flags, _cpu_signature())).encode()).hexdigest()[:20]
         path = folder / f"{name}_{key}.so"
         if path.exists():
+            _touch(path)
             return path
         try:
             folder.mkdir(parents=True, exist_ok=True)
@@ -116,3 +127,30 @@ def build(name: str, source: str, flags: tuple[str, ...] = ()) -> Path | None:
             logger.debug("building the %s kernels with %s %s failed: %s %s", name, cc, all_flags, exc, detail)
     logger.warning("building the %s kernels failed (%s): they are unavailable", name, cc)
     return None
+
+
+def _touch(path: Path) -> None:
+    # A library's modification time is its last use: what _remove_stale goes by.
+    with contextlib.suppress(OSError):  # a read-only shared cache: the library is used, just not marked
+        os.utime(path)
+
+
+@functools.cache
+def _remove_stale(folder: Path) -> None:
+    """Remove the libraries in ``folder`` unused for ``STALE_AFTER_DAYS`` (once per process and folder).
+
+    A process that loaded one of them keeps its mapping; one that finds a library gone rebuilds it.
+    """
+    cutoff = time.time() - STALE_AFTER_DAYS * 86400
+    try:
+        libraries = list(folder.glob("*.so"))
+    except OSError:
+        return
+    for library in libraries:
+        try:
+            if library.stat().st_mtime < cutoff:
+                library.unlink()
+                logger.debug("removed the unused kernel library %s", library)
+        except OSError:
+            continue  # gone already, or not ours to remove
+
