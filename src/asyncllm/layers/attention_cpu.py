@@ -191,9 +191,11 @@ int asyncllm_paged_decode_f32(const float *q, int64_t q_stride, const float *k_c
                 const int64_t next = b < last ? table[b + 1] * block_size * row_size + h0 * HEAD_DIM : -1;
                 const float *next_keys = next >= 0 ? k_cache + next : 0;
                 const float *next_values = next >= 0 ? v_cache + next : 0;
+                /* The next block's rows that hold context: the last block's end is the sequence's. */
+                const int64_t next_rows = b + 1 == last ? len - last * block_size : block_size;
                 for (int64_t p = p0; p < p1; ++p) {
                     const float *key = keys + p * row_size;
-                    if (next_keys) {
+                    if (next_keys && p < next_rows) {
                         prefetch_row(next_keys + p * row_size, task_bytes);
                         prefetch_row(next_values + p * row_size, task_bytes);
                     }
@@ -208,7 +210,7 @@ int asyncllm_paged_decode_f32(const float *q, int64_t q_stride, const float *k_c
                     }
                 }
                 if (next_keys)
-                    for (int64_t p = 0; p < block_size; ++p)
+                    for (int64_t p = 0; p < next_rows; ++p)
                         if (p < p0 || p >= p1) {
                             prefetch_row(next_keys + p * row_size, task_bytes);
                             prefetch_row(next_values + p * row_size, task_bytes);
