@@ -50,6 +50,7 @@ __all__ = [
     "PackedWeight",
     "best_packed_format",
     "format_available",
+    "on_panels",
     "packed_gemm_available",
     "packed_linear",
     "packed_matmul",
@@ -158,6 +159,11 @@ rows, level at 64); MKL's wins where the arithmetic does (prefill: a 2,048-row s
 docs/performance.md)."""
 
 
+def on_panels(has_panels: bool, has_packed: bool, rows: int) -> bool:
+    """Whether an input of ``rows`` rows runs on the panel GEMM, given which packed copies a layer has."""
+    return has_panels and (not has_packed or rows <= PANEL_MAX_ROWS)
+
+
 def packed_linear(
     x: torch.Tensor,
     packed: torch.Tensor | None,
@@ -166,7 +172,7 @@ def packed_linear(
     out_features: int,
 ) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` from whichever packed copies the layer has (at least one; no checks)."""
-    if panels is not None and (packed is None or x.numel() <= PANEL_MAX_ROWS * x.shape[-1]):
+    if panels is not None and on_panels(True, packed is not None, x.shape[:-1].numel()):
         return gemm_cpu.panel_matmul(x, panels, bias, out_features)
     assert packed is not None
     return packed_matmul(x, packed, bias, out_features)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from asyncllm.layers import attention_cpu, elementwise_cpu, gemm_cpu
 from asyncllm.layers.attention import write_kv
 from asyncllm.layers.attention_cpu import CpuAttentionMetadata
-from asyncllm.layers.linear import PANEL_MAX_ROWS, Linear, packed_matmul_into
+from asyncllm.layers.linear import Linear, on_panels, packed_matmul_into
 
 if TYPE_CHECKING:
     from asyncllm.models.llama import DecoderForCausalLM
@@ -70,9 +70,8 @@ class _Matmul:
         )
 
     def __call__(self, x: int, x_stride: int, rows: int, out: int, out_stride: int) -> None:
-        # The same choice as ``layers.linear.packed_linear``: panels for decode-sized inputs.
         shape = (self.out_features, self.in_features)
-        if self.panels and (not self.packed or rows <= PANEL_MAX_ROWS):
+        if on_panels(bool(self.panels), bool(self.packed), rows):  # the choice ``packed_linear`` makes
             gemm_cpu.panel_matmul_into(x, x_stride, rows, self.panels, out, out_stride, *shape)
         else:
             packed_matmul_into(x, x_stride, rows, self.packed, out, out_stride, *shape)
