@@ -269,6 +269,10 @@ int asyncllm_paged_decode_f32(const float *q, int64_t q_stride, const float *k_c
    which spent most of its time in per-row maxima, sums and scalar exponentials). Returns 0, or -1 when
    scratch memory ran out. */
 #define TILE W
+/* The weighted values' register block: QB queries x DV vectors (HEAD_DIM / W) of accumulators, at most 16. */
+#define DV (HEAD_DIM / W)
+#define QB_FIT (16 / DV >= 16 ? 16 : 16 / DV >= 8 ? 8 : 16 / DV >= 4 ? 4 : 16 / DV >= 2 ? 2 : 1)
+#define QB (QB_FIT < TILE ? QB_FIT : TILE)
 int asyncllm_causal_prefill_f32(const float *q, int64_t q_stride, const float *k, const float *v, float *out,
                                 const int64_t *starts, const int64_t *ends, int64_t chunks, int64_t q_heads,
                                 int64_t kv_heads, int64_t k_stride, int64_t v_stride, float scale) {
@@ -362,24 +366,35 @@ int asyncllm_causal_prefill_f32(const float *q, int64_t q_stride, const float *k
                         store(probs + j * TILE, p);
                     }
                     sum = sum * rescale + block_sum;
-                    /* Weighted values, lanes = queries too: acc_t[d] (every query's accumulator for dimension
-                       d) += probabilities against key j x value j's element d, broadcast; W dimensions at a
-                       time in registers, rescaled as they are loaded. */
-                    for (int64_t d0 = 0; d0 < HEAD_DIM; d0 += W) {
-                        vec a[W];
-                        for (int dd = 0; dd < W; ++dd) a[dd] = load(acc + (d0 + dd) * TILE) * rescale;
+                    /* Weighted values, lanes = dimensions: acc[i] (query i's accumulator row) += query i's
+                       probability against key j, broadcast, x value row j. QB queries at a time keep their
+                       rows in registers, rescaled as they are loaded, and share each value row's loads: per
+                       key DV loads feed QB x DV multiply-adds (lanes = queries here needed a load per
+                       multiply-add and ran 1.05-1.19x slower; same sums in the same order, same bits). */
+                    float rescales[TILE];
+                    store(rescales, rescale);
+                    const float *tile_values = v + (starts[c] + key0) * v_stride + g * HEAD_DIM;
+                    for (int i0 = 0; i0 < TILE; i0 += QB) {
+                        vec a[QB][DV];
+                        for (int i = 0; i < QB; ++i)
+                            for (int e = 0; e < DV; ++e)
+                                a[i][e] = load(acc + (i0 + i) * HEAD_DIM + e * W) * splat(rescales[i0 + i]);
                         for (int64_t j = 0; j < keys; ++j) {
-                            const float *value = v + (starts[c] + key0 + j) * v_stride + g * HEAD_DIM + d0;
-                            const vec p = load(probs + j * TILE);
-                            for (int dd = 0; dd < W; ++dd) a[dd] += p * value[dd];
+                            vec value[DV];
+                            for (int e = 0; e < DV; ++e) value[e] = load(tile_values + j * v_stride + e * W);
+                            for (int i = 0; i < QB; ++i) {
+                                const vec p = splat(probs[j * TILE + i0 + i]);
+                                for (int e = 0; e < DV; ++e) a[i][e] += p * value[e];
+                            }
                         }
-                        for (int dd = 0; dd < W; ++dd) store(acc + (d0 + dd) * TILE, a[dd]);
+                        for (int i = 0; i < QB; ++i)
+                            for (int e = 0; e < DV; ++e) store(acc + (i0 + i) * HEAD_DIM + e * W, a[i][e]);
                     }
                 }
                 for (int64_t i = 0; i < rows; ++i) {
                     float *oi = out + ((starts[c] + first + i) * q_heads + h) * HEAD_DIM;
                     const float inv = 1.0f / sum[i];
-                    for (int64_t d = 0; d < HEAD_DIM; ++d) oi[d] = acc[d * TILE + i] * inv;
+                    for (int64_t d = 0; d < HEAD_DIM; ++d) oi[d] = acc[i * HEAD_DIM + d] * inv;
                 }
             }
         }
