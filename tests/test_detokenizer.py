@@ -75,6 +75,20 @@ def test_byte_tokens_several_at_once(chunk: int) -> None:
     assert "".join(deltas) == TEXT
 
 
+@pytest.mark.parametrize("deferred", [1, 5, 13])
+def test_deferred_ids_come_out_with_the_next_push_or_flush(deferred: int) -> None:
+    # Engine.generate defers decoding to the request's end: the same text, decoded once.
+    tokenizer = ByteTokenizer()
+    ids = tokenizer.encode(TEXT)
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    detokenizer.defer(ids[:deferred])
+    text = detokenizer.push(ids[deferred : deferred + 1])
+    detokenizer.defer(ids[deferred + 1 :])
+    assert text + detokenizer.flush() == TEXT
+    assert "\ufffd" not in text and TEXT.startswith(text)
+    assert text or tokenizer.decode(ids[: deferred + 1]).endswith("\ufffd")  # held back only mid-character
+
+
 def test_byte_tokens_special_tokens() -> None:
     tokenizer = ByteTokenizer()
     ids = [*tokenizer.encode("hi"), EOS_ID]

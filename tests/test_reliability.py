@@ -186,6 +186,34 @@ async def test_generate_is_woken_once_with_the_whole_output(monkeypatch: pytest.
     assert len(reads) == 2 + 3
 
 
+async def test_generate_decodes_its_text_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # generate() reads the text only at the end, so without stop strings it is decoded once then, not
+    # twice per step; the text is the one a stream sends, multi-byte characters split across tokens
+    # included. A stop string needs the text step by step, and still gets it.
+    decodes = []
+    original = ByteTokenizer.decode
+
+    def counting(self: ByteTokenizer, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        decodes.append(len(token_ids))
+        return original(self, token_ids, skip_special_tokens)
+
+    monkeypatch.setattr(ByteTokenizer, "decode", counting)
+    script = "héllo wörld, 3€ ".encode()
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    async with Engine.open(runner=ScriptedRunner(script), tokenizer=ByteTokenizer()) as engine:
+        streamed = "".join([c.text async for c in engine.stream("streamed", params)])
+        decodes.clear()
+        completion = await engine.generate("generated", params)
+        at_end = len(decodes)
+        decodes.clear()
+        stopped = await engine.generate("stopped", SamplingParams(max_tokens=60, stop=["3€"]))
+    expected = (script * 4)[:60].decode(errors="replace")
+    assert streamed == completion.text == expected
+    assert at_end <= 4  # push and flush at the end, not 2 x 60
+    assert stopped.text == "héllo wörld, " and stopped.finish_reason == "stop"
+    assert len(decodes) > 10
+
+
 async def test_device_work_stays_on_one_thread() -> None:
     engine, runner = _scripted()
     async with engine:

@@ -115,6 +115,14 @@ class IncrementalDetokenizer:
             parts.append(self._decode_ids(run, False))
         return " ".join(part for part in parts if part)
 
+    def defer(self, token_ids: list[int]) -> None:
+        """Add generated ids without decoding them: the next ``push`` or ``flush`` returns their text.
+
+        For a consumer that reads the text only at the end (``Engine.generate`` without stop
+        strings): one decode of the whole output instead of two per step.
+        """
+        self._ids.extend(token_ids)
+
     def push(self, token_ids: list[int]) -> str:
         """Add generated ids; return the text they complete (possibly empty)."""
         self._ids.extend(token_ids)

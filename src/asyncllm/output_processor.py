@@ -33,6 +33,8 @@ class _Output:
     index: int
     """Which of the stream's samples this request is."""
     detokenizer: IncrementalDetokenizer | None = None  # built at the first event, from the request's params
+    text_at_end: bool = False
+    """Detokenize once, when the request ends: its consumer reads only then and no stop string needs the text."""
     last_token_time: float | None = None
     num_tokens: int = 0
     held: str = ""
@@ -79,12 +81,19 @@ class OutputProcessor:
                 output.detokenizer = IncrementalDetokenizer(
                     self._tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens
                 )
+                stream = output.stream()
+                output.text_at_end = stream is not None and stream.wakes_at_end and not params.stop
             if event.new_token_ids:
                 self._record_tokens(request, output, len(event.new_token_ids), now)
                 output.num_tokens += len(event.new_token_ids)
             finish_reason: FinishReason | None = event.finish_reason
             stop_reason = request.stop_reason if finish_reason == "stop" else None
-            text = output.detokenizer.push(event.new_token_ids)
+            if output.text_at_end and finish_reason is None:
+                # Two decodes per token and step (about 20 us) are loop time the device waits for.
+                output.detokenizer.defer(event.new_token_ids)
+                text = ""
+            else:
+                text = output.detokenizer.push(event.new_token_ids)
             if finish_reason is not None:
                 text += output.detokenizer.flush()
             if params.stop:

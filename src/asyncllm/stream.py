@@ -96,6 +96,11 @@ class RequestStream:
         # 2 ms a step, 4% of the throughput benchmark).
         self._wake_at_end = wake_at_end
 
+    @property
+    def wakes_at_end(self) -> bool:
+        """Whether the consumer is woken only when the request ends (``Engine.generate``)."""
+        return self._wake_at_end
+
     # -- producer side (the engine's loop) -------------------------------------------------------
 
     def _push(
