@@ -34,6 +34,7 @@ class _Recorder:
     """Stands in for a RequestStream: records what the output processor pushes."""
 
     pushes: list[tuple[str, str | None, Any]] = field(default_factory=list)
+    wakes_at_end: bool = False  # a streaming consumer: text step by step
 
     def _push(self, index: int, text: str, token_ids: list[int], finish_reason: str | None, **extra: Any) -> None:
         self.pushes.append((text, finish_reason, extra.get("stop_reason")))
