@@ -14,8 +14,9 @@ holds each layer's packed-weight addresses and norm weights; a step then runs, p
 norm (with the previous layer's residual add), the q/k/v matmul (its bias and the per-head q/k norms
 where the family has them: qwen2, qwen3), rotary in place, the KV write, the
 attention, o_proj, the post-attention norm (with its residual add), the gate/up matmul, SiLU times
-up in place, and the down matmul, into six scratch tensors allocated once per step and reused by
-every layer (they stay in the cache where fresh tensors would not). The kernels and their order are
+up in place (one pass, ``layers.activation_cpu``, where it gives torch's bits), and the down matmul,
+into six scratch tensors allocated once per step and reused by every layer (they stay in the cache
+where fresh tensors would not). The kernels and their order are
 the module path's (``DecoderLayer.forward_fused_norms``), so the results are identical, which the
 tests check bit for bit.
 
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from asyncllm.layers import attention_cpu, elementwise_cpu, gemm_cpu
+from asyncllm.layers import activation_cpu, attention_cpu, elementwise_cpu, gemm_cpu
 from asyncllm.layers.attention import write_kv
 from asyncllm.layers.attention_cpu import CpuAttentionMetadata
 from asyncllm.layers.linear import Linear, on_panels, packed_matmul_into
@@ -108,6 +109,8 @@ class LeanCpuForward:
         self._scale = spec.head_dim**-0.5
         self._norm = elementwise_cpu.kernel("asyncllm_rms_norm_f32")
         self._rotate = elementwise_cpu.kernel("asyncllm_rotary_f32")
+        # SiLU times up in one pass where it gives torch's bits (activation_cpu.available), else torch's two.
+        self._silu_mul = activation_cpu.silu_mul_into if activation_cpu.available() else None
 
     @classmethod
     def for_model(cls, model: DecoderForCausalLM) -> LeanCpuForward | None:
@@ -196,6 +199,7 @@ class LeanCpuForward:
         addresses = (normed.data_ptr(), qkv.data_ptr(), attended.data_ptr(), projected.data_ptr())
         normed_at, qkv_at, attended_at, projected_at = addresses
         gate_up_at, mlp_out_at, residual_at = gate_up.data_ptr(), mlp_out.data_ptr(), residual.data_ptr()
+        up_at = up.data_ptr()
         for index, (layer, (k_cache, v_cache)) in enumerate(zip(self._layers, kv_caches, strict=True)):
             if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == torch.float32):
                 raise ValueError("the lean forward needs contiguous float32 KV caches")
@@ -225,8 +229,11 @@ class LeanCpuForward:
                 tokens, hidden, hidden, hidden, hidden, eps,
             )  # fmt: skip
             layer.gate_up(normed_at, hidden, tokens, gate_up_at, 2 * intermediate)
-            F.silu(gate, inplace=True)
-            gate.mul_(up)
+            if self._silu_mul is not None:
+                self._silu_mul(gate_up_at, up_at, tokens, intermediate, 2 * intermediate)
+            else:
+                F.silu(gate, inplace=True)
+                gate.mul_(up)
             layer.down(gate_up_at, 2 * intermediate, tokens, mlp_out_at, hidden)
         out = torch.empty(tokens, hidden)
         final_norm = self._final_norm.data_ptr()
