@@ -34,6 +34,38 @@ def test_same_bits_as_torch_on_a_gate_up_output(rows: int, width: int) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+@pytest.mark.parametrize(("rows", "width"), [(33, 1000), (2051, 1536), (37, 4864), (9, 11008)])
+def test_same_bits_as_torch_whatever_torch_splits_between_threads(threads: int, rows: int, width: int) -> None:
+    # Each of torch's threads restarts its vector loop at its first element, so the stretches where it
+    # falls back to expf depend on where the split lands in a row (mid-row at most of these shapes).
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gate_up = torch.randn(rows, 2 * width, generator=torch.Generator().manual_seed(threads)) * 8
+        expected = gate_up.clone()
+        F.silu(expected[:, :width], inplace=True)
+        expected[:, :width].mul_(expected[:, width:])
+        activation_cpu.silu_mul_(gate_up[:, :width], gate_up[:, width:])
+        assert torch.equal(gate_up, expected)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_torch_piece_follows_torchs_split() -> None:
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        assert activation_cpu.torch_piece(32_767) == 32_767  # under the grain: one thread
+        assert activation_cpu.torch_piece(40_000) == 20_000  # two pieces, not three
+        assert activation_cpu.torch_piece(100_001) == 33_334
+        torch.set_num_threads(1)
+        assert activation_cpu.torch_piece(100_001) == 100_001
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_kernel
 def test_same_bits_as_torch_on_special_values() -> None:
     special = [0.0, -0.0, 1e-30, -1e-30, 88.0, -88.0, 100.0, -100.0, -87.5, float("inf"), float("-inf")]
     gate = torch.tensor(special * 3)  # 33: two whole vectors and a tail

@@ -8,11 +8,12 @@ the op alone 1.9x at 2,048 rows, 2.5x at 64; whole prefill and 64-sequence decod
 (docs/performance.md, "Eighth round").
 
 The result is exactly torch's: torch computes ``x / (1 + exp(-x))`` with SLEEF's ``expf16_u10``, two
-AVX-512 vectors (32 floats) at a time, and with the C library's ``expf`` on the rest of a row (up to 31
-floats, whose bits can differ from the vector path's), then the product in float32. This kernel calls
+AVX-512 vectors (32 floats) at a time, and with the C library's ``expf`` on the rest of a stretch (up to
+31 floats, whose bits can differ from the vector path's), then the product in float32; a stretch is a
+row, cut where torch's threads split the elements between them (``torch_piece``). This kernel calls
 the same SLEEF function (exported by ``libtorch_cpu``; its address is passed in at load) and ``expf``
-the same way, with no fused multiply-adds. ``available()`` checks the claim once per process against
-torch itself (rows with tails of several lengths, strided halves of one tensor, the OpenMP path), and
+on the same stretches, with no fused multiply-adds. ``available()`` checks the claim once per process
+against torch itself (tails of several lengths, strided halves of one tensor, a split mid-row), and
 leaves the kernel unused where it does not hold (another torch build, another CPU).
 """
 
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 
 from asyncllm.layers import native
 
-__all__ = ["available", "silu_mul_", "silu_mul_into"]
+__all__ = ["TORCH_GRAIN", "available", "silu_mul_", "silu_mul_into", "torch_piece"]
 
 _SOURCE = r"""
 #include <immintrin.h>
@@ -42,24 +43,35 @@ static vector_exp exp16;
 
 void asyncllm_silu_mul_init(void *sleef_expf16_u10) { exp16 = (vector_exp)sleef_expf16_u10; }
 
-/* gate[r, :n] = silu(gate[r, :n]) * up[r, :n] for r < rows; both with row stride `stride` (floats). */
-void asyncllm_silu_mul_f32(float *gate, const float *up, int64_t rows, int64_t n, int64_t stride) {
+/* torch's loop over one stretch of a row: two vectors at a time from the stretch's start, then the rest
+   (up to 31 floats) element by element. */
+static void stretch(float *g, const float *u, int64_t n) {
     const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        for (int64_t j = i; j < i + 32; j += 16) {
+            const __m512 x = _mm512_loadu_ps(g + j);
+            const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(zero, x))));
+            _mm512_storeu_ps(g + j, _mm512_mul_ps(silu, _mm512_loadu_ps(u + j)));
+        }
+    for (; i < n; ++i) {
+        const float x = g[i];
+        g[i] = (x / (1.0f + expf(-x))) * u[i];
+    }
+}
+
+/* gate[r, :n] = silu(gate[r, :n]) * up[r, :n] for r < rows; both with row stride `stride` (floats). torch
+   splits the rows x n elements, in order, into pieces of `piece` for its threads, and each piece restarts
+   the loop above: a row is done in stretches cut at the multiples of `piece`, as torch's would be. */
+void asyncllm_silu_mul_f32(float *gate, const float *up, int64_t rows, int64_t n, int64_t stride, int64_t piece) {
 #pragma omp parallel for schedule(static) if (rows * n >= PARALLEL_FLOATS)
     for (int64_t r = 0; r < rows; ++r) {
         float *g = gate + r * stride;
         const float *u = up + r * stride;
-        int64_t i = 0;
-        /* torch's loop: two vectors at a time, then the rest (up to 31 floats) element by element. */
-        for (; i + 32 <= n; i += 32)
-            for (int64_t j = i; j < i + 32; j += 16) {
-                const __m512 x = _mm512_loadu_ps(g + j);
-                const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(zero, x))));
-                _mm512_storeu_ps(g + j, _mm512_mul_ps(silu, _mm512_loadu_ps(u + j)));
-            }
-        for (; i < n; ++i) {
-            const float x = g[i];
-            g[i] = (x / (1.0f + expf(-x))) * u[i];
+        for (int64_t at = r * n, end = at + n; at < end;) {
+            const int64_t cut = (at / piece + 1) * piece, stop = cut < end ? cut : end;
+            stretch(g + (at - r * n), u + (at - r * n), stop - at);
+            at = stop;
         }
     }
 }
@@ -83,7 +95,7 @@ def _library() -> ctypes.CDLL | None:
     library.asyncllm_silu_mul_init.restype = None
     library.asyncllm_silu_mul_init(sleef_exp)
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-    library.asyncllm_silu_mul_f32.argtypes = [pointer, pointer, i64, i64, i64]
+    library.asyncllm_silu_mul_f32.argtypes = [pointer, pointer, i64, i64, i64, i64]
     library.asyncllm_silu_mul_f32.restype = None
     return library
 
@@ -94,14 +106,29 @@ def available() -> bool:
     if _library() is None:
         return False
     generator = torch.Generator().manual_seed(0)
-    # Tails of 16, 5 and 8 floats (48 would differ with a vector for its last 16); past the OpenMP threshold.
-    for rows, width in ((1, 48), (3, 37), (70, 1000)):
+    # Tails of 16, 5 and 8 floats (48 would differ with a vector for its last 16); with more than one thread,
+    # torch's split in the middle of row 16 (33,000 elements) and between rows 34 and 35 (70,000).
+    for rows, width in ((1, 48), (3, 37), (33, 1000), (70, 1000)):
         gate_up = torch.randn(rows, 2 * width, generator=generator) * 6
         expected = F.silu(gate_up[:, :width]) * gate_up[:, width:]
         silu_mul_(gate_up[:, :width], gate_up[:, width:])
         if not torch.equal(gate_up[:, :width], expected):
             return False
     return True
+
+
+TORCH_GRAIN = 32768
+"""torch's ``at::internal::GRAIN_SIZE``: element-wise ops on fewer elements run on one thread."""
+
+
+def torch_piece(elements: int) -> int:
+    """How many of ``elements`` each of torch's threads takes in an element-wise op, as ``at::parallel_for``
+    splits them with torch's current thread count (all of them when it runs on one thread)."""
+    threads = torch.get_num_threads()
+    if elements < TORCH_GRAIN or threads == 1:
+        return max(elements, 1)
+    pieces = min(threads, -(-elements // TORCH_GRAIN))
+    return -(-elements // pieces)
 
 
 def silu_mul_into(gate: int, up: int, rows: int, width: int, stride: int) -> None:
@@ -113,7 +140,7 @@ def silu_mul_into(gate: int, up: int, rows: int, width: int, stride: int) -> Non
     library = _library()
     if library is None:
         raise RuntimeError("the SiLU kernel needs an x86 CPU with AVX-512, a C compiler and torch's SLEEF")
-    library.asyncllm_silu_mul_f32(gate, up, rows, width, stride)
+    library.asyncllm_silu_mul_f32(gate, up, rows, width, stride, torch_piece(rows * width))
 
 
 def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
