@@ -16,8 +16,7 @@ weight vectors loaded and each of the 8 inputs broadcast once. While a thread wo
 prefetches panel p + 1 into L2, spread over its row blocks (a line or a few per step of the inner
 loop), so the next panel arrives during the arithmetic instead of stalling it. Inputs of more than
 256 rows are done 256 rows at a time, so that the input block stays in L2 as well. Threads (torch's
-OpenMP pool) split the panels. An output of 4 MB or more at decode sizes (an LM head's logits) is
-written with streaming stores, which skip reading each line before writing it.
+OpenMP pool) split the panels.
 
 Numerics: each output is the float32 fused multiply-add chain over the inputs in order, one
 rounding per step (MKL sums in another order; both differ from the exact product by float32
@@ -65,7 +64,6 @@ _SOURCE = r"""
 #define COLUMNS (16 * VECTORS)     /* output columns per panel */
 #define ROW_BLOCK 256              /* input rows done per pass over the panels */
 #define LINE 64
-#define STREAM_MIN_BYTES (4 << 20) /* outputs at least this large (and decode-sized) bypass the cache */
 
 void asyncllm_panel_pack(const float *weight, float *panels, int64_t out_features, int64_t in_features) {
     const int64_t count = (out_features + COLUMNS - 1) / COLUMNS;
@@ -83,7 +81,7 @@ void asyncllm_panel_pack(const float *weight, float *panels, int64_t out_feature
    `ahead` into L2, `per_step` of them per input column. */
 static inline __attribute__((always_inline)) void micro(const float *restrict x, int64_t x_stride,
         const float *restrict panel, float *restrict out, int64_t out_stride, int64_t in_features, int64_t columns,
-        const int rows, const char *restrict ahead, int64_t lines, int per_step, int stream) {
+        const int rows, const char *restrict ahead, int64_t lines, int per_step) {
     __m512 acc[ROWS][VECTORS];
     for (int r = 0; r < rows; ++r)
         for (int v = 0; v < VECTORS; ++v) acc[r][v] = _mm512_setzero_ps();
@@ -103,35 +101,24 @@ static inline __attribute__((always_inline)) void micro(const float *restrict x,
     for (int v = 0; v < VECTORS; ++v) {
         const int64_t left = columns - 16 * v;
         const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
-        if (stream && mask == (__mmask16)0xFFFF)
-            for (int r = 0; r < rows; ++r) _mm512_stream_ps(out + r * out_stride + 16 * v, acc[r][v]);
-        else
-            for (int r = 0; r < rows; ++r) _mm512_mask_storeu_ps(out + r * out_stride + 16 * v, mask, acc[r][v]);
+        for (int r = 0; r < rows; ++r) _mm512_mask_storeu_ps(out + r * out_stride + 16 * v, mask, acc[r][v]);
     }
 }
 
 /* A constant row count per call, so that the accumulators stay in registers. */
-#define MICRO(n) micro(xs, x_stride, panel, o, out_stride, in_features, columns, n, ahead, lines, per_step, stream)
+#define MICRO(n) micro(xs, x_stride, panel, o, out_stride, in_features, columns, n, ahead, lines, per_step)
 
 void asyncllm_panel_matmul(const float *x, int64_t x_stride, const float *panels, float *out, int64_t out_stride,
                            int64_t rows, int64_t out_features, int64_t in_features) {
     const int64_t count = (out_features + COLUMNS - 1) / COLUMNS;
     const int64_t panel_lines = in_features * COLUMNS * 4 / LINE;
-    /* A decode batch's wide output (the LM head's logits: 8 MB at 64 rows) is far larger than L2, and each
-       panel adds 3 lines to every one of its rows: written normally, every line is first read from memory
-       (a read for ownership). Streaming stores skip that read: the LM head 1.02-1.04x at 48-64 rows, level
-       below. Smaller outputs are read back at once by the next kernel, so they stay in the cache. */
-    const int stream = rows <= ROW_BLOCK && rows * out_features * 4 >= STREAM_MIN_BYTES
-        && ((uintptr_t)out % LINE) == 0 && (out_stride * 4) % LINE == 0;
     for (int64_t first = 0; first < rows; first += ROW_BLOCK) {
         const int64_t last = rows - first < ROW_BLOCK ? rows : first + ROW_BLOCK;
         const int64_t blocks = (last - first + ROWS - 1) / ROWS;
         /* The next panel's lines, shared out over this panel's row blocks. */
         const int64_t lines_per_block = (panel_lines + blocks - 1) / blocks;
         const int per_step = (int)((lines_per_block + in_features - 1) / in_features);
-#pragma omp parallel
-        {
-#pragma omp for schedule(static) nowait
+#pragma omp parallel for schedule(static)
         for (int64_t p = 0; p < count; ++p) {
             const float *panel = panels + p * in_features * COLUMNS;
             const int64_t columns = (p + 1) * COLUMNS <= out_features ? COLUMNS : out_features - p * COLUMNS;
@@ -154,9 +141,6 @@ void asyncllm_panel_matmul(const float *x, int64_t x_stride, const float *panels
                 default: MICRO(ROWS); break;
                 }
             }
-        }
-        /* Streaming stores are weakly ordered: make them visible before the threads' closing barrier. */
-        if (stream) _mm_sfence();
         }
     }
 }
