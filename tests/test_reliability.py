@@ -8,14 +8,16 @@ import anyio
 import pytest
 
 from asyncllm import (
+    Completion,
     DeviceOutOfMemoryError,
     Engine,
+    EngineClosedError,
     EngineDeadError,
     EngineOverloadedError,
     SamplingParams,
 )
-from asyncllm.runner import StepBatch, StepOutput
-from asyncllm.testing import ByteTokenizer, ScriptedRunner
+from asyncllm.runner import SequenceInput, StepBatch, StepOutput
+from asyncllm.testing import EOS_ID, ByteTokenizer, ScriptedRunner
 
 pytestmark = pytest.mark.anyio
 
@@ -212,6 +214,55 @@ async def test_generate_decodes_its_text_once(monkeypatch: pytest.MonkeyPatch) -
     assert at_end <= 4  # push and flush at the end, not 2 x 60
     assert stopped.text == "héllo wörld, " and stopped.finish_reason == "stop"
     assert len(decodes) > 10
+
+
+async def test_generate_text_decoded_at_the_end_equals_the_streamed_text() -> None:
+    # The deferred decode (generate without stop strings) against the step-by-step one (stream): several
+    # samples of one request, a special token kept in the text (spaced apart), and the end by EOS.
+    script = [*"ab é".encode(), EOS_ID]
+    async with Engine.open(runner=ScriptedRunner(script), tokenizer=ByteTokenizer()) as engine:
+        for params in (
+            SamplingParams(n=3, max_tokens=20, ignore_eos=True, skip_special_tokens=False),
+            SamplingParams(max_tokens=20, skip_special_tokens=False),
+            SamplingParams(max_tokens=20),
+        ):
+            streamed: dict[int, str] = {}
+            async for chunk in engine.stream("prompt", params):
+                streamed[chunk.index] = streamed.get(chunk.index, "") + chunk.text
+            generated = await engine.generate("prompt", params)
+            assert {s.index: s.text for s in generated.samples} == streamed
+    assert streamed[0] == "ab é"  # EOS ended the last request and is left out
+
+
+async def test_generate_aborted_by_closing_the_engine_ends_cleanly() -> None:
+    # A deferred request ended by an abort (the engine closing under it) ends like any other: its text is
+    # that of every token it carries.
+    fiftieth = threading.Event()
+
+    def script(seq: SequenceInput) -> int:
+        if seq.num_generated >= 50:
+            fiftieth.set()
+        return b"abc"[seq.num_generated % 3]
+
+    results: list[object] = []
+
+    async def generate(engine: Engine) -> None:
+        try:
+            results.append(await engine.generate("prompt", SamplingParams(max_tokens=1_000, ignore_eos=True)))
+        except EngineClosedError as exc:
+            results.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        async with Engine.open(runner=ScriptedRunner(script), tokenizer=ByteTokenizer()) as engine:
+            tg.start_soon(generate, engine)
+            await anyio.to_thread.run_sync(fiftieth.wait, abandon_on_cancel=True)
+    assert len(results) == 1
+    outcome = results[0]
+    if isinstance(outcome, Completion):
+        assert outcome.finish_reason == "abort" and len(outcome.token_ids) >= 50
+        assert outcome.text == ("abc" * len(outcome.token_ids))[: len(outcome.token_ids)]
+    else:
+        assert isinstance(outcome, EngineClosedError)
 
 
 async def test_device_work_stays_on_one_thread() -> None:

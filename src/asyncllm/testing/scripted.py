@@ -29,12 +29,20 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        """The text of ``token_ids``; EOS is dropped when ``skip_special_tokens``."""
-        data = bytes(t for t in token_ids if t != EOS_ID)
-        text = data.decode("utf-8", errors="replace")
-        if not skip_special_tokens and EOS_ID in token_ids:
-            text += "</s>"
-        return text
+        """The text of ``token_ids``; EOS is dropped when ``skip_special_tokens``, else written ``</s>`` where
+        it stands (as a real tokenizer does: the text of a prefix is a prefix of the text)."""
+        if skip_special_tokens:
+            return bytes(t for t in token_ids if t != EOS_ID).decode("utf-8", errors="replace")
+        parts: list[str] = []
+        run: list[int] = []
+        for token_id in token_ids:
+            if token_id == EOS_ID:
+                parts += [bytes(run).decode("utf-8", errors="replace"), "</s>"]
+                run = []
+            else:
+                run.append(token_id)
+        parts.append(bytes(run).decode("utf-8", errors="replace"))
+        return "".join(parts)
 
 
 @dataclass(frozen=True, slots=True)
