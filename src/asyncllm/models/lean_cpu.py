@@ -16,9 +16,9 @@ where the family has them: qwen2, qwen3), rotary in place, the KV write, the
 attention, o_proj, the post-attention norm (with its residual add), the gate/up matmul, SiLU times
 up in place (one pass, ``layers.activation_cpu``, where it gives torch's bits), and the down matmul,
 into six scratch tensors allocated once per step and reused by every layer (they stay in the cache
-where fresh tensors would not). The kernels and their order are
-the module path's (``DecoderLayer.forward_fused_norms``), so the results are identical, which the
-tests check bit for bit.
+where fresh tensors would not). The operations and their order are the module path's
+(``DecoderLayer.forward_fused_norms``), so the results are identical, which the tests check bit for
+bit.
 
 It applies to every family the decoder covers (llama, mistral, qwen2, qwen3) once the projections
 are fused and every layer is packed, on the cpu attention backend with the fused norms on; anything
