@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -82,10 +81,12 @@ void asyncllm_silu_mul_f32(float *gate, const float *up, int64_t rows, int64_t n
 def _library() -> ctypes.CDLL | None:
     if "avx512f" not in native.cpu_flags():
         return None
+    torch_cpu = native.torch_cpu_library()
+    if torch_cpu is None:
+        return None
     try:
-        torch_cpu = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
         sleef_exp = ctypes.cast(torch_cpu.Sleef_expf16_u10, ctypes.c_void_p).value
-    except (OSError, AttributeError):
+    except AttributeError:
         return None
     path = native.build("silu_mul", _SOURCE, ("-ffp-contract=off",))
     if path is None or not sleef_exp:

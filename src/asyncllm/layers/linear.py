@@ -30,14 +30,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncllm.layers import gemm_cpu
+from asyncllm.layers import gemm_cpu, native
 from asyncllm.memory import anonymous_mapping, host_available_bytes
 
 logger = logging.getLogger("asyncllm")
@@ -67,17 +66,16 @@ _B_MATRIX = 162
 
 @functools.cache
 def _mkl() -> ctypes.CDLL | None:
-    library_path = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
-    if not torch.backends.mkl.is_available() or not library_path.exists():
+    library = native.torch_cpu_library()
+    if not torch.backends.mkl.is_available() or library is None:
         return None
     try:
-        library = ctypes.CDLL(str(library_path))
         get_size, pack, compute = (
             library.cblas_sgemm_pack_get_size,
             library.cblas_sgemm_pack,
             library.cblas_sgemm_compute,
         )
-    except (OSError, AttributeError):
+    except AttributeError:
         return None
     i32, pointer = ctypes.c_int, ctypes.c_void_p
     get_size.restype = ctypes.c_size_t

@@ -16,6 +16,7 @@ kernels share torch's thread pool and thread count.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import hashlib
 import logging
@@ -29,7 +30,7 @@ from pathlib import Path
 
 logger = logging.getLogger("asyncllm")
 
-__all__ = ["STALE_AFTER_DAYS", "VECTOR_HELPERS", "build", "compiler", "cpu_flags"]
+__all__ = ["STALE_AFTER_DAYS", "VECTOR_HELPERS", "build", "compiler", "cpu_flags", "torch_cpu_library"]
 
 STALE_AFTER_DAYS = 30
 """A built library not used for this many days is removed from the cache (rebuilt if ever needed)."""
@@ -55,6 +56,22 @@ static inline float hsum(vec v) {
     return v[0];
 }
 """
+
+
+@functools.cache
+def torch_cpu_library() -> ctypes.CDLL | None:
+    """torch's ``libtorch_cpu.so`` (already loaded by ``import torch``), for symbols it exports that
+    torch has no Python entry for: MKL's packed GEMM (``layers.linear``), SLEEF's vector exp
+    (``layers.activation_cpu``). None where the file is missing or cannot be loaded."""
+    import torch  # here, not at the top: the kernel builder itself does not need torch
+
+    path = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    if not path.exists():
+        return None
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError:
+        return None
 
 
 def compiler() -> str | None:
