@@ -1,4 +1,4 @@
-"""The CPU C kernels for RMSNorm (+ residual add) and rotary, against the torch paths they replace."""
+"""The CPU C kernels for RMSNorm (+ residual add), rotary and the KV write, against the torch paths they replace."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from asyncllm.layers import elementwise_cpu
+from asyncllm.layers.attention import write_kv
 from asyncllm.layers.norm import RMSNorm
 from asyncllm.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -90,3 +91,44 @@ def test_rotary_rejects_mismatched_shapes() -> None:
         elementwise_cpu.rotary_(q, k, torch.zeros(2, 4), torch.zeros(2, 4))
     with pytest.raises(ValueError, match="float32"):
         elementwise_cpu.rotary_(q.double(), k, torch.zeros(2, 8), torch.zeros(2, 8))
+
+
+# (4, 64): rows of whole 64-byte lines (the streaming stores); (3, 20): 240-byte rows (the plain copy).
+@pytest.mark.parametrize(("kv_heads", "head_dim"), [(4, 64), (3, 20)])
+@pytest.mark.parametrize("tokens", [1, 7, 300])  # 300 x 256 floats cross the kernel's OpenMP threshold
+def test_write_kv_equals_index_copy(kv_heads: int, head_dim: int, tokens: int) -> None:
+    torch.manual_seed(tokens + head_dim)
+    heads, row = 2 * kv_heads, kv_heads * head_dim
+    # k and v as views into one fused projection output, as the model has them (strided tokens).
+    qkv = torch.randn(tokens, heads * head_dim + 2 * row)
+    k = qkv[:, heads * head_dim : heads * head_dim + row].view(tokens, kv_heads, head_dim)
+    v = qkv[:, heads * head_dim + row :].view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(1000)[:tokens]
+    k_cache, v_cache = torch.randn(1000, kv_heads, head_dim), torch.randn(1000, kv_heads, head_dim)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    write_kv(expected_k, expected_v, k, v, slots)
+    elementwise_cpu.write_kv(k_cache, v_cache, k, v, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def test_write_kv_refuses_a_slot_outside_the_cache_and_writes_nothing() -> None:
+    k_cache, v_cache = torch.zeros(16, 2, 16), torch.zeros(16, 2, 16)
+    k, v = torch.ones(3, 2, 16), torch.ones(3, 2, 16)
+    for bad in (16, -1):
+        with pytest.raises(ValueError, match="outside the cache's 16 slots"):
+            elementwise_cpu.write_kv(k_cache, v_cache, k, v, torch.tensor([0, bad, 2]))
+        assert not k_cache.any() and not v_cache.any()
+
+
+def test_write_kv_rejects_what_it_cannot_read() -> None:
+    cache = torch.zeros(16, 2, 16)
+    k = torch.ones(3, 2, 16)
+    slots = torch.tensor([0, 1, 2])
+    with pytest.raises(ValueError, match="float32"):
+        elementwise_cpu.write_kv(cache, cache.clone(), k.double(), k, slots)
+    with pytest.raises(ValueError, match="contiguous"):
+        elementwise_cpu.write_kv(cache, cache.clone(), torch.ones(3, 16, 2).transpose(1, 2), k, slots)
+    with pytest.raises(ValueError, match="int64"):
+        elementwise_cpu.write_kv(cache, cache.clone(), k, k, slots.int())
+    with pytest.raises(ValueError, match="contiguous float32"):
+        elementwise_cpu.write_kv(cache[:, :1], cache.clone()[:, :1], k[:, :1], k[:, :1], slots)

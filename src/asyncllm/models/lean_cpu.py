@@ -35,7 +35,6 @@ import torch
 import torch.nn.functional as F
 
 from asyncllm.layers import activation_cpu, attention_cpu, elementwise_cpu, gemm_cpu
-from asyncllm.layers.attention import write_kv
 from asyncllm.layers.attention_cpu import CpuAttentionMetadata
 from asyncllm.layers.linear import Linear, on_panels, packed_matmul_into
 
@@ -109,6 +108,7 @@ class LeanCpuForward:
         self._scale = spec.head_dim**-0.5
         self._norm = elementwise_cpu.kernel("asyncllm_rms_norm_f32")
         self._rotate = elementwise_cpu.kernel("asyncllm_rotary_f32")
+        self._write_kv = elementwise_cpu.kernel("asyncllm_write_kv_f32")
         # SiLU times up in one pass where it gives torch's bits (activation_cpu.available), else torch's two.
         self._silu_mul = activation_cpu.silu_mul_into if activation_cpu.available() else None
 
@@ -171,7 +171,8 @@ class LeanCpuForward:
             meta: The step's cpu attention metadata.
 
         Raises:
-            ValueError: A KV cache is not a contiguous float32 CPU tensor.
+            ValueError: A KV cache is not a contiguous float32 CPU tensor, or the slot mapping is not one
+                int64 slot per token inside the cache.
             RuntimeError: An attention kernel could not allocate its scratch memory.
         """
         tokens, hidden = embeddings.shape[0], self._hidden
@@ -183,6 +184,10 @@ class LeanCpuForward:
         if not residual.is_contiguous():
             raise ValueError("the lean forward needs contiguous embeddings")
         cos, sin = cos_sin
+        slots = meta.slot_mapping
+        if slots.dtype != torch.int64 or slots.shape != (tokens,) or not slots.is_contiguous():
+            raise ValueError(f"the slot mapping must be {tokens} contiguous int64 slots, not {tuple(slots.shape)}")
+        slots_at, write_kv = slots.data_ptr(), self._write_kv
         if cos.stride(-1) != 1 or sin.stride() != cos.stride():
             raise ValueError("the lean forward needs cos and sin rows of one layout, contiguous")
         # Scratch for every layer (rows contiguous): one allocation each per step.
@@ -221,7 +226,11 @@ class LeanCpuForward:
                 queries.data_ptr(), keys.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, kv_heads,
                 head_dim // 2, queries.stride(0), queries.stride(1), keys.stride(0), keys.stride(1), cos.stride(0),
             )  # fmt: skip
-            write_kv(k_cache, v_cache, keys, v, meta.slot_mapping)
+            if write_kv(
+                k_cache.data_ptr(), v_cache.data_ptr(), keys.data_ptr(), v.data_ptr(), slots_at,
+                tokens, kv_size, keys.stride(0), qkv_size, k_cache.shape[0],
+            ):  # fmt: skip
+                raise ValueError(f"a KV slot lies outside the cache's {k_cache.shape[0]} slots")
             attention_cpu.attend_into(queries, keys, v, k_cache, v_cache, meta, self._scale, attended)
             layer.o(attended_at, q_size, tokens, projected_at, hidden)
             norm(
