@@ -1001,6 +1001,13 @@ class VLLMWorker:
         if preload:
             env["LD_PRELOAD"] = ":".join([*preload, *([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else [])])
         settings = [f"LD_PRELOAD={env.get('LD_PRELOAD', '(nothing found)')}"]
+        missing = [
+            name
+            for name, kind in (("tcmalloc", "tcmalloc"), ("Intel OpenMP", "libiomp5"))
+            if kind not in env.get("LD_PRELOAD", "")
+        ]
+        if missing:  # below vLLM's best setting: say so where the ratios are read
+            settings.append(f"NOT preloaded (not found): {' and '.join(missing)}, below vLLM's best setting")
         settings += [f"{k}={v}" for k, v in sorted(env.items()) if k.startswith("VLLM_CPU_")]
         self._preload = ", ".join(settings)
         self._tmp = tempfile.TemporaryDirectory(prefix="asyncllm-bench-")
