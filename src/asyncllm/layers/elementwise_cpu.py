@@ -177,9 +177,9 @@ def available() -> bool:
 
 
 @functools.cache
-def kernel(name: str) -> Callable[..., None]:
-    """The raw ``ctypes`` function ``name`` (``asyncllm_rms_norm_f32``, ``asyncllm_rotary_f32``,
-    ``asyncllm_write_kv_f32``): no checks.
+def kernel(name: str) -> Callable[..., int | None]:
+    """The raw ``ctypes`` function ``name``: no checks. ``asyncllm_rms_norm_f32`` and ``asyncllm_rotary_f32``
+    return nothing; ``asyncllm_write_kv_f32`` returns 0, or -1 for a slot outside the cache.
 
     For callers that own the layout of every pointer they pass (``asyncllm.models.lean_cpu``);
     everyone else calls ``rms_norm``, ``rotary_`` and ``write_kv``. RuntimeError when the kernels are unavailable.
@@ -187,7 +187,7 @@ def kernel(name: str) -> Callable[..., None]:
     library = _library()
     if library is None:
         raise RuntimeError("the cpu element-wise kernels are unavailable; see available()")
-    function: Callable[..., None] = getattr(library, name)
+    function: Callable[..., int | None] = getattr(library, name)
     return function
 
 
