@@ -130,3 +130,9 @@ def test_lean_forward_rejects_a_cache_it_cannot_read(tiny_llama: Path) -> None:
     strided = [(k.transpose(0, 1), v) for k, v in runner.kv_caches]
     with pytest.raises(ValueError, match="contiguous float32 KV caches"):
         runner.model.lean(embeddings, cos_sin, strided, meta)
+    narrow_values = [(k, v[:, :1].contiguous()) for k, v in runner.kv_caches]  # the writes would overrun them
+    with pytest.raises(ValueError, match="contiguous float32 KV caches"):
+        runner.model.lean(embeddings, cos_sin, narrow_values, meta)
+    meta.slot_mapping[0] = runner.kv_caches[0][0].shape[0]  # one past the last slot
+    with pytest.raises(ValueError, match="outside the cache"):
+        runner.model.lean(embeddings, cos_sin, runner.kv_caches, meta)

@@ -88,8 +88,9 @@ class OutputProcessor:
                 output.num_tokens += len(event.new_token_ids)
             finish_reason: FinishReason | None = event.finish_reason
             stop_reason = request.stop_reason if finish_reason == "stop" else None
-            if output.text_at_end and finish_reason is None:
-                # Two decodes per token and step (about 20 us) are loop time the device waits for.
+            if output.text_at_end:
+                # Two decodes per token and step (about 20 us) are loop time the device waits for; the
+                # flush below decodes the whole output once.
                 output.detokenizer.defer(event.new_token_ids)
                 text = ""
             else:

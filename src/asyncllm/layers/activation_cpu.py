@@ -156,8 +156,9 @@ def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """
     if gate.dtype != torch.float32 or up.dtype != torch.float32 or gate.device.type != "cpu":
         raise ValueError(f"silu_mul_ needs float32 CPU tensors, not {gate.dtype} and {up.dtype} on {gate.device}")
-    one_stride = gate.shape[0] <= 1 or gate.stride(0) == up.stride(0)
-    if gate.dim() != 2 or gate.shape != up.shape or not one_stride or gate.stride(1) != 1 or up.stride(1) != 1:
+    two_d = gate.dim() == 2 and gate.shape == up.shape
+    one_stride = two_d and (gate.shape[0] <= 1 or gate.stride(0) == up.stride(0))
+    if not one_stride or gate.stride(-1) != 1 or up.stride(-1) != 1:
         raise ValueError(
             f"silu_mul_ needs two [rows, width] tensors with rows contiguous and one row stride, "
             f"not {tuple(gate.shape)} {gate.stride()} and {tuple(up.shape)} {up.stride()}"

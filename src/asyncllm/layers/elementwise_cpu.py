@@ -31,7 +31,7 @@ import torch
 
 from asyncllm.layers import native
 
-__all__ = ["available", "kernel", "rms_norm", "rotary_", "write_kv"]
+__all__ = ["available", "check_slots", "kernel", "rms_norm", "rotary_", "write_kv"]
 
 _SOURCE = r"""
 #include <math.h>
@@ -283,6 +283,12 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     )
 
 
+def check_slots(slots: torch.Tensor, tokens: int) -> None:
+    """ValueError unless ``slots`` is ``tokens`` contiguous int64 values (what the KV write reads)."""
+    if slots.dtype != torch.int64 or slots.shape != (tokens,) or not slots.is_contiguous():
+        raise ValueError(f"the slots must be {tokens} contiguous int64 values, not {slots.dtype} {tuple(slots.shape)}")
+
+
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
 ) -> None:
@@ -313,8 +319,7 @@ def write_kv(
             raise ValueError(f"{name} must be [{tokens}, {kv_heads}, {head_dim}] float32 on the CPU")
         if rows.stride(2) != 1 or rows.stride(1) != head_dim:
             raise ValueError(f"each token's heads in {name} must be contiguous")
-    if slots.dtype != torch.int64 or slots.shape != (tokens,) or not slots.is_contiguous():
-        raise ValueError(f"slots must be {tokens} contiguous int64 values")
+    check_slots(slots, tokens)
     failed = kernel("asyncllm_write_kv_f32")(
         k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(), slots.data_ptr(),
         tokens, kv_heads * head_dim, k.stride(0), v.stride(0), num_slots,

@@ -184,10 +184,9 @@ class LeanCpuForward:
         if not residual.is_contiguous():
             raise ValueError("the lean forward needs contiguous embeddings")
         cos, sin = cos_sin
-        slots = meta.slot_mapping
-        if slots.dtype != torch.int64 or slots.shape != (tokens,) or not slots.is_contiguous():
-            raise ValueError(f"the slot mapping must be {tokens} contiguous int64 slots, not {tuple(slots.shape)}")
-        slots_at, write_kv = slots.data_ptr(), self._write_kv
+        elementwise_cpu.check_slots(meta.slot_mapping, tokens)
+        slots_at, write_kv = meta.slot_mapping.data_ptr(), self._write_kv
+        cache_rows, cache_shape = (kv_heads, head_dim), f"[slots, {kv_heads}, {head_dim}]"
         if cos.stride(-1) != 1 or sin.stride() != cos.stride():
             raise ValueError("the lean forward needs cos and sin rows of one layout, contiguous")
         # Scratch for every layer (rows contiguous): one allocation each per step.
@@ -206,8 +205,10 @@ class LeanCpuForward:
         gate_up_at, mlp_out_at, residual_at = gate_up.data_ptr(), mlp_out.data_ptr(), residual.data_ptr()
         up_at = up.data_ptr()
         for index, (layer, (k_cache, v_cache)) in enumerate(zip(self._layers, kv_caches, strict=True)):
-            if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == torch.float32):
-                raise ValueError("the lean forward needs contiguous float32 KV caches")
+            fits = k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+            fits = fits and k_cache.shape[1:] == cache_rows and k_cache.dtype == v_cache.dtype == torch.float32
+            if not fits:
+                raise ValueError(f"the lean forward needs contiguous float32 KV caches of {cache_shape}")
             if index == 0:  # the embeddings are the residual stream: nothing to add yet
                 norm(normed_at, residual_at, None, layer.input_norm.data_ptr(), tokens, hidden, hidden, hidden, 0, eps)
             else:
