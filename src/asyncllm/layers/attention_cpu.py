@@ -116,10 +116,10 @@ static inline vec vexp(vec x) {
 
 /* A sequence's blocks are scattered over the cache and the hardware prefetchers stop at page boundaries,
    so the next block's rows are prefetched while this block is computed, into L2 (hint 2), spread out: per
-   row computed, that row of the next block, one KV head's slice beside each head's scores. A whole block
-   prefetched at once (32 KB, as an earlier version did) fills the line-fill buffers and stalls the loads of
-   the block being computed (14-15 GB/s from memory against 19-20 spread by rows; a plain read of the same
-   blocks: 26); a whole row at once (32 lines) was 1.04-1.11x slower than a head's slice at a time. */
+   row computed, that row of the next block, one KV head's keys and values beside that head's scores. A whole
+   block prefetched at once (32 KB, as an earlier version did) fills the line-fill buffers and stalls the
+   loads of the block being computed (14-15 GB/s from memory against 19-20 spread by rows; a plain read of the
+   same blocks: 26); a whole row at once (32 lines) was 1.07-1.09x slower than this. */
 static inline void prefetch_row(const float *row, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)row + b, 0, 2);
 }
@@ -198,16 +198,17 @@ int asyncllm_paged_decode_f32(const float *q, int64_t q_stride, const float *k_c
                     const float *key = keys + p * row_size;
                     const int ahead = next_keys && p < next_rows;
                     for (int64_t g = 0; g < heads_per_task; ++g) {
-                        if (ahead) { /* the next block's row p, one KV head's slice per head computed */
-                            prefetch_row(next_keys + p * row_size + g * HEAD_DIM, HEAD_DIM * (int64_t)sizeof(float));
-                            prefetch_row(next_values + p * row_size + g * HEAD_DIM, HEAD_DIM * (int64_t)sizeof(float));
-                        }
+                        /* The next block's row p, a KV head's slice at a time: its keys now, its values after the
+                           first query head's score. */
+                        const int64_t slice = p * row_size + g * HEAD_DIM, slice_bytes = HEAD_DIM * sizeof(float);
+                        if (ahead) prefetch_row(next_keys + slice, slice_bytes);
                         vec k[HEAD_DIM / W];
                         for (int d = 0; d < HEAD_DIM / W; ++d) k[d] = load(key + g * HEAD_DIM + d * W);
                         for (int64_t h = g * group; h < (g + 1) * group; ++h) {
                             vec s = load(queries + h * HEAD_DIM) * k[0];
                             for (int d = 1; d < HEAD_DIM / W; ++d) s += load(queries + h * HEAD_DIM + d * W) * k[d];
                             scores[h * padded + p] = hsum(s);
+                            if (ahead && h == g * group) prefetch_row(next_values + slice, slice_bytes);
                         }
                     }
                 }
