@@ -118,8 +118,8 @@ class LeanCpuForward:
         """A flat float32 buffer of at least ``tokens * floats_per_token`` floats, kept between steps.
 
         A fresh tensor per intermediate and step made glibc map and unmap the prefill steps' (tens of
-        MB) every step: 58,000 page faults and 0.6 s of kernel time in a 12 s throughput run. The buffer
-        only grows (to the largest step seen: about 54 MB at 2,048 tokens on the benchmark model).
+        MB) every step: 58,000 page faults in every 12 s throughput run, 200-1,900 now. The buffer only
+        grows (to the largest step seen: about 54 MB at 2,048 tokens on the benchmark model).
         """
         needed = tokens * floats_per_token
         if self._buffer.numel() < needed:
