@@ -14,6 +14,8 @@ import logging
 import mmap
 from dataclasses import dataclass
 
+import torch
+
 logger = logging.getLogger("asyncllm")
 
 DEFAULT_CPU_FRACTION = 0.25
@@ -41,6 +43,15 @@ def anonymous_mapping(nbytes: int) -> mmap.mmap:
         with contextlib.suppress(OSError):  # a kernel built without transparent huge pages
             buffer.madvise(advice)
     return buffer
+
+
+def mapped_tensor(count: int, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D CPU tensor of ``count`` elements over its own ``anonymous_mapping`` (zeros, huge pages where
+    possible, resident as it is touched, unmapped when the tensor goes)."""
+    if count == 0:  # a mapping of no bytes cannot be made (nor read)
+        return torch.empty(0, dtype=dtype)
+    size = count * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(anonymous_mapping(size), dtype=dtype, count=count)
 
 
 def _status_kib(field: str) -> int | None:

@@ -27,8 +27,8 @@ from asyncllm.layers.linear import Linear, PackedFormat
 from asyncllm.layers.rotary import RotaryEmbedding
 from asyncllm.memory import (
     KVCacheSizing,
-    anonymous_mapping,
     host_available_bytes,
+    mapped_tensor,
     peak_resident_bytes,
     reset_peak_rss,
     resident_bytes,
@@ -293,10 +293,7 @@ class TorchModelRunner:
         # On the CPU each KV tensor gets its own anonymous mapping (huge pages where possible; see
         # ``anonymous_mapping``): no memset of a large cache at start-up, resident memory grows
         # with use, and dropping the tensor unmaps it.
-        numel = shape[0] * shape[1] * shape[2]
-        element = torch.empty((), dtype=self.dtype).element_size()
-        buffer = anonymous_mapping(numel * element)
-        return torch.frombuffer(buffer, dtype=self.dtype, count=numel).view(shape)
+        return mapped_tensor(shape[0] * shape[1] * shape[2], self.dtype).view(shape)
 
     def _size_kv_cache(self, model: DecoderForCausalLM, device: torch.device, dtype: torch.dtype) -> int:
         peak = self._measure_activation_peak()

@@ -39,7 +39,7 @@ import platform
 import torch
 
 from asyncllm.layers import native
-from asyncllm.memory import anonymous_mapping
+from asyncllm.memory import mapped_tensor
 
 __all__ = [
     "PANEL_COLUMNS",
@@ -211,7 +211,7 @@ class PanelWeight:
         self.out_features, self.in_features = (int(size) for size in weight.shape)
         count = -(-self.out_features // PANEL_COLUMNS) * PANEL_COLUMNS * self.in_features
         # Huge pages where the kernel gives them: every decode step streams every weight.
-        self.buffer = torch.frombuffer(anonymous_mapping(max(count, 1) * 4), dtype=torch.float32, count=count)
+        self.buffer = mapped_tensor(count, torch.float32)
         library.asyncllm_panel_pack(source.data_ptr(), self.buffer.data_ptr(), self.out_features, self.in_features)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.layers import gemm_cpu, native
-from asyncllm.memory import anonymous_mapping, host_available_bytes
+from asyncllm.memory import host_available_bytes, mapped_tensor
 
 logger = logging.getLogger("asyncllm")
 
@@ -101,7 +101,7 @@ class PackedWeight:
         # resident cost is about the weight's own size although the reservation is larger. Huge
         # pages where the kernel gives them: every step streams every weight.
         size = library.cblas_sgemm_pack_get_size(_B_MATRIX, 64, self.out_features, self.in_features)
-        self.buffer = torch.frombuffer(anonymous_mapping(size), dtype=torch.uint8, count=size)
+        self.buffer = mapped_tensor(size, torch.uint8)
         library.cblas_sgemm_pack(
             _ROW_MAJOR, _B_MATRIX, _TRANS, 64, self.out_features, self.in_features,
             1.0, source.data_ptr(), self.in_features, self.buffer.data_ptr(),

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from asyncllm.layers import activation_cpu, attention_cpu, elementwise_cpu, gemm_cpu
 from asyncllm.layers.attention_cpu import CpuAttentionMetadata
 from asyncllm.layers.linear import Linear, on_panels, packed_matmul_into
-from asyncllm.memory import anonymous_mapping
+from asyncllm.memory import mapped_tensor
 
 if TYPE_CHECKING:
     from asyncllm.models.llama import DecoderForCausalLM
@@ -123,7 +123,7 @@ class LeanCpuForward:
         """
         needed = tokens * floats_per_token
         if self._buffer.numel() < needed:
-            self._buffer = torch.frombuffer(anonymous_mapping(needed * 4), dtype=torch.float32, count=needed)
+            self._buffer = mapped_tensor(needed, torch.float32)
         return self._buffer[:needed]
 
     @classmethod
