@@ -13,8 +13,10 @@ import contextlib
 import logging
 import mmap
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("asyncllm")
 
@@ -48,6 +50,8 @@ def anonymous_mapping(nbytes: int) -> mmap.mmap:
 def mapped_tensor(count: int, dtype: torch.dtype) -> torch.Tensor:
     """A 1-D CPU tensor of ``count`` elements over its own ``anonymous_mapping`` (zeros, huge pages where
     possible, resident as it is touched, unmapped when the tensor goes)."""
+    import torch  # here, not at the top: the engine's core (scheduler, scripted runner) runs without torch
+
     if count == 0:  # a mapping of no bytes cannot be made (nor read)
         return torch.empty(0, dtype=dtype)
     size = count * torch.empty((), dtype=dtype).element_size()
