@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncllm.layers import gemm_cpu, linear, native
+from asyncllm.layers import gemm_cpu, greedy_head_cpu, linear, native
 from asyncllm.layers.linear import (
     PANEL_MAX_ROWS,
     Linear,
@@ -175,7 +175,12 @@ def test_runner_packs_every_linear_layer(tiny_llama, packed_gemm: bool | str) ->
     # per layer: qkv, o, gate_up, down; plus lm_head
     assert len(layers) == 4 * runner.model.spec.num_layers + 1
     assert runner.num_packed_layers == (len(layers) if expected else 0)
-    assert all(m.packed == bool(expected) and m.packed_format == expected for m in layers)
+    model = runner.model
+    # Beside a greedy head the output projection keeps the panels alone (layers.greedy_head_cpu).
+    head_format = "panels" if model.greedy_head is not None else expected
+    assert all(m.packed == bool(expected) and m.packed_format == expected for m in layers if m is not model.lm_head)
+    assert model.lm_head.packed_format == head_format
+    assert (model.greedy_head is not None) == (greedy_head_cpu.available() and expected in ("both", "panels"))
     assert runner.packed_format == expected
     assert (f"{expected} GEMM" in info.description) == bool(expected)
     assert not any(key.endswith("packed_weight") for key in runner.model.state_dict())  # not persistent

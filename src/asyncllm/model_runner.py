@@ -35,7 +35,7 @@ from asyncllm.memory import (
     size_kv_cache,
 )
 from asyncllm.models import DecoderForCausalLM, build_model
-from asyncllm.runner import RunnerInfo, RunnerTimings, SequenceInput, StepBatch, StepOutput
+from asyncllm.runner import PositionLogprobs, RunnerInfo, RunnerTimings, SequenceInput, StepBatch, StepOutput
 from asyncllm.sampler import Sampler
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.weights import load_config, load_eos_token_ids, load_state_dict
@@ -133,6 +133,9 @@ class TorchModelRunner:
             (``DecoderForCausalLM.fused_norm``). False keeps torch's element-wise ops (for comparisons).
         num_threads: torch's intra-op threads on the CPU, set at load on the device thread; None
             decides (``asyncllm.compile.configure_cpu_threads``). Ignored on CUDA.
+        greedy_head: With packed panels on a CPU with AMX, greedy rows take their token from
+            ``layers.greedy_head_cpu`` (the argmax of the float32 logits, exactly, without computing
+            them all); False computes every row's logits (for comparisons).
     """
 
     def __init__(
@@ -156,6 +159,7 @@ class TorchModelRunner:
         packed_gemm: bool | PackedFormat = True,
         fused_norm: bool = True,
         num_threads: int | None = None,
+        greedy_head: bool = True,
     ) -> None:
         self.model_path = Path(model_path)
         self.device_name = device
@@ -175,6 +179,7 @@ class TorchModelRunner:
         self.fuse_projections = fuse_projections
         self.packed_gemm = packed_gemm
         self.fused_norm = fused_norm
+        self.greedy_head = greedy_head
         self.num_packed_layers = 0
         """Linear layers running from packed weights (0: all on ``F.linear``)."""
         self.packed_format: PackedFormat | None = None
@@ -221,8 +226,11 @@ class TorchModelRunner:
         if self.attention_backend == "cpu":
             self.attention_backend = _cpu_backend_or_torch(model.spec.head_dim, dtype, requested_backend == "cpu")
         if self.packed_gemm and device.type == "cpu" and dtype == torch.float32:
-            self.num_packed_layers = model.pack_weights(None if self.packed_gemm is True else self.packed_gemm)
-            formats = {m.packed_format for m in model.modules() if isinstance(m, Linear) and m.packed_format}
+            self.num_packed_layers = model.pack_weights(
+                None if self.packed_gemm is True else self.packed_gemm, greedy_head=self.greedy_head
+            )
+            # The layers' format (the output projection keeps the panels alone beside a greedy head).
+            formats = {m.packed_format for m in model.model.modules() if isinstance(m, Linear) and m.packed_format}
             self.packed_format = formats.pop() if len(formats) == 1 else None
         self.model = model
         self.device, self.dtype = device, dtype
@@ -382,12 +390,42 @@ class TorchModelRunner:
         token_ids: list[int] = []
         logprobs = None
         if len(step.sample_index):
-            logits = self.model.logits(hidden[to_device(step.sample_index, self.device)])
-            sampled = self.sampler.sample(logits, [s for s in sequences if s.sample])
-            token_ids, logprobs = sampled.token_ids.tolist(), sampled.logprobs
+            rows = hidden[to_device(step.sample_index, self.device)]
+            token_ids, logprobs = self._sample(model, rows, [s for s in sequences if s.sample])
         clock.mark()
         clock.add_to(self.timings)
         return StepOutput(token_ids, logprobs, prompt_logprobs)
+
+    def _sample(
+        self, model: DecoderForCausalLM, rows: torch.Tensor, sequences: list[SequenceInput]
+    ) -> tuple[list[int], list[PositionLogprobs | None] | None]:
+        """One token per row of ``rows`` (the sampling positions' hidden states), and logprobs where asked.
+
+        Plain greedy rows go to the model's greedy head where it has one (the same tokens as the argmax of
+        their logits); the sampler takes the rest, and any row the head could not decide, from logits.
+        """
+        assert self.sampler is not None
+        head = model.greedy_head if self.greedy_head else None
+        plain = self.sampler.plain_greedy_rows(sequences) if head is not None else []
+        if head is None or not plain:
+            sampled = self.sampler.sample(model.logits(rows), sequences)
+            return sampled.token_ids.tolist(), sampled.logprobs
+        token_ids = [-1] * len(sequences)
+        decided = head.argmax(rows if len(plain) == len(sequences) else rows[plain]).tolist()
+        for row, token in zip(plain, decided):
+            token_ids[row] = token
+        rest = [row for row, token in enumerate(token_ids) if token < 0]
+        if not rest:
+            return token_ids, None
+        sampled = self.sampler.sample(model.logits(rows[rest]), [sequences[row] for row in rest])
+        for row, token in zip(rest, sampled.token_ids.tolist()):
+            token_ids[row] = token
+        logprobs: list[PositionLogprobs | None] | None = None
+        if sampled.logprobs is not None:
+            logprobs = [None] * len(sequences)
+            for row, entry in zip(rest, sampled.logprobs):
+                logprobs[row] = entry
+        return token_ids, logprobs
 
     def _metadata(self, step: StepInputs) -> AttentionMetadata | CpuAttentionMetadata | TritonAttentionMetadata:
         assert self.model is not None

@@ -371,6 +371,20 @@ class Sampler:
                 logprobs[row] = entry
         return SamplerOutput(token_ids, logprobs)
 
+    def plain_greedy_rows(self, sequences: Sequence[SequenceInput]) -> list[int]:
+        """The rows whose token is the first maximum of their raw logits, and nothing else of them is read.
+
+        Greedy, no ``logprobs``, and no mask, banned word, ``min_tokens`` ban, bias or penalty applies
+        this step. A head that finds the argmax without the full logits (``layers.greedy_head_cpu``)
+        may serve these rows; ``sample`` serves the others. Call it after ``record``.
+        """
+        rows = []
+        for row, seq in enumerate(sequences):
+            state = self._state(seq)
+            if state.params.greedy and state.params.logprobs is None and not _changes_logits(seq, state):
+                rows.append(row)
+        return rows
+
     def _index(self, rows: Sequence[int]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.int64, device=self.device)
 
@@ -389,6 +403,8 @@ class Sampler:
         bias: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         penalised: list[int] = []
         for row, (seq, state) in enumerate(zip(sequences, states)):
+            if not _changes_logits(seq, state):
+                continue
             if state.mask_row is not None:
                 masked.append((row, state.mask_row))
             if state.banned_ids is not None:
@@ -601,6 +617,22 @@ def compute_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, nums: Sequ
             token_ids.tolist(), chosen[:, 0].tolist(), ranks.tolist(), top_ids, top_values, nums
         )
     ]
+
+
+def _changes_logits(seq: SequenceInput, state: _RequestState) -> bool:
+    """Whether any of ``Sampler._process``'s stages (masks, bans, biases, penalties) may apply to this row now.
+
+    ``_process`` skips the rows where this is False, so a stage it does not cover never runs: the two
+    cannot drift apart, and ``plain_greedy_rows`` may trust it.
+    """
+    return (
+        state.mask_row is not None
+        or state.banned_ids is not None
+        or bool(state.long_bad_words)
+        or (state.stop_ids is not None and _num_generated(seq, state) < state.params.min_tokens)
+        or (state.bias_ids is not None and state.bias_values is not None)
+        or state.slot is not None
+    )
 
 
 def _num_generated(seq: SequenceInput, state: _RequestState) -> int:

@@ -287,8 +287,14 @@ class Linear(nn.Linear):
         if chosen in ("both", "panels"):
             self.panel_weight = gemm_cpu.PanelWeight(weight).buffer
         if release:
-            self.weight = nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
+            self.release()
         return True
+
+    def release(self) -> None:
+        """Replace the unpacked weight by an empty tensor, giving its memory back (once packed; see ``pack``)."""
+        if not self.packed:
+            raise RuntimeError("release() before pack(): the layer would have no weight left")
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed, panels = self.packed_weight, self.panel_weight

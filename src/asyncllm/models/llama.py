@@ -16,10 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncllm.layers import attention_cpu, attention_triton, elementwise_cpu
+from asyncllm.layers import attention_cpu, attention_triton, elementwise_cpu, greedy_head_cpu
 from asyncllm.layers.attention import AttentionMetadata, paged_attention, write_kv
 from asyncllm.layers.attention_cpu import CpuAttentionMetadata
 from asyncllm.layers.attention_triton import TritonAttentionMetadata
+from asyncllm.layers.greedy_head_cpu import GreedyHead
 from asyncllm.layers.linear import Linear, PackedFormat, best_packed_format
 from asyncllm.layers.norm import RMSNorm
 from asyncllm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
@@ -297,6 +298,16 @@ class DecoderLayer(nn.Module):
         return result, residual
 
 
+def _greedy_head(lm_head: Linear) -> GreedyHead | None:
+    """The greedy head over ``lm_head``'s weight and panels; None where the weights are out of its range."""
+    if lm_head.panel_weight is None:
+        return None
+    try:
+        return GreedyHead(lm_head.weight, lm_head.panel_weight)
+    except ValueError:  # non-finite or huge weights: the logits decide
+        return None
+
+
 def _fusable(meta: AnyAttentionMetadata) -> TypeGuard[TritonAttentionMetadata | CpuAttentionMetadata]:
     # The cpu backend runs float32 only; its fused kernels need the C compiler the backend needed too.
     if isinstance(meta, CpuAttentionMetadata):
@@ -338,6 +349,9 @@ class DecoderForCausalLM(nn.Module):
         """The layer stack as direct kernel calls (``models.lean_cpu``), built by ``pack_weights``
         where it applies; None: the modules."""
         self.lean_forward = True
+        self.greedy_head: GreedyHead | None = None
+        """Greedy tokens without the full logits (``layers.greedy_head_cpu``), built by ``pack_weights``
+        where it applies; the same tokens as the argmax of ``logits``. None: the logits decide."""
         """With fused norms on the cpu backend, run ``lean`` (when built) instead of the modules: the
         same bits, less Python per layer. False runs the modules (for A/B comparisons and tests)."""
 
@@ -376,7 +390,7 @@ class DecoderForCausalLM(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
-    def pack_weights(self, packed_format: PackedFormat | None = None) -> int:
+    def pack_weights(self, packed_format: PackedFormat | None = None, *, greedy_head: bool = True) -> int:
         """Pack every linear layer's weight for a packed GEMM (float32 on the CPU; see ``layers.linear``).
 
         ``packed_format`` is "both", "panels" or "mkl"; None takes ``best_packed_format`` for all
@@ -384,7 +398,10 @@ class DecoderForCausalLM(nn.Module):
         Call it after ``fuse_projections`` and before ``torch.compile`` (the compiled graphs then
         call the packed weights); never with CUDA graphs. The unpacked weights are released
         (except the tied output embedding, which the input embedding still reads), and ``lean`` is
-        built where it applies. Returns the number of layers packed (0 where unavailable).
+        built where it applies. With ``greedy_head`` and panels in the format, ``greedy_head`` is
+        built where AMX runs (``layers.greedy_head_cpu``); the output projection then keeps the
+        panels alone, so its logits come from the arithmetic the head reproduces at every row count.
+        Returns the number of layers packed (0 where unavailable).
         """
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         if packed_format is None:
@@ -392,10 +409,18 @@ class DecoderForCausalLM(nn.Module):
             packed_format = best_packed_format(weight_bytes)
             if packed_format is None:
                 return 0
+        with_head = greedy_head and packed_format in ("both", "panels") and greedy_head_cpu.available()
         packed = 0
+        self.greedy_head = None
         for module in linears:
             shared = module is self.lm_head and self.spec.tie_word_embeddings
-            packed += module.pack(release=not shared, packed_format=packed_format)
+            if module is self.lm_head and with_head:
+                packed += module.pack(release=False, packed_format="panels")
+                self.greedy_head = _greedy_head(module)
+                if not shared and module.packed:
+                    module.release()
+            else:
+                packed += module.pack(release=not shared, packed_format=packed_format)
         self.lean = LeanCpuForward.for_model(self) if packed else None
         return packed
 

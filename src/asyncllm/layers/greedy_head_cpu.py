@@ -1,0 +1,376 @@
+"""Greedy tokens without the whole float32 output projection: bounded in bfloat16 on AMX, decided in float32.
+
+A greedy row needs one thing from its [vocab] logits: which column is largest. Computing all of them in
+float32 is the output projection, 13% of a decode step's device time on the benchmark model and more on
+SmolLM2 (vocabularies of 32,000-49,152 columns against hidden sizes of 512-576). This head gets the same
+token for a fraction of that:
+
+1. **Bound every logit.** The hidden state and the weight (packed once) go to bfloat16 and Intel's AMX
+   tile unit multiplies them with float32 sums: about a quarter of the float32 GEMM's time at 64 rows, half
+   at 1 (half the bytes to stream, and the arithmetic is nearly free). Each approximate logit ``a_j`` is
+   within ``c * |x| * |w_j|`` of the float32 logit ``f_j`` the panel GEMM computes (``c`` below: the two
+   roundings to bfloat16, 2**-8 relative each, and the float32 sums' rounding on both sides; ``|w_j|`` is
+   column j's Euclidean norm, so the product bounds ``sum_k |x_k w_jk|`` by Cauchy-Schwarz).
+2. **Keep the columns that could be the maximum.** With ``b_j`` that bound, any column whose ``a_j + b_j``
+   falls below ``L = max_j (a_j - b_j)`` is beaten in float32 by the column that reaches ``L``. The
+   kernel keeps the others while it streams the weight (``L`` only rises, so a column dropped early
+   stays dropped), typically 1-3 of them.
+3. **Decide in float32.** Each kept column's logit is recomputed from the float32 panels as the panel
+   GEMM computes it (one fused multiply-add per input, in order, from zero): bit for bit ``f_j``. The
+   row's token is the first of the largest, as ``argmax`` of the full logits gives.
+
+So the token equals the argmax of the full float32 logits of the same model, exactly, with the output
+projection on the panel GEMM (``DecoderForCausalLM.pack_weights`` keeps the head on panels alone where
+this head runs, so the full logits come from the same arithmetic at every row count). A row this
+cannot decide (a non-finite or huge hidden value, too many columns within the bound) comes back as -1,
+and the caller computes its full logits. Only greedy rows whose logits nothing else reads use it: no
+logprobs, masks, biases or penalties (``Sampler.plain_greedy_rows``).
+
+Needs x86 with AMX-BF16 (Sapphire Rapids and later), Linux's permission for the tile state
+(``arch_prctl``, kernel 5.16+) and a C compiler; ``available()`` checks all of that and the claim
+itself once per process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import platform
+
+import torch
+
+from asyncllm.layers import gemm_cpu, native
+from asyncllm.memory import mapped_tensor
+
+__all__ = ["GreedyHead", "available"]
+
+_SOURCE = r"""
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define TILE_K 32          /* inputs per tile: 16 rows of bfloat16 pairs */
+#define TILE_N 16          /* output columns per tile */
+#define TILE_M 16          /* hidden rows per tile */
+#define GROUP 4            /* row tiles per pass over the weight: 64 rows */
+#define SLOTS 256          /* kept columns per row and thread before a compaction */
+#define LIMIT 0x1p50f      /* larger inputs or weights: no decision (keeps the bound's slack tiny) */
+
+int asyncllm_head_permit(void) {
+    /* Linux hands out AMX's 8 KB tile state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA). */
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } tile_config;
+
+static void configure_tiles(void) {
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; ++t) { config.rows[t] = 16; config.colsb[t] = 64; }
+    _tile_loadconfig(&config);
+}
+
+static inline uint16_t to_bf16(float value) {  /* round to nearest even (finite inputs) */
+    uint32_t bits;
+    memcpy(&bits, &value, 4);
+    bits += 0x7FFF + ((bits >> 16) & 1);
+    return (uint16_t)(bits >> 16);
+}
+
+/* The weight [vocab, hidden] as AMX tiles: per 16-column block and 32-input slice one 1 KB tile, row r
+   holding inputs 2r and 2r+1 of each of the 16 columns; zeros past vocab and hidden. And each column's
+   Euclidean norm, rounded up. Returns 0 if a weight is not finite or not below LIMIT. */
+int asyncllm_head_pack(const float *weight, int64_t vocab, int64_t hidden, uint16_t *tiles, float *norms) {
+    const int64_t blocks = (vocab + TILE_N - 1) / TILE_N, slices = (hidden + TILE_K - 1) / TILE_K;
+    int ok = 1;
+#pragma omp parallel for schedule(static) reduction(&& : ok)
+    for (int64_t b = 0; b < blocks; ++b) {
+        for (int64_t n = 0; n < TILE_N; ++n) {
+            const int64_t column = b * TILE_N + n;
+            double squares = 0.0;
+            for (int64_t k = 0; k < slices * TILE_K; ++k) {
+                const float w = column < vocab && k < hidden ? weight[column * hidden + k] : 0.0f;
+                const int usable = fabsf(w) < LIMIT;
+                if (!usable) ok = 0;
+                squares += usable ? (double)w * w : 0.0;
+                const int64_t slice = k / TILE_K, pair = (k % TILE_K) / 2;
+                const int64_t at = ((b * slices + slice) * TILE_K / 2 + pair) * 2 * TILE_N + 2 * n + k % 2;
+                tiles[at] = to_bf16(usable ? w : 0.0f);
+            }
+            norms[column] = (float)(sqrt(squares) * (1.0 + 0x1p-20));
+        }
+    }
+    return ok;
+}
+
+/* One thread's kept columns for up to GROUP * TILE_M rows. */
+typedef struct {
+    float floor[GROUP * TILE_M];            /* the largest lower bound seen: L so far */
+    int32_t count[GROUP * TILE_M];          /* -1: more columns than SLOTS within the bound */
+    int32_t column[GROUP * TILE_M][SLOTS];
+    float upper[GROUP * TILE_M][SLOTS];
+} kept_columns;
+
+static void keep(kept_columns *kept, int r, const float *approx, const float *norms, int64_t first, int64_t vocab,
+                 float scale, float slack) {
+    if (kept->count[r] < 0) return;
+    const __mmask16 valid = vocab - first >= TILE_N ? (__mmask16)0xFFFF : (__mmask16)((1u << (vocab - first)) - 1);
+    const __m512 a = _mm512_loadu_ps(approx);
+    const __m512 bound = _mm512_fmadd_ps(_mm512_set1_ps(scale), _mm512_maskz_loadu_ps(valid, norms + first),
+                                         _mm512_set1_ps(slack));
+    const __m512 high = _mm512_add_ps(a, bound);
+    /* Most blocks end here: no column reaches the floor (then no lower bound can raise it either). */
+    __mmask16 within = _mm512_mask_cmp_ps_mask(valid, high, _mm512_set1_ps(kept->floor[r]), _CMP_GE_OQ);
+    if (!within) return;
+    const float best = _mm512_mask_reduce_max_ps(valid, _mm512_sub_ps(a, bound));
+    if (best > kept->floor[r]) {
+        kept->floor[r] = best;
+        within = _mm512_mask_cmp_ps_mask(valid, high, _mm512_set1_ps(best), _CMP_GE_OQ);
+    }
+    int32_t count = kept->count[r];
+    if (count + TILE_N > SLOTS) {  /* drop what the floor has risen past since it was kept */
+        int32_t kept_count = 0;
+        for (int32_t i = 0; i < count; ++i)
+            if (kept->upper[r][i] >= kept->floor[r]) {
+                kept->column[r][kept_count] = kept->column[r][i];
+                kept->upper[r][kept_count++] = kept->upper[r][i];
+            }
+        count = kept_count;
+        if (count + TILE_N > SLOTS) { kept->count[r] = -1; return; }
+    }
+    const __m512i columns = _mm512_add_epi32(_mm512_set1_epi32((int32_t)first),
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+    _mm512_mask_compressstoreu_epi32(&kept->column[r][count], within, columns);
+    _mm512_mask_compressstoreu_ps(&kept->upper[r][count], within, high);
+    kept->count[r] = count + __builtin_popcount(within);
+}
+
+/* Column j's float32 logit as the panel GEMM computes it: fused multiply-adds over the inputs in order. */
+static float exact_logit(const float *x, const float *panels, int64_t panel_columns, int64_t hidden, int64_t j) {
+    const float *w = panels + (j / panel_columns) * hidden * panel_columns + j % panel_columns;
+    float sum = 0.0f;
+    for (int64_t k = 0; k < hidden; ++k) sum = fmaf(x[k], w[k * panel_columns], sum);
+    return sum;
+}
+
+/* tokens[r] = argmax of row r's float32 logits, or -1 where this cannot decide. x is [rows, hidden] with
+   x_stride floats between rows. bound_factor is c of the module's docstring. Returns 0 when scratch
+   memory ran out (nothing decided). */
+int asyncllm_head_argmax(const float *x, int64_t x_stride, int64_t rows, const uint16_t *tiles, const float *norms,
+                         const float *panels, int64_t panel_columns, int64_t vocab, int64_t hidden,
+                         float bound_factor, float slack, int64_t *tokens) {
+    const int64_t slices = (hidden + TILE_K - 1) / TILE_K, padded = slices * TILE_K;
+    const int64_t blocks = (vocab + TILE_N - 1) / TILE_N, group_rows = GROUP * TILE_M;
+    const int threads = omp_get_max_threads();
+    uint16_t *xb = aligned_alloc(64, (size_t)group_rows * padded * 2);
+    float *scale = malloc(sizeof(float) * group_rows);
+    kept_columns *kept = aligned_alloc(64, sizeof(kept_columns) * (size_t)threads);
+    if (!xb || !scale || !kept) { free(xb); free(scale); free(kept); return 0; }
+    for (int64_t first = 0; first < rows; first += group_rows) {
+        const int64_t count = rows - first < group_rows ? rows - first : group_rows;
+        const int64_t row_tiles = (count + TILE_M - 1) / TILE_M;
+        memset(xb, 0, (size_t)row_tiles * TILE_M * padded * 2);
+        for (int64_t r = 0; r < count; ++r) {  /* bfloat16 copy, norm, and whether the row can be decided */
+            const float *row = x + (first + r) * x_stride;
+            double squares = 0.0;
+            int ok = 1;
+            for (int64_t k = 0; k < hidden; ++k) {
+                if (!(fabsf(row[k]) < LIMIT)) ok = 0;
+                squares += (double)row[k] * row[k];
+                xb[r * padded + k] = ok ? to_bf16(row[k]) : 0;
+            }
+            scale[r] = ok ? (float)(sqrt(squares) * (1.0 + 0x1p-20) * bound_factor) : -1.0f;
+        }
+        for (int t = 0; t < threads; ++t)  /* every slot, in case the team is smaller than the maximum */
+            for (int64_t r = 0; r < count; ++r) {
+                kept[t].floor[r] = -INFINITY;
+                kept[t].count[r] = scale[r] < 0 ? -1 : 0;
+            }
+#pragma omp parallel
+        {
+            kept_columns *mine = &kept[omp_get_thread_num()];
+            float approx[2][GROUP * TILE_M][TILE_N] __attribute__((aligned(64)));
+            configure_tiles();
+            /* Two column blocks by two row tiles at a time: four sums (tiles 0-3), two input tiles (4, 5) and two
+               weight tiles (6, 7), none loaded again while a product still reads it. */
+#pragma omp for schedule(static)
+            for (int64_t pair = 0; pair < (blocks + 1) / 2; ++pair) {
+                const int64_t b = 2 * pair;
+                const int both = b + 1 < blocks;
+                const uint16_t *panel = tiles + b * slices * TILE_K * TILE_N;
+                for (int64_t t = 0; t < row_tiles; t += 2) {
+                    const int two = t + 1 < row_tiles;
+                    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                    for (int64_t s = 0; s < slices; ++s) {
+                        const uint16_t *a = xb + t * TILE_M * padded + s * TILE_K;
+                        _tile_loadd(6, panel + s * TILE_K * TILE_N, 64);
+                        _tile_loadd(4, a, padded * 2);
+                        _tile_dpbf16ps(0, 4, 6);
+                        if (two) { _tile_loadd(5, a + TILE_M * padded, padded * 2); _tile_dpbf16ps(2, 5, 6); }
+                        if (both) {
+                            _tile_loadd(7, panel + (slices + s) * TILE_K * TILE_N, 64);
+                            _tile_dpbf16ps(1, 4, 7);
+                            if (two) _tile_dpbf16ps(3, 5, 7);
+                        }
+                    }
+                    _tile_stored(0, approx[0][t * TILE_M], 64);
+                    if (two) _tile_stored(2, approx[0][(t + 1) * TILE_M], 64);
+                    if (both) {
+                        _tile_stored(1, approx[1][t * TILE_M], 64);
+                        if (two) _tile_stored(3, approx[1][(t + 1) * TILE_M], 64);
+                    }
+                }
+                for (int64_t r = 0; r < count; ++r) {
+                    keep(mine, (int)r, approx[0][r], norms, b * TILE_N, vocab, scale[r], slack);
+                    if (both) keep(mine, (int)r, approx[1][r], norms, (b + 1) * TILE_N, vocab, scale[r], slack);
+                }
+            }
+            _tile_release();
+        }
+        for (int64_t r = 0; r < count; ++r) {  /* merge the threads' columns (in column order) and decide */
+            float floor = -INFINITY;
+            int decided = 1;
+            for (int t = 0; t < threads; ++t) {
+                if (kept[t].count[r] < 0) decided = 0;
+                if (kept[t].floor[r] > floor) floor = kept[t].floor[r];
+            }
+            int64_t token = -1;
+            float best = -INFINITY;
+            for (int t = 0; t < threads && decided; ++t)
+                for (int32_t i = 0; i < kept[t].count[r]; ++i) {
+                    if (kept[t].upper[r][i] < floor) continue;
+                    const int64_t j = kept[t].column[r][i];
+                    const float logit = exact_logit(x + (first + r) * x_stride, panels, panel_columns, hidden, j);
+                    if (token < 0 || logit > best) { token = j; best = logit; }
+                }
+            tokens[first + r] = decided ? token : -1;
+        }
+    }
+    free(xb); free(scale); free(kept);
+    return 1;
+}
+"""
+
+
+def _has_amx() -> bool:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    flags = native.cpu_flags()
+    return {"amx_tile", "amx_bf16", "avx512f"} <= flags
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if not _has_amx() or not gemm_cpu.available():
+        return None
+    path = native.build("greedy_head", _SOURCE, ("-mamx-tile", "-mamx-bf16"))
+    if path is None:
+        return None
+    library = ctypes.CDLL(str(path))
+    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
+    library.asyncllm_head_permit.argtypes = []
+    library.asyncllm_head_permit.restype = ctypes.c_int
+    library.asyncllm_head_pack.argtypes = [pointer, i64, i64, pointer, pointer]
+    library.asyncllm_head_pack.restype = ctypes.c_int
+    library.asyncllm_head_argmax.argtypes = [
+        pointer, i64, i64, pointer, pointer, pointer, i64, i64, i64, ctypes.c_float, ctypes.c_float, pointer
+    ]
+    library.asyncllm_head_argmax.restype = ctypes.c_int
+    if not library.asyncllm_head_permit():
+        return None
+    return library
+
+
+def bound_factor(hidden: int) -> float:
+    """``c``: |approximate - float32 logit| <= c * |x| * |w_j| (plus a tiny absolute slack), for ``hidden`` inputs.
+
+    Both operands rounded to bfloat16 (relative 2**-8 each) and the two float32 sums (the tile unit's, over
+    the inputs padded to a multiple of 32, in any order; the panel GEMM's chain): ``(1 + 2**-8)**2 *
+    (1 + g(n)) - 1 + g(hidden)`` with ``g(n) = n u / (1 - n u)``, ``u = 2**-24``, with 1% to spare.
+    """
+    u = 2.0**-24
+    padded = -(-hidden // 32) * 32
+
+    def gamma(n: int) -> float:
+        return n * u / (1 - n * u)
+
+    return ((1 + 2.0**-8) ** 2 * (1 + gamma(padded)) - 1 + gamma(hidden)) * 1.01
+
+
+# Flushed subnormal inputs and sums (the tile unit's) move a logit by at most 2**-126 per product of
+# inputs below 2**50 each: far below this.
+_SLACK = 2.0**-40
+
+
+class GreedyHead:
+    """The greedy token of each row of hidden states, equal to the argmax of the full float32 logits.
+
+    Built from the output projection's float32 weight ([vocab, hidden]) and its ``gemm_cpu`` panels,
+    which it reads for the exact logits (keep them alive: the model's ``lm_head`` holds them).
+    Holds a bfloat16 copy of the weight in AMX's tile layout (half the float32 weight's memory) and the
+    columns' norms.
+    """
+
+    def __init__(self, weight: torch.Tensor, panels: torch.Tensor) -> None:
+        library = _library()
+        if library is None:
+            raise RuntimeError("the greedy head needs AMX-BF16, Linux's permission for it and a C compiler")
+        source = gemm_cpu.packing_source(weight)
+        self.vocab, self.hidden = (int(size) for size in source.shape)
+        if panels.numel() != -(-self.vocab // gemm_cpu.PANEL_COLUMNS) * gemm_cpu.PANEL_COLUMNS * self.hidden:
+            raise ValueError(f"the panels do not hold a [{self.vocab}, {self.hidden}] weight")
+        self._panels = panels
+        blocks, slices = -(-self.vocab // 16), -(-self.hidden // 32)
+        self._tiles = mapped_tensor(blocks * 16 * slices * 32, torch.int16)
+        self._norms = torch.empty(blocks * 16, dtype=torch.float32)
+        if not library.asyncllm_head_pack(
+            source.data_ptr(), self.vocab, self.hidden, self._tiles.data_ptr(), self._norms.data_ptr()
+        ):
+            raise ValueError("the greedy head needs finite weights below 2**50")
+        self._bound = bound_factor(self.hidden)
+
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows] int64 tokens for [rows, hidden] float32 states; -1 in a row this cannot decide.
+
+        A decided row's token is the first largest column of ``hidden @ weight.T`` as the panel GEMM
+        computes it (``gemm_cpu.panel_matmul`` on the same panels).
+        """
+        gemm_cpu.check_input(hidden, self.hidden)
+        if hidden.dim() != 2:
+            raise ValueError(f"expected [rows, {self.hidden}] hidden states, got {tuple(hidden.shape)}")
+        if hidden.stride(-1) != 1:
+            hidden = hidden.contiguous()
+        rows = hidden.shape[0]
+        tokens = torch.full((rows,), -1, dtype=torch.int64)
+        library = _library()
+        assert library is not None  # built in __init__
+        if rows and not library.asyncllm_head_argmax(
+            hidden.data_ptr(), hidden.stride(0), rows, self._tiles.data_ptr(), self._norms.data_ptr(),
+            self._panels.data_ptr(), gemm_cpu.PANEL_COLUMNS, self.vocab, self.hidden, self._bound, _SLACK,
+            tokens.data_ptr(),
+        ):  # fmt: skip
+            raise MemoryError("the greedy head could not allocate its scratch memory")
+        return tokens
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the head runs here (AMX-BF16, the tile permission, the panel GEMM, a C compiler) and agrees
+    with the argmax of the panel GEMM's logits, near-ties included. Checked once per process."""
+    if _library() is None:
+        return False
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(1000, 70, generator=generator)  # a partial last tile, a partial input slice
+    weight[7] = weight[500]  # an exact tie: the first must win
+    weight[600] = weight[3] * (1 + 2.0**-20)  # near-ties the bfloat16 pass cannot tell apart
+    panels = gemm_cpu.PanelWeight(weight)
+    head = GreedyHead(weight, panels.buffer)
+    x = torch.randn(70, 70, generator=generator)
+    expected = panels.linear(x).argmax(dim=-1)
+    return bool(torch.equal(head.argmax(x), expected))
