@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from asyncllm.layers import gemm_cpu, greedy_head_cpu
-from asyncllm.layers.greedy_head_cpu import GreedyHead, bound_factor
+from asyncllm.layers.greedy_head_cpu import GreedyHead, rounding_gamma
 from asyncllm.model_runner import TorchModelRunner
 from asyncllm.runner import SequenceInput, StepBatch
 from asyncllm.sampler import Sampler
@@ -96,7 +96,7 @@ def test_rows_it_cannot_decide_come_back_as_minus_one() -> None:
 
 def test_too_many_columns_within_the_bound_leave_the_row_undecided() -> None:
     row = torch.randn(1, 64, generator=torch.Generator().manual_seed(5))
-    weight = row.repeat(2000, 1)  # every column ties: more than the kernel keeps per row
+    weight = row.repeat(5000, 1)  # every column ties: more than the kernel keeps per row and thread
     head, _ = _head(weight)
     assert head.argmax(torch.randn(3, 64)).tolist() == [-1, -1, -1]
 
@@ -120,9 +120,9 @@ def test_weights_out_of_range_and_bad_inputs_are_refused() -> None:
     assert head.argmax(torch.empty(0, 64)).shape == (0,)
 
 
-def test_the_bound_covers_the_roundings() -> None:
-    # Two bfloat16 roundings dominate: about 2**-7, a little more for wider inputs.
-    assert 2.0**-7 < bound_factor(64) < bound_factor(4096) < 2.0**-7 * 1.1
+def test_the_sums_rounding_bound_grows_with_the_terms() -> None:
+    assert rounding_gamma(512) == pytest.approx(512 * 2.0**-24 * 1.01, rel=1e-4)
+    assert rounding_gamma(32) < rounding_gamma(512) < rounding_gamma(4096)
 
 
 # -- in the runner ---------------------------------------------------------------------------------------

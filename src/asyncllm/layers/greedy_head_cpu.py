@@ -5,26 +5,29 @@ float32 is the output projection, 13% of a decode step's device time on the benc
 SmolLM2 (vocabularies of 32,000-49,152 columns against hidden sizes of 512-576). This head gets the same
 token for a fraction of that:
 
-1. **Bound every logit.** The hidden state and the weight (packed once) go to bfloat16 and Intel's AMX
-   tile unit multiplies them with float32 sums: about a quarter of the float32 GEMM's time at 64 rows, half
-   at 1 (half the bytes to stream, and the arithmetic is nearly free). Each approximate logit ``a_j`` is
-   within ``c * |x| * |w_j|`` of the float32 logit ``f_j`` the panel GEMM computes (``c`` below: the two
-   roundings to bfloat16, 2**-8 relative each, and the float32 sums' rounding on both sides; ``|w_j|`` is
-   column j's Euclidean norm, so the product bounds ``sum_k |x_k w_jk|`` by Cauchy-Schwarz).
-2. **Keep the columns that could be the maximum.** With ``b_j`` that bound, any column whose ``a_j + b_j``
-   falls below ``L = max_j (a_j - b_j)`` is beaten in float32 by the column that reaches ``L``. The
-   kernel keeps the others while it streams the weight (``L`` only rises, so a column dropped early
-   stays dropped), typically 1-3 of them.
+1. **Bound every logit.** The hidden state and the weight (packed once) go to bfloat16, and Intel's AMX
+   tile unit multiplies them with float32 sums: half the bytes to stream, and the arithmetic nearly free.
+   Each approximate logit ``a_j`` is within ``b_j = |x| e_j + (|x - x'| + g_t |x'| + g_c |x|) s_j`` of the
+   float32 logit ``f_j`` the panel GEMM computes, by Cauchy-Schwarz on ``x.w - x'.w' = x.(w - w') +
+   (x - x').w'`` and on the two sums' rounding: ``x'`` and ``w'`` are the bfloat16 copies, ``e_j`` the
+   norm of column j's rounding error and ``s_j`` the larger of its two norms (both measured at packing),
+   ``g_t`` and ``g_c`` the relative error bounds of a float32 sum over the padded and the actual inputs.
+   Measured rounding errors, not the worst case of 2**-8 per value, make the bound 2-3 times tighter.
+2. **Keep the columns that could be the maximum.** Any column whose ``a_j + b_j`` falls below
+   ``L = max_j (a_j - b_j)`` is beaten in float32 by the column that reaches ``L``. Each thread keeps the
+   others while it streams its share of the weight (its floor only rises, so a column dropped early stays
+   dropped): typically one, at most a few hundred on a flat distribution.
 3. **Decide in float32.** Each kept column's logit is recomputed from the float32 panels as the panel
-   GEMM computes it (one fused multiply-add per input, in order, from zero): bit for bit ``f_j``. The
-   row's token is the first of the largest, as ``argmax`` of the full logits gives.
+   GEMM computes it (one fused multiply-add per input, in order, from zero; 16 columns at a time, one per
+   vector lane): bit for bit ``f_j``. The row's token is the first of the largest, as ``argmax`` of the
+   full logits gives.
 
 So the token equals the argmax of the full float32 logits of the same model, exactly, with the output
 projection on the panel GEMM (``DecoderForCausalLM.pack_weights`` keeps the head on panels alone where
 this head runs, so the full logits come from the same arithmetic at every row count). A row this
-cannot decide (a non-finite or huge hidden value, too many columns within the bound) comes back as -1,
-and the caller computes its full logits. Only greedy rows whose logits nothing else reads use it: no
-logprobs, masks, biases or penalties (``Sampler.plain_greedy_rows``).
+cannot decide (a non-finite or huge hidden value, more than 1,024 columns within the bound on a thread)
+comes back as -1, and the caller computes its full logits. Only greedy rows whose logits nothing else
+reads use it: no logprobs, masks, biases or penalties (``Sampler.plain_greedy_rows``).
 
 Needs x86 with AMX-BF16 (Sapphire Rapids and later), Linux's permission for the tile state
 (``arch_prctl``, kernel 5.16+) and a C compiler; ``available()`` checks all of that and the claim
@@ -58,8 +61,9 @@ _SOURCE = r"""
 #define TILE_N 16          /* output columns per tile */
 #define TILE_M 16          /* hidden rows per tile */
 #define GROUP 4            /* row tiles per pass over the weight: 64 rows */
-#define SLOTS 256          /* kept columns per row and thread before a compaction */
+#define SLOTS 1024         /* kept columns per row and thread */
 #define LIMIT 0x1p50f      /* larger inputs or weights: no decision (keeps the bound's slack tiny) */
+#define UP (1.0 + 0x1p-20) /* norms computed in double, rounded up by this */
 
 int asyncllm_head_permit(void) {
     /* Linux hands out AMX's 8 KB tile state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA). */
@@ -83,27 +87,40 @@ static inline uint16_t to_bf16(float value) {  /* round to nearest even (finite 
     return (uint16_t)(bits >> 16);
 }
 
+static inline float from_bf16(uint16_t value) {
+    const uint32_t bits = (uint32_t)value << 16;
+    float result;
+    memcpy(&result, &bits, 4);
+    return result;
+}
+
 /* The weight [vocab, hidden] as AMX tiles: per 16-column block and 32-input slice one 1 KB tile, row r
-   holding inputs 2r and 2r+1 of each of the 16 columns; zeros past vocab and hidden. And each column's
-   Euclidean norm, rounded up. Returns 0 if a weight is not finite or not below LIMIT. */
-int asyncllm_head_pack(const float *weight, int64_t vocab, int64_t hidden, uint16_t *tiles, float *norms) {
+   holding inputs 2r and 2r+1 of each of the 16 columns; zeros past vocab and hidden. Per column, rounded
+   up: `size`, the larger Euclidean norm of the column and of its bfloat16 copy, and `error`, the norm of
+   their difference. Returns 0 if a weight is not finite or not below LIMIT. */
+int asyncllm_head_pack(const float *weight, int64_t vocab, int64_t hidden, uint16_t *tiles, float *size,
+                       float *error) {
     const int64_t blocks = (vocab + TILE_N - 1) / TILE_N, slices = (hidden + TILE_K - 1) / TILE_K;
     int ok = 1;
 #pragma omp parallel for schedule(static) reduction(&& : ok)
     for (int64_t b = 0; b < blocks; ++b) {
         for (int64_t n = 0; n < TILE_N; ++n) {
             const int64_t column = b * TILE_N + n;
-            double squares = 0.0;
+            double squares = 0.0, rounded_squares = 0.0, error_squares = 0.0;
             for (int64_t k = 0; k < slices * TILE_K; ++k) {
                 const float w = column < vocab && k < hidden ? weight[column * hidden + k] : 0.0f;
                 const int usable = fabsf(w) < LIMIT;
                 if (!usable) ok = 0;
-                squares += usable ? (double)w * w : 0.0;
+                const uint16_t rounded = to_bf16(usable ? w : 0.0f);
+                const double exact = usable ? w : 0.0, near = from_bf16(rounded);
+                squares += exact * exact;
+                rounded_squares += near * near;
+                error_squares += (exact - near) * (exact - near);
                 const int64_t slice = k / TILE_K, pair = (k % TILE_K) / 2;
-                const int64_t at = ((b * slices + slice) * TILE_K / 2 + pair) * 2 * TILE_N + 2 * n + k % 2;
-                tiles[at] = to_bf16(usable ? w : 0.0f);
+                tiles[((b * slices + slice) * TILE_K / 2 + pair) * 2 * TILE_N + 2 * n + k % 2] = rounded;
             }
-            norms[column] = (float)(sqrt(squares) * (1.0 + 0x1p-20));
+            size[column] = (float)(sqrt(squares > rounded_squares ? squares : rounded_squares) * UP);
+            error[column] = (float)(sqrt(error_squares) * UP);
         }
     }
     return ok;
@@ -117,13 +134,17 @@ typedef struct {
     float upper[GROUP * TILE_M][SLOTS];
 } kept_columns;
 
-static void keep(kept_columns *kept, int r, const float *approx, const float *norms, int64_t first, int64_t vocab,
-                 float scale, float slack) {
+int64_t asyncllm_head_scratch_bytes(void) { return sizeof(kept_columns); }
+
+/* Fold one block's 16 approximate logits of row r into the row's kept columns:
+   bound = error_scale * error_j + size_scale * size_j + slack. */
+static void keep(kept_columns *kept, int r, const float *approx, const float *size, const float *error,
+                 int64_t first, int64_t vocab, float error_scale, float size_scale, float slack) {
     if (kept->count[r] < 0) return;
     const __mmask16 valid = vocab - first >= TILE_N ? (__mmask16)0xFFFF : (__mmask16)((1u << (vocab - first)) - 1);
     const __m512 a = _mm512_loadu_ps(approx);
-    const __m512 bound = _mm512_fmadd_ps(_mm512_set1_ps(scale), _mm512_maskz_loadu_ps(valid, norms + first),
-                                         _mm512_set1_ps(slack));
+    const __m512 bound = _mm512_fmadd_ps(_mm512_set1_ps(error_scale), _mm512_maskz_loadu_ps(valid, error + first),
+        _mm512_fmadd_ps(_mm512_set1_ps(size_scale), _mm512_maskz_loadu_ps(valid, size + first), _mm512_set1_ps(slack)));
     const __m512 high = _mm512_add_ps(a, bound);
     /* Most blocks end here: no column reaches the floor (then no lower bound can raise it either). */
     __mmask16 within = _mm512_mask_cmp_ps_mask(valid, high, _mm512_set1_ps(kept->floor[r]), _CMP_GE_OQ);
@@ -151,48 +172,77 @@ static void keep(kept_columns *kept, int r, const float *approx, const float *no
     kept->count[r] = count + __builtin_popcount(within);
 }
 
-/* Column j's float32 logit as the panel GEMM computes it: fused multiply-adds over the inputs in order. */
-static float exact_logit(const float *x, const float *panels, int64_t panel_columns, int64_t hidden, int64_t j) {
-    const float *w = panels + (j / panel_columns) * hidden * panel_columns + j % panel_columns;
-    float sum = 0.0f;
-    for (int64_t k = 0; k < hidden; ++k) sum = fmaf(x[k], w[k * panel_columns], sum);
-    return sum;
+/* The float32 logits of `n` columns as the panel GEMM computes them: per column, fused multiply-adds over
+   the inputs in order from zero, 16 columns at a time (one per lane, gathered from the panels). */
+static void exact_logits(const float *x, const float *panels, int64_t panel_columns, int64_t hidden,
+                         const int32_t *columns, int n, float *logits) {
+    for (int i = 0; i < n; i += TILE_N) {
+        const __mmask16 lanes = n - i >= TILE_N ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        int32_t start[TILE_N] = {0};
+        for (int l = 0; l < TILE_N && i + l < n; ++l) {
+            const int64_t j = columns[i + l];
+            start[l] = (int32_t)((j / panel_columns) * hidden * panel_columns + j % panel_columns);
+        }
+        __m512i at = _mm512_loadu_si512(start);
+        const __m512i step = _mm512_set1_epi32((int32_t)panel_columns);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t k = 0; k < hidden; ++k) {
+            const __m512 w = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes, at, panels, 4);
+            sum = _mm512_fmadd_ps(_mm512_set1_ps(x[k]), w, sum);
+            at = _mm512_add_epi32(at, step);
+        }
+        _mm512_mask_storeu_ps(logits + i, lanes, sum);
+    }
 }
 
 /* tokens[r] = argmax of row r's float32 logits, or -1 where this cannot decide. x is [rows, hidden] with
-   x_stride floats between rows. bound_factor is c of the module's docstring. Returns 0 when scratch
-   memory ran out (nothing decided). */
-int asyncllm_head_argmax(const float *x, int64_t x_stride, int64_t rows, const uint16_t *tiles, const float *norms,
-                         const float *panels, int64_t panel_columns, int64_t vocab, int64_t hidden,
-                         float bound_factor, float slack, int64_t *tokens) {
+   x_stride floats between rows; scratch holds `slots` kept_columns (asyncllm_head_scratch_bytes each), and
+   at most that many threads run. gamma_tiles and gamma_chain bound the relative rounding of the tile unit's
+   sums and of the panel GEMM's chain. Returns 0 when memory ran out (nothing decided). */
+int asyncllm_head_argmax(const float *x, int64_t x_stride, int64_t rows, const uint16_t *tiles, const float *size,
+                         const float *error, const float *panels, int64_t panel_columns, int64_t vocab,
+                         int64_t hidden, float gamma_tiles, float gamma_chain, float slack, void *scratch,
+                         int64_t slots, int64_t *tokens) {
     const int64_t slices = (hidden + TILE_K - 1) / TILE_K, padded = slices * TILE_K;
     const int64_t blocks = (vocab + TILE_N - 1) / TILE_N, group_rows = GROUP * TILE_M;
-    const int threads = omp_get_max_threads();
+    const int threads = omp_get_max_threads() < slots ? omp_get_max_threads() : (int)slots;
+    kept_columns *kept = scratch;
     uint16_t *xb = aligned_alloc(64, (size_t)group_rows * padded * 2);
-    float *scale = malloc(sizeof(float) * group_rows);
-    kept_columns *kept = aligned_alloc(64, sizeof(kept_columns) * (size_t)threads);
-    if (!xb || !scale || !kept) { free(xb); free(scale); free(kept); return 0; }
+    float *error_scale = malloc(sizeof(float) * group_rows), *size_scale = malloc(sizeof(float) * group_rows);
+    int32_t *candidates = malloc(sizeof(int32_t) * SLOTS * threads);
+    float *logits = malloc(sizeof(float) * SLOTS * threads);
+    if (!xb || !error_scale || !size_scale || !candidates || !logits) {
+        free(xb); free(error_scale); free(size_scale); free(candidates); free(logits);
+        return 0;
+    }
     for (int64_t first = 0; first < rows; first += group_rows) {
         const int64_t count = rows - first < group_rows ? rows - first : group_rows;
         const int64_t row_tiles = (count + TILE_M - 1) / TILE_M;
         memset(xb, 0, (size_t)row_tiles * TILE_M * padded * 2);
-        for (int64_t r = 0; r < count; ++r) {  /* bfloat16 copy, norm, and whether the row can be decided */
+        for (int64_t r = 0; r < count; ++r) {  /* bfloat16 copy, norms, and whether the row can be decided */
             const float *row = x + (first + r) * x_stride;
-            double squares = 0.0;
+            double squares = 0.0, rounded_squares = 0.0, error_squares = 0.0;
             int ok = 1;
             for (int64_t k = 0; k < hidden; ++k) {
                 if (!(fabsf(row[k]) < LIMIT)) ok = 0;
-                squares += (double)row[k] * row[k];
-                xb[r * padded + k] = ok ? to_bf16(row[k]) : 0;
+                const uint16_t rounded = ok ? to_bf16(row[k]) : 0;
+                const double exact = row[k], near = from_bf16(rounded);
+                squares += exact * exact;
+                rounded_squares += near * near;
+                error_squares += (exact - near) * (exact - near);
+                xb[r * padded + k] = rounded;
             }
-            scale[r] = ok ? (float)(sqrt(squares) * (1.0 + 0x1p-20) * bound_factor) : -1.0f;
+            /* |approx - exact| <= |x| e_j + (|x - xb| + g_t |xb| + g_c |x|) s_j (module docstring). */
+            error_scale[r] = ok ? (float)(sqrt(squares) * UP) : -1.0f;
+            size_scale[r] = (float)((sqrt(error_squares) + gamma_tiles * sqrt(rounded_squares)
+                                     + gamma_chain * sqrt(squares)) * UP);
         }
-        for (int t = 0; t < threads; ++t)  /* every slot, in case the team is smaller than the maximum */
+        for (int t = 0; t < threads; ++t)  /* every slot, in case the team is smaller */
             for (int64_t r = 0; r < count; ++r) {
                 kept[t].floor[r] = -INFINITY;
-                kept[t].count[r] = scale[r] < 0 ? -1 : 0;
+                kept[t].count[r] = error_scale[r] < 0 ? -1 : 0;
             }
-#pragma omp parallel
+#pragma omp parallel num_threads(threads)
         {
             kept_columns *mine = &kept[omp_get_thread_num()];
             float approx[2][GROUP * TILE_M][TILE_N] __attribute__((aligned(64)));
@@ -227,32 +277,33 @@ int asyncllm_head_argmax(const float *x, int64_t x_stride, int64_t rows, const u
                     }
                 }
                 for (int64_t r = 0; r < count; ++r) {
-                    keep(mine, (int)r, approx[0][r], norms, b * TILE_N, vocab, scale[r], slack);
-                    if (both) keep(mine, (int)r, approx[1][r], norms, (b + 1) * TILE_N, vocab, scale[r], slack);
+                    keep(mine, (int)r, approx[0][r], size, error, b * TILE_N, vocab, error_scale[r], size_scale[r],
+                         slack);
+                    if (both)
+                        keep(mine, (int)r, approx[1][r], size, error, (b + 1) * TILE_N, vocab, error_scale[r],
+                             size_scale[r], slack);
                 }
             }
             _tile_release();
         }
         for (int64_t r = 0; r < count; ++r) {  /* merge the threads' columns (in column order) and decide */
             float floor = -INFINITY;
-            int decided = 1;
+            int decided = 1, n = 0;
             for (int t = 0; t < threads; ++t) {
                 if (kept[t].count[r] < 0) decided = 0;
                 if (kept[t].floor[r] > floor) floor = kept[t].floor[r];
             }
-            int64_t token = -1;
-            float best = -INFINITY;
             for (int t = 0; t < threads && decided; ++t)
-                for (int32_t i = 0; i < kept[t].count[r]; ++i) {
-                    if (kept[t].upper[r][i] < floor) continue;
-                    const int64_t j = kept[t].column[r][i];
-                    const float logit = exact_logit(x + (first + r) * x_stride, panels, panel_columns, hidden, j);
-                    if (token < 0 || logit > best) { token = j; best = logit; }
-                }
-            tokens[first + r] = decided ? token : -1;
+                for (int32_t i = 0; i < kept[t].count[r]; ++i)
+                    if (kept[t].upper[r][i] >= floor) candidates[n++] = kept[t].column[r][i];
+            exact_logits(x + (first + r) * x_stride, panels, panel_columns, hidden, candidates, n, logits);
+            int64_t token = -1;
+            for (int i = 0; i < n; ++i)
+                if (token < 0 || logits[i] > logits[token]) token = i;
+            tokens[first + r] = decided && token >= 0 ? candidates[token] : -1;
         }
     }
-    free(xb); free(scale); free(kept);
+    free(xb); free(error_scale); free(size_scale); free(candidates); free(logits);
     return 1;
 }
 """
@@ -276,31 +327,26 @@ def _library() -> ctypes.CDLL | None:
     pointer, i64 = ctypes.c_void_p, ctypes.c_int64
     library.asyncllm_head_permit.argtypes = []
     library.asyncllm_head_permit.restype = ctypes.c_int
-    library.asyncllm_head_pack.argtypes = [pointer, i64, i64, pointer, pointer]
+    library.asyncllm_head_pack.argtypes = [pointer, i64, i64, pointer, pointer, pointer]
     library.asyncllm_head_pack.restype = ctypes.c_int
+    library.asyncllm_head_scratch_bytes.argtypes = []
+    library.asyncllm_head_scratch_bytes.restype = i64
+    single = ctypes.c_float
     library.asyncllm_head_argmax.argtypes = [
-        pointer, i64, i64, pointer, pointer, pointer, i64, i64, i64, ctypes.c_float, ctypes.c_float, pointer
-    ]
+        pointer, i64, i64, pointer, pointer, pointer, pointer, i64, i64, i64, single, single, single, pointer, i64,
+        pointer,
+    ]  # fmt: skip
     library.asyncllm_head_argmax.restype = ctypes.c_int
     if not library.asyncllm_head_permit():
         return None
     return library
 
 
-def bound_factor(hidden: int) -> float:
-    """``c``: |approximate - float32 logit| <= c * |x| * |w_j| (plus a tiny absolute slack), for ``hidden`` inputs.
-
-    Both operands rounded to bfloat16 (relative 2**-8 each) and the two float32 sums (the tile unit's, over
-    the inputs padded to a multiple of 32, in any order; the panel GEMM's chain): ``(1 + 2**-8)**2 *
-    (1 + g(n)) - 1 + g(hidden)`` with ``g(n) = n u / (1 - n u)``, ``u = 2**-24``, with 1% to spare.
-    """
+def rounding_gamma(terms: int) -> float:
+    """``n u / (1 - n u)`` for ``n = terms`` and float32's ``u = 2**-24``, with 1% to spare: the relative error
+    bound of a float32 sum of ``terms`` products in any order (against the sum of their magnitudes)."""
     u = 2.0**-24
-    padded = -(-hidden // 32) * 32
-
-    def gamma(n: int) -> float:
-        return n * u / (1 - n * u)
-
-    return ((1 + 2.0**-8) ** 2 * (1 + gamma(padded)) - 1 + gamma(hidden)) * 1.01
+    return terms * u / (1 - terms * u) * 1.01
 
 
 # Flushed subnormal inputs and sums (the tile unit's) move a logit by at most 2**-126 per product of
@@ -325,15 +371,23 @@ class GreedyHead:
         self.vocab, self.hidden = (int(size) for size in source.shape)
         if panels.numel() != -(-self.vocab // gemm_cpu.PANEL_COLUMNS) * gemm_cpu.PANEL_COLUMNS * self.hidden:
             raise ValueError(f"the panels do not hold a [{self.vocab}, {self.hidden}] weight")
+        if -(-self.vocab // gemm_cpu.PANEL_COLUMNS) * gemm_cpu.PANEL_COLUMNS * self.hidden >= 2**31:
+            raise ValueError("the greedy head gathers panel columns with 32-bit offsets: the weight is too large")
         self._panels = panels
         blocks, slices = -(-self.vocab // 16), -(-self.hidden // 32)
         self._tiles = mapped_tensor(blocks * 16 * slices * 32, torch.int16)
-        self._norms = torch.empty(blocks * 16, dtype=torch.float32)
+        self._sizes = torch.empty(blocks * 16, dtype=torch.float32)
+        self._errors = torch.empty(blocks * 16, dtype=torch.float32)
         if not library.asyncllm_head_pack(
-            source.data_ptr(), self.vocab, self.hidden, self._tiles.data_ptr(), self._norms.data_ptr()
-        ):
+            source.data_ptr(), self.vocab, self.hidden, self._tiles.data_ptr(), self._sizes.data_ptr(),
+            self._errors.data_ptr(),
+        ):  # fmt: skip
             raise ValueError("the greedy head needs finite weights below 2**50")
-        self._bound = bound_factor(self.hidden)
+        self._gamma_tiles = rounding_gamma(slices * 32)
+        self._gamma_chain = rounding_gamma(self.hidden)
+        # One thread's kept columns per thread slot (about 0.5 MB each); the kernel runs on at most this many.
+        self._slots = max(1, torch.get_num_threads())
+        self._scratch = torch.empty(self._slots * library.asyncllm_head_scratch_bytes(), dtype=torch.uint8)
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows] int64 tokens for [rows, hidden] float32 states; -1 in a row this cannot decide.
@@ -351,9 +405,9 @@ class GreedyHead:
         library = _library()
         assert library is not None  # built in __init__
         if rows and not library.asyncllm_head_argmax(
-            hidden.data_ptr(), hidden.stride(0), rows, self._tiles.data_ptr(), self._norms.data_ptr(),
-            self._panels.data_ptr(), gemm_cpu.PANEL_COLUMNS, self.vocab, self.hidden, self._bound, _SLACK,
-            tokens.data_ptr(),
+            hidden.data_ptr(), hidden.stride(0), rows, self._tiles.data_ptr(), self._sizes.data_ptr(),
+            self._errors.data_ptr(), self._panels.data_ptr(), gemm_cpu.PANEL_COLUMNS, self.vocab, self.hidden,
+            self._gamma_tiles, self._gamma_chain, _SLACK, self._scratch.data_ptr(), self._slots, tokens.data_ptr(),
         ):  # fmt: skip
             raise MemoryError("the greedy head could not allocate its scratch memory")
         return tokens
