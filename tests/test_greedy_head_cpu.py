@@ -30,8 +30,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def _head(weight: torch.Tensor) -> tuple[GreedyHead, gemm_cpu.PanelWeight]:
-    panels = gemm_cpu.PanelWeight(weight)
-    return GreedyHead(weight, panels.buffer), panels
+    return GreedyHead(weight), gemm_cpu.PanelWeight(weight)
 
 
 @pytest.mark.parametrize(
@@ -103,14 +102,13 @@ def test_too_many_columns_within_the_bound_leave_the_row_undecided() -> None:
 
 def test_weights_out_of_range_and_bad_inputs_are_refused() -> None:
     weight = torch.randn(100, 64)
-    panels = gemm_cpu.PanelWeight(weight)
     huge = weight.clone()
     huge[5, 5] = float("inf")
     with pytest.raises(ValueError, match="finite weights"):
-        GreedyHead(huge, gemm_cpu.PanelWeight(huge).buffer)
-    with pytest.raises(ValueError, match="panels"):
-        GreedyHead(weight, gemm_cpu.PanelWeight(weight[:50]).buffer)
-    head = GreedyHead(weight, panels.buffer)
+        GreedyHead(huge)
+    with pytest.raises(ValueError, match="2-D float32"):
+        GreedyHead(weight.double())
+    head = GreedyHead(weight)
     with pytest.raises(ValueError, match="float32"):
         head.argmax(torch.randn(2, 63))
     with pytest.raises(ValueError, match="float32"):
@@ -128,9 +126,10 @@ def test_the_sums_rounding_bound_grows_with_the_terms() -> None:
 # -- in the runner ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_head_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_model_path(tmp_path_factory.mktemp("greedy-head"), vocab_size=3000, hidden_size=96)
+@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+def tiny_head_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("greedy-head")
+    return tiny_model_path(folder, vocab_size=3000, hidden_size=96, tie_word_embeddings=request.param)
 
 
 def _runner(model: Path, greedy_head: bool) -> TorchModelRunner:
@@ -178,6 +177,9 @@ def test_runner_outputs_equal_the_logits_path_and_the_head_serves_the_plain_gree
     assert with_head.model is not None and without.model is not None
     head = with_head.model.greedy_head
     assert head is not None
+    # The head reads the float32 output weight: kept beside it, tied to the input embedding or not.
+    assert with_head.model.lm_head.weight.shape == (3000, 96)
+    assert without.model.lm_head.weight.numel() == (3000 * 96 if without.model.spec.tie_word_embeddings else 0)
     served: list[int] = []
     argmax = head.argmax
 

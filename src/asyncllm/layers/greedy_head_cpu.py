@@ -17,7 +17,7 @@ token for a fraction of that:
    ``L = max_j (a_j - b_j)`` is beaten in float32 by the column that reaches ``L``. Each thread keeps the
    others while it streams its share of the weight (its floor only rises, so a column dropped early stays
    dropped): typically one, at most a few hundred on a flat distribution.
-3. **Decide in float32.** Each kept column's logit is recomputed from the float32 panels as the panel
+3. **Decide in float32.** Each kept column's logit is recomputed from the float32 weight as the panel
    GEMM computes it (one fused multiply-add per input, in order, from zero; 16 columns at a time, one per
    vector lane): bit for bit ``f_j``. The row's token is the first of the largest, as ``argmax`` of the
    full logits gives.
@@ -173,36 +173,34 @@ static void keep(kept_columns *kept, int r, const float *approx, const float *si
 }
 
 /* The float32 logits of `n` columns as the panel GEMM computes them: per column, fused multiply-adds over
-   the inputs in order from zero, 16 columns at a time (one per lane, gathered from the panels). */
-static void exact_logits(const float *x, const float *panels, int64_t panel_columns, int64_t hidden,
-                         const int32_t *columns, int n, float *logits) {
+   the inputs in order from zero. 16 columns at a time, one per vector lane, gathered from the row-major
+   weight (each lane's row is 1-2 KB read front to back, so every line fetched serves 16 inputs). */
+static void exact_logits(const float *x, const float *weight, int64_t hidden, const int32_t *columns, int n,
+                         float *logits) {
     for (int i = 0; i < n; i += TILE_N) {
         const __mmask16 lanes = n - i >= TILE_N ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1);
         int32_t start[TILE_N] = {0};
-        for (int l = 0; l < TILE_N && i + l < n; ++l) {
-            const int64_t j = columns[i + l];
-            start[l] = (int32_t)((j / panel_columns) * hidden * panel_columns + j % panel_columns);
-        }
+        for (int l = 0; l < TILE_N && i + l < n; ++l) start[l] = (int32_t)(columns[i + l] * hidden);
         __m512i at = _mm512_loadu_si512(start);
-        const __m512i step = _mm512_set1_epi32((int32_t)panel_columns);
+        const __m512i one = _mm512_set1_epi32(1);
         __m512 sum = _mm512_setzero_ps();
         for (int64_t k = 0; k < hidden; ++k) {
-            const __m512 w = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes, at, panels, 4);
+            const __m512 w = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes, at, weight, 4);
             sum = _mm512_fmadd_ps(_mm512_set1_ps(x[k]), w, sum);
-            at = _mm512_add_epi32(at, step);
+            at = _mm512_add_epi32(at, one);
         }
         _mm512_mask_storeu_ps(logits + i, lanes, sum);
     }
 }
 
 /* tokens[r] = argmax of row r's float32 logits, or -1 where this cannot decide. x is [rows, hidden] with
-   x_stride floats between rows; scratch holds `slots` kept_columns (asyncllm_head_scratch_bytes each), and
-   at most that many threads run. gamma_tiles and gamma_chain bound the relative rounding of the tile unit's
-   sums and of the panel GEMM's chain. Returns 0 when memory ran out (nothing decided). */
+   x_stride floats between rows; weight is the float32 [vocab, hidden]; scratch holds `slots` kept_columns
+   (asyncllm_head_scratch_bytes each), and at most that many threads run. gamma_tiles and gamma_chain
+   bound the relative rounding of the tile unit's sums and of the panel GEMM's chain. Returns 0 when memory
+   ran out (nothing decided). */
 int asyncllm_head_argmax(const float *x, int64_t x_stride, int64_t rows, const uint16_t *tiles, const float *size,
-                         const float *error, const float *panels, int64_t panel_columns, int64_t vocab,
-                         int64_t hidden, float gamma_tiles, float gamma_chain, float slack, void *scratch,
-                         int64_t slots, int64_t *tokens) {
+                         const float *error, const float *weight, int64_t vocab, int64_t hidden, float gamma_tiles,
+                         float gamma_chain, float slack, void *scratch, int64_t slots, int64_t *tokens) {
     const int64_t slices = (hidden + TILE_K - 1) / TILE_K, padded = slices * TILE_K;
     const int64_t blocks = (vocab + TILE_N - 1) / TILE_N, group_rows = GROUP * TILE_M;
     const int threads = omp_get_max_threads() < slots ? omp_get_max_threads() : (int)slots;
@@ -296,7 +294,7 @@ int asyncllm_head_argmax(const float *x, int64_t x_stride, int64_t rows, const u
             for (int t = 0; t < threads && decided; ++t)
                 for (int32_t i = 0; i < kept[t].count[r]; ++i)
                     if (kept[t].upper[r][i] >= floor) candidates[n++] = kept[t].column[r][i];
-            exact_logits(x + (first + r) * x_stride, panels, panel_columns, hidden, candidates, n, logits);
+            exact_logits(x + (first + r) * x_stride, weight, hidden, candidates, n, logits);
             int64_t token = -1;
             for (int i = 0; i < n; ++i)
                 if (token < 0 || logits[i] > logits[token]) token = i;
@@ -333,8 +331,7 @@ def _library() -> ctypes.CDLL | None:
     library.asyncllm_head_scratch_bytes.restype = i64
     single = ctypes.c_float
     library.asyncllm_head_argmax.argtypes = [
-        pointer, i64, i64, pointer, pointer, pointer, pointer, i64, i64, i64, single, single, single, pointer, i64,
-        pointer,
+        pointer, i64, i64, pointer, pointer, pointer, pointer, i64, i64, single, single, single, pointer, i64, pointer,
     ]  # fmt: skip
     library.asyncllm_head_argmax.restype = ctypes.c_int
     if not library.asyncllm_head_permit():
@@ -357,23 +354,21 @@ _SLACK = 2.0**-40
 class GreedyHead:
     """The greedy token of each row of hidden states, equal to the argmax of the full float32 logits.
 
-    Built from the output projection's float32 weight ([vocab, hidden]) and its ``gemm_cpu`` panels,
-    which it reads for the exact logits (keep them alive: the model's ``lm_head`` holds them).
-    Holds a bfloat16 copy of the weight in AMX's tile layout (half the float32 weight's memory) and the
-    columns' norms.
+    Built from the output projection's float32 weight ([vocab, hidden], row-major), which it keeps a
+    reference to and reads for the exact logits: the model's output embedding, never released beside a
+    head (tied models share it with the input embedding anyway). Holds a bfloat16 copy of the weight in
+    AMX's tile layout (half the float32 weight's memory) and two norms per column.
     """
 
-    def __init__(self, weight: torch.Tensor, panels: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor) -> None:
         library = _library()
         if library is None:
             raise RuntimeError("the greedy head needs AMX-BF16, Linux's permission for it and a C compiler")
         source = gemm_cpu.packing_source(weight)
         self.vocab, self.hidden = (int(size) for size in source.shape)
-        if panels.numel() != -(-self.vocab // gemm_cpu.PANEL_COLUMNS) * gemm_cpu.PANEL_COLUMNS * self.hidden:
-            raise ValueError(f"the panels do not hold a [{self.vocab}, {self.hidden}] weight")
-        if -(-self.vocab // gemm_cpu.PANEL_COLUMNS) * gemm_cpu.PANEL_COLUMNS * self.hidden >= 2**31:
-            raise ValueError("the greedy head gathers panel columns with 32-bit offsets: the weight is too large")
-        self._panels = panels
+        if self.vocab * self.hidden >= 2**31:
+            raise ValueError("the greedy head gathers weights with 32-bit offsets: the weight is too large")
+        self._weight = source
         blocks, slices = -(-self.vocab // 16), -(-self.hidden // 32)
         self._tiles = mapped_tensor(blocks * 16 * slices * 32, torch.int16)
         self._sizes = torch.empty(blocks * 16, dtype=torch.float32)
@@ -393,7 +388,7 @@ class GreedyHead:
         """[rows] int64 tokens for [rows, hidden] float32 states; -1 in a row this cannot decide.
 
         A decided row's token is the first largest column of ``hidden @ weight.T`` as the panel GEMM
-        computes it (``gemm_cpu.panel_matmul`` on the same panels).
+        computes it (``gemm_cpu.panel_matmul`` on panels of the same weight).
         """
         gemm_cpu.check_input(hidden, self.hidden)
         if hidden.dim() != 2:
@@ -406,7 +401,7 @@ class GreedyHead:
         assert library is not None  # built in __init__
         if rows and not library.asyncllm_head_argmax(
             hidden.data_ptr(), hidden.stride(0), rows, self._tiles.data_ptr(), self._sizes.data_ptr(),
-            self._errors.data_ptr(), self._panels.data_ptr(), gemm_cpu.PANEL_COLUMNS, self.vocab, self.hidden,
+            self._errors.data_ptr(), self._weight.data_ptr(), self.vocab, self.hidden,
             self._gamma_tiles, self._gamma_chain, _SLACK, self._scratch.data_ptr(), self._slots, tokens.data_ptr(),
         ):  # fmt: skip
             raise MemoryError("the greedy head could not allocate its scratch memory")
@@ -424,7 +419,7 @@ def available() -> bool:
     weight[7] = weight[500]  # an exact tie: the first must win
     weight[600] = weight[3] * (1 + 2.0**-20)  # near-ties the bfloat16 pass cannot tell apart
     panels = gemm_cpu.PanelWeight(weight)
-    head = GreedyHead(weight, panels.buffer)
+    head = GreedyHead(weight)
     x = torch.randn(70, 70, generator=generator)
     expected = panels.linear(x).argmax(dim=-1)
     return bool(torch.equal(head.argmax(x), expected))

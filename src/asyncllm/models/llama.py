@@ -299,11 +299,11 @@ class DecoderLayer(nn.Module):
 
 
 def _greedy_head(lm_head: Linear) -> GreedyHead | None:
-    """The greedy head over ``lm_head``'s weight and panels; None where the weights are out of its range."""
+    """The greedy head over ``lm_head``'s weight (on panels); None where the weights are out of its range."""
     if lm_head.panel_weight is None:
         return None
     try:
-        return GreedyHead(lm_head.weight, lm_head.panel_weight)
+        return GreedyHead(lm_head.weight)
     except ValueError:  # non-finite or huge weights: the logits decide
         return None
 
@@ -400,7 +400,8 @@ class DecoderForCausalLM(nn.Module):
         (except the tied output embedding, which the input embedding still reads), and ``lean`` is
         built where it applies. With ``greedy_head`` and panels in the format, ``greedy_head`` is
         built where AMX runs (``layers.greedy_head_cpu``); the output projection then keeps the
-        panels alone, so its logits come from the arithmetic the head reproduces at every row count.
+        panels alone, so its logits come from the arithmetic the head reproduces at every row count,
+        and its float32 weight, which the head reads.
         Returns the number of layers packed (0 where unavailable).
         """
         linears = [m for m in self.modules() if isinstance(m, Linear)]
@@ -415,9 +416,10 @@ class DecoderForCausalLM(nn.Module):
         for module in linears:
             shared = module is self.lm_head and self.spec.tie_word_embeddings
             if module is self.lm_head and with_head:
+                # The head reads the float32 weight for its exact logits: kept, even when not shared.
                 packed += module.pack(release=False, packed_format="panels")
                 self.greedy_head = _greedy_head(module)
-                if not shared and module.packed:
+                if self.greedy_head is None and not shared and module.packed:
                     module.release()
             else:
                 packed += module.pack(release=not shared, packed_format=packed_format)
