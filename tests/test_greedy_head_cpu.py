@@ -79,6 +79,77 @@ def test_ties_and_near_ties_bfloat16_cannot_tell_apart_are_decided_in_float32() 
     assert all(torch.equal(rounded[2000], rounded[j]) for j in (2500, 1500, 10))
 
 
+def _midpoints(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """Values halfway between two bfloat16 numbers: the largest rounding error bfloat16 can make."""
+    base = torch.randn(shape, generator=generator).bfloat16().float()
+    step = base.abs() * 2.0**-8  # about half a bfloat16 step: the rounding goes the furthest it can
+    return base + torch.where(torch.rand(shape, generator=generator) < 0.5, step, -step)
+
+
+def _hard_cases() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(7)
+    cases = []
+    x = torch.randn(9, 256, generator=generator)
+    x[:, 5] *= 1000  # an outlier channel, as trained models have
+    cases.append(("outlier channel", x, torch.randn(700, 256, generator=generator) * 0.05))
+    cases.append(("bfloat16 midpoints", _midpoints((9, 256), generator), _midpoints((700, 256), generator)))
+    w = torch.randn(700, 256, generator=generator)
+    x = torch.randn(9, 256, generator=generator)
+    w -= (w @ x[0]).unsqueeze(1) * x[0] / x[0].dot(x[0])  # logits of row 0 cancel to about zero
+    cases.append(("cancellation", x, w))
+    x = torch.randn(9, 128, generator=generator) * 1e-39  # subnormal in float32 and in bfloat16
+    x[:, :4] = torch.randn(9, 4, generator=generator)
+    cases.append(("subnormal inputs", x, torch.randn(300, 128, generator=generator)))
+    cases.append(("wide", torch.randn(5, 4096, generator=generator), torch.randn(64, 4096, generator=generator)))
+    return cases
+
+
+@pytest.mark.parametrize("name", [name for name, _, _ in _hard_cases()])
+def test_the_bound_holds_on_inputs_that_stress_it(name: str) -> None:
+    _, x, weight = next(case for case in _hard_cases() if case[0] == name)
+    head, panels = _head(weight)
+    logits = panels.linear(x)
+    approx, bound = head.bounds(x)
+    assert ((approx - logits).abs() <= bound).all()
+    assert (bound > 0).all()
+    assert torch.equal(head.argmax(x), logits.argmax(dim=-1))
+
+
+def test_the_bound_is_tight_enough_to_matter() -> None:
+    # Row i of x is the sign of column i's bfloat16 rounding error (exact in bfloat16 itself): those errors add
+    # up, and Cauchy-Schwarz is nearly an equality. So the error reaches a good share of the bound, and a
+    # bound missing a factor of two would not hold.
+    generator = torch.Generator().manual_seed(8)
+    weight = torch.randn(2000, 512, generator=generator)
+    x = torch.sign(weight[:16] - weight[:16].bfloat16().float())
+    head, panels = _head(weight)
+    approx, bound = head.bounds(x)
+    ratio = ((approx - panels.linear(x)).abs() / bound).max().item()
+    assert 0.5 < ratio <= 1.0
+
+    # The same for the hidden states' rounding: weights exact in bfloat16, and each row's values just short of
+    # halfway to the next bfloat16 number, rounded away in the direction of column i's signs.
+    weight = weight.bfloat16().float()
+    base = torch.randn(16, 512, generator=generator).bfloat16().float()
+    half_step = base.abs() * 2.0**-9 * 0.99  # just under half of bfloat16's relative step at these values
+    x = base + half_step * torch.sign(weight[:16])
+    head, panels = _head(weight)
+    approx, bound = head.bounds(x)
+    ratio = ((approx - panels.linear(x)).abs() / bound).max().item()
+    assert 0.5 < ratio <= 1.0
+
+
+def test_an_exact_tie_across_the_threads_goes_to_the_first_column() -> None:
+    generator = torch.Generator().manual_seed(9)
+    weight = torch.randn(5000, 64, generator=generator) * 0.01
+    x = torch.randn(4, 64, generator=generator)
+    weight[0] = weight[4999] = x.mean(dim=0) * 3  # first and last column: different threads' shares
+    head, panels = _head(weight)
+    expected = panels.linear(x).argmax(dim=-1)
+    assert 0 in expected.tolist()
+    assert torch.equal(head.argmax(x), expected)
+
+
 def test_rows_it_cannot_decide_come_back_as_minus_one() -> None:
     generator = torch.Generator().manual_seed(4)
     weight = torch.randn(500, 64, generator=generator)
@@ -95,7 +166,8 @@ def test_rows_it_cannot_decide_come_back_as_minus_one() -> None:
 
 def test_too_many_columns_within_the_bound_leave_the_row_undecided() -> None:
     row = torch.randn(1, 64, generator=torch.Generator().manual_seed(5))
-    weight = row.repeat(5000, 1)  # every column ties: more than the kernel keeps per row and thread
+    # Every column ties: more than the kernel keeps per row (1,024) on every thread.
+    weight = row.repeat(2048 * max(2, torch.get_num_threads()), 1)
     head, _ = _head(weight)
     assert head.argmax(torch.randn(3, 64)).tolist() == [-1, -1, -1]
 
@@ -185,7 +257,9 @@ def test_runner_outputs_equal_the_logits_path_and_the_head_serves_the_plain_gree
 
     def counting(hidden: torch.Tensor) -> torch.Tensor:
         served.append(hidden.shape[0])
-        return argmax(hidden)
+        tokens = argmax(hidden)
+        assert (tokens >= 0).all()  # decided: not served by the fallback
+        return tokens
 
     head.argmax = counting  # type: ignore[method-assign]
     assert _generate(with_head, MIXED, 6) == _generate(without, MIXED, 6)

@@ -13,7 +13,8 @@ token for a fraction of that:
    norm of column j's rounding error and ``s_j`` the larger of its two norms (both measured at packing),
    ``g_t`` and ``g_c`` the relative error bounds of a float32 sum over the padded and the actual inputs.
    Measured rounding errors, not the worst case of 2**-8 per value, make the bound 2-3 times tighter.
-   The kernel adds ``|a_j| 2**-20`` for the float32 arithmetic of the bound itself and of ``a_j +- b_j``.
+   The factors are rounded up, which covers the float32 arithmetic of the bound itself; rounding
+   ``a_j +- b_j`` to nearest cannot cross ``f_j``, itself a float32.
 2. **Keep the columns that could be the maximum.** Any column whose ``a_j + b_j`` falls below
    ``L = max_j (a_j - b_j)`` is beaten in float32 by the column that reaches ``L``. Each thread keeps the
    others while it streams its share of the weight (its floor only rises, so a column dropped early stays
@@ -39,14 +40,18 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import platform
+import threading
 
 import torch
 
 from asyncllm.layers import gemm_cpu, native
 from asyncllm.memory import mapped_tensor
 
-__all__ = ["GreedyHead", "available"]
+logger = logging.getLogger("asyncllm")
+
+__all__ = ["GreedyHead", "available", "rounding_gamma"]
 
 _SOURCE = r"""
 #include <immintrin.h>
@@ -140,15 +145,18 @@ int64_t asyncllm_head_scratch_bytes(void) { return sizeof(kept_columns); }
 /* Fold one block's 16 approximate logits of row r into the row's kept columns:
    bound = error_scale * error_j + size_scale * size_j + slack. */
 static void keep(kept_columns *kept, int r, const float *approx, const float *size, const float *error,
-                 int64_t first, int64_t vocab, float error_scale, float size_scale, float slack) {
-    if (kept->count[r] < 0) return;
+                 int64_t first, int64_t vocab, float error_scale, float size_scale, float slack, float *approx_out,
+                 float *bound_out) {
     const __mmask16 valid = vocab - first >= TILE_N ? (__mmask16)0xFFFF : (__mmask16)((1u << (vocab - first)) - 1);
     const __m512 a = _mm512_loadu_ps(approx);
-    /* |a| 2**-20 covers the float32 rounding of this bound and of a +- bound (a few units of 2**-24 of |a| and
-       of the bound; the bound's own factors are rounded up by UP, which covers its share). */
-    const __m512 rounding = _mm512_fmadd_ps(_mm512_abs_ps(a), _mm512_set1_ps(0x1p-20f), _mm512_set1_ps(slack));
     const __m512 bound = _mm512_fmadd_ps(_mm512_set1_ps(error_scale), _mm512_maskz_loadu_ps(valid, error + first),
-        _mm512_fmadd_ps(_mm512_set1_ps(size_scale), _mm512_maskz_loadu_ps(valid, size + first), rounding));
+        _mm512_fmadd_ps(_mm512_set1_ps(size_scale), _mm512_maskz_loadu_ps(valid, size + first), _mm512_set1_ps(slack)));
+    if (approx_out) {  /* asyncllm_head_argmax's record: for checking the bound */
+        _mm512_mask_storeu_ps(approx_out + first, valid, a);
+        _mm512_mask_storeu_ps(bound_out + first, valid, bound);
+    }
+    if (kept->count[r] < 0) return;
+    /* Rounding a +- bound to nearest cannot cross f_j, itself a float32: the true maximum's high stays >= it. */
     const __m512 high = _mm512_add_ps(a, bound);
     /* Most blocks end here: no column reaches the floor (then no lower bound can raise it either). */
     __mmask16 within = _mm512_mask_cmp_ps_mask(valid, high, _mm512_set1_ps(kept->floor[r]), _CMP_GE_OQ);
@@ -200,11 +208,13 @@ static void exact_logits(const float *x, const float *weight, int64_t hidden, co
 /* tokens[r] = argmax of row r's float32 logits, or -1 where this cannot decide. x is [rows, hidden] with
    x_stride floats between rows; weight is the float32 [vocab, hidden]; scratch holds `slots` kept_columns
    (asyncllm_head_scratch_bytes each), and at most that many threads run. gamma_tiles and gamma_chain
-   bound the relative rounding of the tile unit's sums and of the panel GEMM's chain. Returns 0 when memory
-   ran out (nothing decided). */
+   bound the relative rounding of the tile unit's sums and of the panel GEMM's chain. With record_approx and
+   record_bound ([rows, vocab] each; else NULL) it also writes every approximate logit and its bound. Returns
+   0 when memory ran out (nothing decided). */
 int asyncllm_head_argmax(const float *x, int64_t x_stride, int64_t rows, const uint16_t *tiles, const float *size,
                          const float *error, const float *weight, int64_t vocab, int64_t hidden, float gamma_tiles,
-                         float gamma_chain, float slack, void *scratch, int64_t slots, int64_t *tokens) {
+                         float gamma_chain, float slack, void *scratch, int64_t slots, int64_t *tokens,
+                         float *record_approx, float *record_bound) {
     const int64_t slices = (hidden + TILE_K - 1) / TILE_K, padded = slices * TILE_K;
     const int64_t blocks = (vocab + TILE_N - 1) / TILE_N, group_rows = GROUP * TILE_M;
     const int threads = omp_get_max_threads() < slots ? omp_get_max_threads() : (int)slots;
@@ -279,11 +289,13 @@ int asyncllm_head_argmax(const float *x, int64_t x_stride, int64_t rows, const u
                     }
                 }
                 for (int64_t r = 0; r < count; ++r) {
+                    float *approx_out = record_approx ? record_approx + (first + r) * vocab : NULL;
+                    float *bound_out = record_bound ? record_bound + (first + r) * vocab : NULL;
                     keep(mine, (int)r, approx[0][r], size, error, b * TILE_N, vocab, error_scale[r], size_scale[r],
-                         slack);
+                         slack, approx_out, bound_out);
                     if (both)
                         keep(mine, (int)r, approx[1][r], size, error, (b + 1) * TILE_N, vocab, error_scale[r],
-                             size_scale[r], slack);
+                             size_scale[r], slack, approx_out, bound_out);
                 }
             }
             _tile_release();
@@ -300,8 +312,10 @@ int asyncllm_head_argmax(const float *x, int64_t x_stride, int64_t rows, const u
                     if (kept[t].upper[r][i] >= floor) candidates[n++] = kept[t].column[r][i];
             exact_logits(x + (first + r) * x_stride, weight, hidden, candidates, n, logits);
             int64_t token = -1;
-            for (int i = 0; i < n; ++i)
-                if (token < 0 || logits[i] > logits[token]) token = i;
+            for (int i = 0; i < n; ++i)  /* the first largest, whatever order the threads left them in */
+                if (token < 0 || logits[i] > logits[token]
+                    || (logits[i] == logits[token] && candidates[i] < candidates[token]))
+                    token = i;
             tokens[first + r] = decided && token >= 0 ? candidates[token] : -1;
         }
     }
@@ -336,6 +350,7 @@ def _library() -> ctypes.CDLL | None:
     single = ctypes.c_float
     library.asyncllm_head_argmax.argtypes = [
         pointer, i64, i64, pointer, pointer, pointer, pointer, i64, i64, single, single, single, pointer, i64, pointer,
+        pointer, pointer,
     ]  # fmt: skip
     library.asyncllm_head_argmax.restype = ctypes.c_int
     if not library.asyncllm_head_permit():
@@ -343,15 +358,15 @@ def _library() -> ctypes.CDLL | None:
     return library
 
 
-def rounding_gamma(terms: int) -> float:
-    """``n u / (1 - n u)`` for ``n = terms`` and float32's ``u = 2**-24``, with 1% to spare: the relative error
-    bound of a float32 sum of ``terms`` products in any order (against the sum of their magnitudes)."""
-    u = 2.0**-24
-    return terms * u / (1 - terms * u) * 1.01
+def rounding_gamma(terms: int, unit: float = 2.0**-24) -> float:
+    """``n u / (1 - n u)`` for ``n = terms`` and the rounding unit ``u`` (float32 to nearest: 2**-24), with 1%
+    to spare: the relative error bound of a float32 sum of ``terms`` products in any order (against the sum of
+    their magnitudes)."""
+    return terms * unit / (1 - terms * unit) * 1.01
 
 
-# Flushed subnormal inputs and sums (the tile unit's) move a logit by at most 2**-126 per product of
-# inputs below 2**50 each: far below this.
+# The tile unit reads subnormal bfloat16 inputs as zero (a product moves by under 2**-126 * 2**50 = 2**-76)
+# and flushes subnormal sums (2**-126 each): with at most 2**16 inputs, far below this.
 _SLACK = 2.0**-40
 
 
@@ -382,18 +397,35 @@ class GreedyHead:
             self._errors.data_ptr(),
         ):  # fmt: skip
             raise ValueError("the greedy head needs finite weights below 2**50")
-        self._gamma_tiles = rounding_gamma(slices * 32)
+        # The tile unit's sums: 2**-23, any faithful rounding, not only the documented round-to-nearest.
+        self._gamma_tiles = rounding_gamma(slices * 32, unit=2.0**-23)
         self._gamma_chain = rounding_gamma(self.hidden)
         # One thread's kept columns per thread slot (about 0.5 MB each); the kernel runs on at most this many.
         self._slots = max(1, torch.get_num_threads())
         self._scratch = torch.empty(self._slots * library.asyncllm_head_scratch_bytes(), dtype=torch.uint8)
+        self._lock = threading.Lock()
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows] int64 tokens for [rows, hidden] float32 states; -1 in a row this cannot decide.
 
         A decided row's token is the first largest column of ``hidden @ weight.T`` as the panel GEMM
-        computes it (``gemm_cpu.panel_matmul`` on panels of the same weight).
+        computes it (``gemm_cpu.panel_matmul`` on panels of the same weight). Where the kernel cannot get
+        its scratch memory every row comes back -1 (the caller's logits path decides them).
         """
+        tokens, _ = self._run(hidden, record=False)
+        return tokens
+
+    def bounds(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The approximate logits and the bound on their distance from the float32 logits ([rows, vocab] each).
+
+        What ``argmax`` decides from, for checking the bound: ``|approx - logits| <= bound`` must hold for
+        every column of every row that ``argmax`` does not leave undecided.
+        """
+        _, recorded = self._run(hidden, record=True)
+        assert recorded is not None
+        return recorded
+
+    def _run(self, hidden: torch.Tensor, record: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         gemm_cpu.check_input(hidden, self.hidden)
         if hidden.dim() != 2:
             raise ValueError(f"expected [rows, {self.hidden}] hidden states, got {tuple(hidden.shape)}")
@@ -401,21 +433,28 @@ class GreedyHead:
             hidden = hidden.contiguous()
         rows = hidden.shape[0]
         tokens = torch.full((rows,), -1, dtype=torch.int64)
+        recorded = (torch.empty(rows, self.vocab), torch.empty(rows, self.vocab)) if record else None
         library = _library()
         assert library is not None  # built in __init__
-        if rows and not library.asyncllm_head_argmax(
-            hidden.data_ptr(), hidden.stride(0), rows, self._tiles.data_ptr(), self._sizes.data_ptr(),
-            self._errors.data_ptr(), self._weight.data_ptr(), self.vocab, self.hidden,
-            self._gamma_tiles, self._gamma_chain, _SLACK, self._scratch.data_ptr(), self._slots, tokens.data_ptr(),
-        ):  # fmt: skip
-            raise MemoryError("the greedy head could not allocate its scratch memory")
-        return tokens
+        if not rows:
+            return tokens, recorded
+        with self._lock:  # one scratch per head
+            done = library.asyncllm_head_argmax(
+                hidden.data_ptr(), hidden.stride(0), rows, self._tiles.data_ptr(), self._sizes.data_ptr(),
+                self._errors.data_ptr(), self._weight.data_ptr(), self.vocab, self.hidden, self._gamma_tiles,
+                self._gamma_chain, _SLACK, self._scratch.data_ptr(), self._slots, tokens.data_ptr(),
+                recorded[0].data_ptr() if recorded else None, recorded[1].data_ptr() if recorded else None,
+            )  # fmt: skip
+        if not done:
+            logger.warning("the greedy head could not allocate its scratch memory: these rows take the logits path")
+            tokens.fill_(-1)
+        return tokens, recorded
 
 
 @functools.cache
 def available() -> bool:
-    """Whether the head runs here (AMX-BF16, the tile permission, the panel GEMM, a C compiler) and agrees
-    with the argmax of the panel GEMM's logits, near-ties included. Checked once per process."""
+    """Whether the head runs here (AMX-BF16, the tile permission, the panel GEMM, a C compiler), agrees with
+    the argmax of the panel GEMM's logits, near-ties included, and its bound holds. Checked once per process."""
     if _library() is None:
         return False
     generator = torch.Generator().manual_seed(0)
@@ -425,5 +464,6 @@ def available() -> bool:
     panels = gemm_cpu.PanelWeight(weight)
     head = GreedyHead(weight)
     x = torch.randn(70, 70, generator=generator)
-    expected = panels.linear(x).argmax(dim=-1)
-    return bool(torch.equal(head.argmax(x), expected))
+    logits = panels.linear(x)
+    approx, bound = head.bounds(x)
+    return bool(torch.equal(head.argmax(x), logits.argmax(dim=-1)) and ((approx - logits).abs() <= bound).all())

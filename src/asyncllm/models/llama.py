@@ -349,11 +349,11 @@ class DecoderForCausalLM(nn.Module):
         """The layer stack as direct kernel calls (``models.lean_cpu``), built by ``pack_weights``
         where it applies; None: the modules."""
         self.lean_forward = True
+        """With fused norms on the cpu backend, run ``lean`` (when built) instead of the modules: the
+        same bits, less Python per layer. False runs the modules (for A/B comparisons and tests)."""
         self.greedy_head: GreedyHead | None = None
         """Greedy tokens without the full logits (``layers.greedy_head_cpu``), built by ``pack_weights``
         where it applies; the same tokens as the argmax of ``logits``. None: the logits decide."""
-        """With fused norms on the cpu backend, run ``lean`` (when built) instead of the modules: the
-        same bits, less Python per layer. False runs the modules (for A/B comparisons and tests)."""
 
     def forward(
         self,
