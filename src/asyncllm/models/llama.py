@@ -20,7 +20,6 @@ from asyncllm.layers import attention_cpu, attention_triton, elementwise_cpu, gr
 from asyncllm.layers.attention import AttentionMetadata, paged_attention, write_kv
 from asyncllm.layers.attention_cpu import CpuAttentionMetadata
 from asyncllm.layers.attention_triton import TritonAttentionMetadata
-from asyncllm.layers.greedy_head_cpu import GreedyHead
 from asyncllm.layers.linear import Linear, PackedFormat, best_packed_format
 from asyncllm.layers.norm import RMSNorm
 from asyncllm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
@@ -298,12 +297,12 @@ class DecoderLayer(nn.Module):
         return result, residual
 
 
-def _greedy_head(lm_head: Linear) -> GreedyHead | None:
+def _greedy_head(lm_head: Linear) -> greedy_head_cpu.GreedyHead | None:
     """The greedy head over ``lm_head``'s weight (on panels); None where the weights are out of its range."""
     if lm_head.panel_weight is None:
         return None
     try:
-        return GreedyHead(lm_head.weight)
+        return greedy_head_cpu.GreedyHead(lm_head.weight)
     except ValueError:  # non-finite or huge weights: the logits decide
         return None
 
@@ -351,7 +350,7 @@ class DecoderForCausalLM(nn.Module):
         self.lean_forward = True
         """With fused norms on the cpu backend, run ``lean`` (when built) instead of the modules: the
         same bits, less Python per layer. False runs the modules (for A/B comparisons and tests)."""
-        self.greedy_head: GreedyHead | None = None
+        self.greedy_head: greedy_head_cpu.GreedyHead | None = None
         """Greedy tokens without the full logits (``layers.greedy_head_cpu``), built by ``pack_weights``
         where it applies; the same tokens as the argmax of ``logits``. None: the logits decide."""
 
