@@ -1238,6 +1238,28 @@ def interleaved_note(systems: Iterable[str], repeats: int, labels: Mapping[str, 
     )
 
 
+def per_round_ratios(
+    ours: Sequence[dict[str, Any]], theirs: Sequence[dict[str, Any]], key: str, *, ours_first: bool = True
+) -> list[float]:
+    """Round by round, ``ours[i][key] / theirs[i][key]`` (or the inverse): each ratio from one round's
+    neighbours in time, which the host's drift between rounds does not skew. Rounds missing either side
+    are skipped."""
+    ratios = []
+    for mine, peer in zip(ours, theirs):
+        value = ratio(mine.get(key), peer.get(key)) if ours_first else ratio(peer.get(key), mine.get(key))
+        if value is not None:
+            ratios.append(value)
+    return ratios
+
+
+def per_round_note(label: str, what: str, ratios: Sequence[float]) -> str:
+    """The note listing one peer's per-round ratios and their median (empty ratios: a note saying so)."""
+    if not ratios:
+        return f"{what} per round, {label}: no complete round"
+    listed = ", ".join(f"{value:.2f}" for value in ratios)
+    return f"{what} per round, {label}: {listed} (median {median(ratios):.2f})"
+
+
 def run_blocking(fn: Callable[..., Any], *args: Any) -> Any:
     """Run ``fn(*args)`` in a worker thread from async code (an HF peer while the engine is idle)."""
     import anyio

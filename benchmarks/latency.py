@@ -172,6 +172,12 @@ def main(argv: list[str] | None = None) -> int:
         rows.append([LABELS[system], ttft * 1e3, itl * 1e3, 1 / itl if itl else None, r_ttft, r_itl])
         results[system] = {"ttft": ttft, "itl": itl, "runs": system_runs}
     notes.append("ratios are peer / asyncllm: > 1 means asyncllm is faster")
+    for system in runs:
+        if system != "asyncllm":
+            for key, what in (("ttft", "TTFT peer / asyncllm"), ("itl", "ITL peer / asyncllm")):
+                per_round = common.per_round_ratios(runs["asyncllm"], runs[system], key, ours_first=False)
+                notes.append(common.per_round_note(LABELS[system], what, per_round))
+                results[system][f"per_round_{key}_ratios"] = per_round
     roofline_json = None
     if common.roofline_applies(args):
         common.log("measuring the machine for the roofline")

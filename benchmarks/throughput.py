@@ -195,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.max_batch_tokens} tokens per step; greedy outputs identical to asyncllm's for "
             f"{same}/{len(workload)} requests."
         )
+    for system in runs:
+        if system != "asyncllm":
+            per_round = common.per_round_ratios(runs["asyncllm"], runs[system], "tokens_per_s")
+            notes.append(common.per_round_note(common.PEER_LABELS[system], "asyncllm / peer", per_round))
+            results[system]["per_round_ratios"] = per_round
     notes.append(f"asyncllm engine: {common.format_statistics(runs['asyncllm'][-1]['statistics'])}")
 
     common.print_header(

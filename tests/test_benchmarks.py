@@ -233,6 +233,11 @@ def test_repeats_are_interleaved_with_vllm(
     assert set(result["ratios"]) == {"hf-static", "vllm"}
     label = "HF generate()" if name == "latency" else "HF generate() static batches"
     assert f"repeats interleaved: 2 rounds, each running asyncllm, vLLM CPU, {label} once in that order" in out
+    # Each round's ratio from its own neighbours, listed with their median.
+    key = "per_round_itl_ratios" if name == "latency" else "per_round_ratios"
+    assert len(result["results"]["vllm"][key]) == 2
+    what = "ITL peer / asyncllm" if name == "latency" else "asyncllm / peer"
+    assert f"{what} per round, vLLM CPU: " in out
 
 
 def test_vllm_worker_answers_one_repeat_at_a_time(fake_vllm_python: Path) -> None:
@@ -326,6 +331,17 @@ def test_percentile_and_ratio() -> None:
     assert common.percentile([0, 10], 90) == 9
     assert math.isnan(common.percentile([], 50))
     assert common.ratio(6.0, 3.0) == 2.0 and common.ratio(1.0, 0.0) is None
+
+
+def test_per_round_ratios_pair_each_round_with_its_neighbour() -> None:
+    ours = [{"t": 10.0}, {"t": 12.0}, {"t": None}, {"t": 9.0}]
+    theirs = [{"t": 5.0}, {"t": 4.0}, {"t": 3.0}, {"t": 3.0}]
+    assert common.per_round_ratios(ours, theirs, "t") == [2.0, 3.0, 3.0]  # the round without a value is skipped
+    assert common.per_round_ratios(ours, theirs, "t", ours_first=False) == [0.5, 1 / 3, 1 / 3]
+    assert common.per_round_note("vLLM CPU", "asyncllm / peer", [2.0, 3.0, 3.0]) == (
+        "asyncllm / peer per round, vLLM CPU: 2.00, 3.00, 3.00 (median 3.00)"
+    )
+    assert "no complete round" in common.per_round_note("vLLM CPU", "asyncllm / peer", [])
 
 
 def test_static_batches_group_by_output_length() -> None:
