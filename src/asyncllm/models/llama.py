@@ -299,7 +299,7 @@ class DecoderLayer(nn.Module):
 
 def _greedy_head(lm_head: Linear) -> greedy_head_cpu.GreedyHead | None:
     """The greedy head over ``lm_head``'s weight (on panels); None where the weights are out of its range."""
-    if lm_head.panel_weight is None:
+    if lm_head.panel_weight is None or lm_head.bias is not None:  # the head computes x @ weight.T alone
         return None
     try:
         return greedy_head_cpu.GreedyHead(lm_head.weight)
