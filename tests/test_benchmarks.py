@@ -20,6 +20,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 # The engine would size its KV cache from memory (1 GiB on CPU); a --quick workload needs a few
@@ -442,3 +443,29 @@ def test_roofline_script(tiny_llama: Path, tmp_path: Path, capsys: pytest.Captur
     assert "roofline:" in out and "output tokens/s" in out
     assert positive(result["roofline"]["total"]) and result["roofline"]["decode_steps"] <= 4
     assert result["roofline"]["compute_only"] <= result["roofline"]["total"] + 1e-12
+
+
+# -- amx_gemm.py (the float32-from-bfloat16-parts experiment) -------------------------------------
+
+
+def test_amx_gemm_experiment_is_float32_accurate_or_says_it_cannot_run(capsys):
+    amx_gemm = load("amx_gemm")
+    library = amx_gemm._library()
+    if library is None:
+        assert amx_gemm.main(["--rows", "3", "--pairs", "1", "--probes", "1"]) == 2
+        return
+    generator = torch.Generator().manual_seed(1)
+    # A partial column block, a partial input slice and a partial row block; a wide range of magnitudes.
+    weight = torch.randn(100, 37, generator=generator) * torch.logspace(-6, 6, 37)
+    matmul = amx_gemm.AmxMatmul(library, weight)
+    for rows in (1, 33, 300):
+        x = torch.randn(rows, 37, generator=generator)
+        result = matmul(x)
+        exact = x.double() @ weight.double().T
+        scale = x.double().abs() @ weight.double().abs().T
+        assert ((result.double() - exact).abs() <= 2.0**-20 * scale).all()
+        # Not the bfloat16 product: its error is about 2**-8 of the scale.
+        bf16 = (x.bfloat16().float() @ weight.bfloat16().float().T).double()
+        assert ((bf16 - exact).abs() > 2.0**-12 * scale).any()
+    assert amx_gemm.main(["--rows", "40", "--pairs", "1", "--probes", "1"]) == 0
+    assert "largest error" in capsys.readouterr().out
