@@ -10,10 +10,12 @@ import pytest
 from asyncllm import (
     Completion,
     DeviceOutOfMemoryError,
+    DeviceStepTimeoutError,
     Engine,
     EngineClosedError,
     EngineDeadError,
     EngineOverloadedError,
+    RequestFailedError,
     SamplingParams,
 )
 from asyncllm.runner import SequenceInput, StepBatch, StepOutput
@@ -272,3 +274,102 @@ async def test_device_work_stays_on_one_thread() -> None:
     assert len(runner.thread_ids) == 1
     assert threading.get_ident() not in runner.thread_ids
     assert runner.closed
+
+
+class _HangingRunner(ScriptedRunner):
+    """A runner whose step ``hang_at`` blocks until the test releases it: a device that never returns."""
+
+    def __init__(self, hang_at: int) -> None:
+        super().__init__(b"abc")
+        self.hang_at = hang_at
+        self.release = threading.Event()
+
+    def execute(self, batch: StepBatch) -> StepOutput:
+        if len(self.steps) == self.hang_at:
+            self.release.wait()
+        return super().execute(batch)
+
+
+async def test_a_hung_step_kills_the_engine_after_step_timeout_and_close_returns() -> None:
+    runner = _HangingRunner(hang_at=3)
+    engine = Engine.open(runner=runner, tokenizer=ByteTokenizer(), step_timeout=0.5)
+    try:
+        with anyio.fail_after(60), pytest.raises(DeviceStepTimeoutError):
+            async with engine:
+                worker = engine._core.worker  # type: ignore[union-attr]
+                with pytest.raises(DeviceStepTimeoutError, match="step_timeout"):
+                    async for _ in engine.stream("hello", LONG):
+                        pass
+                # Dead: /health fails and new requests are refused at once.
+                with pytest.raises(EngineDeadError):
+                    engine.check_health()
+                with pytest.raises(EngineDeadError):
+                    engine.stream("after", LONG)
+        # Leaving `async with` returned although the device thread is still stuck in its step.
+        assert worker.thread.is_alive()
+        assert not runner.closed
+    finally:
+        runner.release.set()
+    # Once the step returns, the abandoned thread ends by itself.
+    await anyio.to_thread.run_sync(worker.thread.join, 60)
+    assert not worker.thread.is_alive()
+
+
+async def test_close_under_a_hung_step_is_bounded_by_step_timeout() -> None:
+    runner = _HangingRunner(hang_at=2)
+    stream_errors: list[BaseException] = []
+    try:
+        with anyio.fail_after(60), pytest.raises(DeviceStepTimeoutError):
+            async with Engine.open(runner=runner, tokenizer=ByteTokenizer(), step_timeout=0.5) as engine:
+                stream = engine.stream("hello", LONG)
+                await stream.__anext__()
+                worker = engine._core.worker  # type: ignore[union-attr]
+            # (leaving the block while the step hangs)
+    finally:
+        runner.release.set()
+    try:
+        async for _ in stream:
+            pass
+    except (EngineDeadError, EngineClosedError) as exc:
+        stream_errors.append(exc)
+    assert len(stream_errors) == 1
+    await anyio.to_thread.run_sync(worker.thread.join, 60)
+
+
+def test_step_timeout_is_checked() -> None:
+    for bad in (0, -1.0, float("nan"), float("inf"), "10", True):
+        with pytest.raises(ValueError, match="step_timeout"):
+            Engine.open(runner=ScriptedRunner(b"a"), tokenizer=ByteTokenizer(), step_timeout=bad)  # type: ignore[arg-type]
+    Engine.open(runner=ScriptedRunner(b"a"), tokenizer=ByteTokenizer(), step_timeout=None)
+
+
+class _FragileTokenizer(ByteTokenizer):
+    """Raises on one token, as a tokenizer with a bug (or a corrupt vocabulary entry) would."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        if 7 in token_ids:
+            raise RuntimeError("tokenizer bug on token 7")
+        return super().decode(token_ids, skip_special_tokens)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+async def test_a_failure_in_one_requests_output_ends_that_request_only(n: int) -> None:
+    def script(seq: SequenceInput) -> int:
+        if seq.prompt_token_ids[0] == ord("!") and seq.num_generated == 4:
+            return 7
+        return b"abc"[seq.num_generated % 3]
+
+    async with Engine.open(runner=ScriptedRunner(script), tokenizer=_FragileTokenizer()) as engine:
+        healthy = engine.stream("healthy", SamplingParams(max_tokens=60, ignore_eos=True))
+        with pytest.raises(RequestFailedError, match="tokenizer bug") as failed:
+            async for _ in engine.stream("!fragile", SamplingParams(n=n, max_tokens=60, ignore_eos=True)):
+                pass
+        assert isinstance(failed.value.__cause__, RuntimeError)
+        text = "".join([c.text async for c in healthy])
+        engine.check_health()
+        after = await engine.generate("after", SamplingParams(max_tokens=5, ignore_eos=True))
+        stats = engine.statistics()
+    assert text == ("abc" * 20)[:60]
+    assert after.text == "abcab"
+    assert stats.num_running == stats.num_waiting == 0
+    assert stats.kv_blocks_free == stats.kv_blocks_total

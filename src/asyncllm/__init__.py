@@ -5,6 +5,7 @@ from asyncllm.errors import (
     AsyncLLMError,
     ChatTemplateError,
     DeviceOutOfMemoryError,
+    DeviceStepTimeoutError,
     EngineClosedError,
     EngineDeadError,
     EngineOverloadedError,
@@ -13,6 +14,8 @@ from asyncllm.errors import (
     InvalidSamplingParamsError,
     ModelNotFoundError,
     PromptTooLongError,
+    RequestFailedError,
+    SchedulerStalledError,
 )
 from asyncllm.outputs import Completion, EngineStatistics, Logprobs, Sample, StreamChunk, TokenLogprob
 from asyncllm.sampling_params import SamplingParams
@@ -25,6 +28,7 @@ __all__ = [
     "ChatTemplateError",
     "Completion",
     "DeviceOutOfMemoryError",
+    "DeviceStepTimeoutError",
     "Engine",
     "EngineClosedError",
     "EngineDeadError",
@@ -36,9 +40,11 @@ __all__ = [
     "Logprobs",
     "ModelNotFoundError",
     "PromptTooLongError",
+    "RequestFailedError",
     "RequestStream",
     "Sample",
     "SamplingParams",
+    "SchedulerStalledError",
     "StreamChunk",
     "TokenLogprob",
     "__version__",

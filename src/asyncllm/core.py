@@ -21,8 +21,8 @@ import anyio
 from anyio.abc import TaskStatus
 
 from asyncllm.device import DeviceCall, DeviceWorker
-from asyncllm.errors import EngineDeadError
-from asyncllm.output_processor import OutputProcessor
+from asyncllm.errors import DeviceStepTimeoutError, EngineDeadError, SchedulerStalledError
+from asyncllm.output_processor import Delivery, OutputProcessor
 from asyncllm.request import PLACEHOLDER, Request
 from asyncllm.runner import ModelRunner, SequenceInput, StepBatch, StepOutput
 from asyncllm.scheduler import Scheduler, SchedulerOutput, TokenEvent
@@ -84,6 +84,8 @@ class EngineCore:
         runner: Runs steps (called on the device thread only).
         outputs: Routes tokens to streams.
         async_scheduling: Schedule step N+1 while step N runs (one token of lookahead).
+        step_timeout: Seconds a step may take from submission before the engine counts the device
+            as hung and dies (``DeviceStepTimeoutError``); None waits forever.
     """
 
     def __init__(
@@ -94,16 +96,20 @@ class EngineCore:
         outputs: OutputProcessor,
         *,
         async_scheduling: bool = True,
+        step_timeout: float | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.worker = worker
         self.runner = runner
         self.outputs = outputs
         self.async_scheduling = async_scheduling
+        self.step_timeout = step_timeout
         self.timings = LoopTimings()
         self._finished_ids: list[int] = []  # ended requests the runner has not been told about
         self._lookahead = LookaheadExecutor(runner)
         self.requests: dict[int, Request] = {}
+        """Every unfinished request (each sample of a group is one) by id."""
+        self._groups: dict[int, list[Request]] = {}  # n > 1: stream id -> samples, until all have ended
         self.num_steps = 0
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
@@ -119,6 +125,8 @@ class EngineCore:
         for sample in request.group or [request]:
             self.requests[sample.request_id] = sample
             self.outputs.register(sample.request_id, stream, sample.sample_index)
+        if request.group:
+            self._groups[request.request_id] = request.group
         self.scheduler.add(request)
         self._wake()
 
@@ -148,12 +156,13 @@ class EngineCore:
     async def _loop(self) -> None:
         events: list[TokenEvent] = []  # the last finished step's, not yet delivered
         in_flight: tuple[SchedulerOutput, DeviceCall[StepOutput]] | None = None
+        idle_with_work = 0  # schedules in a row that found nothing to run while requests were open
         while True:
             events += self._apply_aborts()
             if self._stopping:
                 if in_flight is not None:
-                    await in_flight[1].wait()
-                self._finish_stopped(self.outputs.process(events))
+                    await self._wait(in_flight[1])
+                self._end_delivered(self.outputs.process(events))
                 return
             step = None
             # With async scheduling the next step is scheduled while the previous one still runs
@@ -172,6 +181,15 @@ class EngineCore:
                     self._deliver(events)
                     events = []
                     continue
+                if self.requests:
+                    # Unfinished requests, yet nothing could be scheduled and nothing runs. One
+                    # empty schedule is normal right after a preemption (admission waits a step);
+                    # a second one means no step will ever come: fail them instead of waiting.
+                    idle_with_work += 1
+                    if idle_with_work < 2:
+                        continue
+                    self._fail_stalled()
+                idle_with_work = 0
                 await self._wakeup.wait()
                 self._wakeup = anyio.Event()
                 continue
@@ -184,16 +202,22 @@ class EngineCore:
             # The overlap: the previous step's tokens reach their streams while the device computes.
             self._deliver(events)
             events = []
+            idle_with_work = 0
             if in_flight is not None:
-                result = await in_flight[1].wait()
+                result = await self._wait(in_flight[1])
                 events = self._update(in_flight[0], result)
             in_flight = None if step is None or call is None else (step, call)
 
+    async def _wait(self, call: DeviceCall[StepOutput]) -> StepOutput:
+        try:
+            return await call.wait(self.step_timeout)
+        except DeviceStepTimeoutError:
+            self.worker.abandon()
+            raise
+
     def _deliver(self, events: list[TokenEvent]) -> None:
         started = time.perf_counter()
-        # Requests a stop string ended are finished at once. Their blocks may still be written by
-        # a step in flight, but any new owner's steps run after it on the same device thread.
-        self._finish_stopped(self.outputs.process(events))
+        self._end_delivered(self.outputs.process(events))
         self.timings.output += time.perf_counter() - started
 
     def _batch(self, step: SchedulerOutput) -> StepBatch:
@@ -231,27 +255,61 @@ class EngineCore:
     def _apply_aborts(self) -> list[TokenEvent]:
         events = []
         while self._aborts:
-            aborted = self.requests.get(self._aborts.popleft())
-            if aborted is None:
-                continue
-            # A stream is one request id; with n > 1 aborting it ends every sample.
-            for request in aborted.group or [aborted]:
+            request_id = self._aborts.popleft()
+            # A stream is one request id (its first sample's); with n > 1 aborting it ends every
+            # sample, also once the first one has ended.
+            group = self._groups.get(request_id)
+            if group is None:
+                aborted = self.requests.get(request_id)
+                group = [] if aborted is None else [aborted]
+            for request in group:
                 if not request.finished:
                     self.scheduler.finish(request, "abort")
                     self._forget(request)
                     events.append(TokenEvent(request, [], "abort"))
         return events
 
-    def _finish_stopped(self, requests: list[Request]) -> None:
-        """End in the scheduler the requests the output processor stopped (on a stop string)."""
-        for request in requests:
+    def _end_delivered(self, delivery: Delivery) -> None:
+        """End in the scheduler what delivery ended: failed requests' groups, and stop-string matches.
+
+        Requests a stop string ended are finished at once. Their blocks may still be written by a
+        step in flight, but any new owner's steps run after it on the same device thread.
+        """
+        for failed in delivery.failed:
+            for request in failed.group or [failed]:
+                self.outputs.discard(request.request_id)
+                if not request.finished:
+                    self.scheduler.finish(request, "abort")
+                    self._forget(request)
+        for request in delivery.stopped:
             if not request.finished:
                 self.scheduler.finish(request, "stop")
                 self._forget(request)
 
+    def _fail_stalled(self) -> None:
+        stuck = list(self.requests.values())
+        logger.error(
+            "asyncllm scheduler stalled: %d open requests (%d waiting, %d running), none schedulable, "
+            "%d of %d KV blocks free; failing them",
+            len(stuck),
+            len(self.scheduler.waiting),
+            len(self.scheduler.running),
+            self.scheduler.kv_cache.num_free_blocks,
+            self.scheduler.kv_cache.pool.num_blocks,
+        )
+        error = SchedulerStalledError(
+            "the engine could not schedule this request although nothing else was running (an engine bug; see the log)"
+        )
+        for request in stuck:
+            self.scheduler.finish(request, "abort")
+            self._forget(request)
+            self.outputs.fail_one(request.request_id, error)
+
     def _forget(self, request: Request) -> None:
         self.requests.pop(request.request_id, None)
         self.num_finished += 1
+        if request.group and all(sample.finished for sample in request.group):
+            self._groups.pop(request.group[0].request_id, None)
 
     def _die(self, cause: BaseException) -> None:
         error = cause if isinstance(cause, EngineDeadError) else EngineDeadError(f"a model step failed: {cause!r}")
@@ -263,3 +321,4 @@ class EngineCore:
         for request in list(self.requests.values()):
             self.scheduler.finish(request, "abort")
         self.requests.clear()
+        self._groups.clear()

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import math
 import queue
 import threading
 import time
@@ -20,6 +22,10 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import anyio
+
+from asyncllm.errors import DeviceStepTimeoutError
+
+logger = logging.getLogger("asyncllm")
 
 T = TypeVar("T")
 
@@ -46,6 +52,8 @@ class DeviceCall(Generic[T]):
         self._done = anyio.Event()
         self._result: T | None = None
         self._error: BaseException | None = None
+        self.submitted_at = anyio.current_time()
+        """When the call was queued, on the event loop's clock (``wait``'s timeout counts from here)."""
 
     def _run(self, wake: LoopCallback) -> None:
         try:
@@ -56,10 +64,24 @@ class DeviceCall(Generic[T]):
         with contextlib.suppress(RuntimeError):  # trio's RunFinishedError is one too
             wake(self._done.set)
 
-    async def wait(self) -> T:
-        """The call's return value, or its exception re-raised. Shielded: a step is never abandoned."""
-        with anyio.CancelScope(shield=True):
+    async def wait(self, timeout: float | None = None) -> T:
+        """The call's return value, or its exception re-raised.
+
+        Shielded, so a cancelled caller never abandons a running step; ``timeout`` is the one bound.
+
+        Args:
+            timeout: Seconds from submission after which the call counts as hung; None waits forever.
+
+        Raises:
+            DeviceStepTimeoutError: The call had not returned ``timeout`` seconds after it was submitted.
+        """
+        deadline = math.inf if timeout is None else self.submitted_at + timeout
+        with anyio.CancelScope(shield=True, deadline=deadline):
             await self._done.wait()
+        if not self._done.is_set():
+            raise DeviceStepTimeoutError(
+                f"a device call did not return within {timeout} s (step_timeout); the device thread is stuck"
+            )
         if self._error is not None:
             raise self._error
         return self._result  # type: ignore[return-value]
@@ -82,6 +104,8 @@ class DeviceWorker:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._exited = anyio.Event()
+        self.abandoned = False
+        """True once a call timed out: the thread is left to finish (or not) on its own."""
         self.busy_seconds = 0.0
         """Seconds the thread spent running calls (model steps, load, close)."""
         # (seconds of finished waits, start of the current wait or None), replaced in one assignment
@@ -129,8 +153,23 @@ class DeviceWorker:
         """Run ``fn`` on the device thread and return its result."""
         return await self.submit(fn).wait()
 
+    def abandon(self) -> None:
+        """Give up on the thread after a call hung: it ends by itself if the call ever returns.
+
+        A thread cannot be interrupted, so it is left behind (a daemon) rather than waited for.
+        """
+        if not self.abandoned:
+            self.abandoned = True
+            self._queue.put(_STOP)
+            logger.warning("asyncllm: the device thread is stuck in a call; it is left behind as a daemon thread")
+
     async def stop(self) -> None:
-        """Let queued calls finish, end the thread and wait until it has exited (shielded)."""
+        """Let queued calls finish, end the thread and wait until it has exited (shielded).
+
+        An abandoned worker is not waited for (its thread may never return).
+        """
+        if self.abandoned:
+            return
         self._queue.put(_STOP)
         with anyio.CancelScope(shield=True):
             await self._exited.wait()

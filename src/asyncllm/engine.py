@@ -12,6 +12,7 @@ lazily and nothing outlives the ``async with`` block.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Mapping, Sequence
 from contextlib import AsyncExitStack
@@ -40,6 +41,11 @@ from asyncllm.stream import RequestStream
 logger = logging.getLogger("asyncllm")
 
 
+DEFAULT_STEP_TIMEOUT = 300.0
+"""Seconds a model step may take before the device counts as hung: far above any real step (a full
+``max_num_batched_tokens`` prefill of a large model on a CPU takes a minute or two)."""
+
+
 @dataclass(frozen=True, slots=True)
 class EngineOptions:
     """The options ``Engine.open`` was given, checked."""
@@ -61,6 +67,7 @@ class EngineOptions:
     kv_cache_memory: int | float | None = None
     compile: bool = False
     num_threads: int | None = None
+    step_timeout: float | None = DEFAULT_STEP_TIMEOUT
 
     def __post_init__(self) -> None:
         check_kv_cache_memory(self.kv_cache_memory)
@@ -75,6 +82,12 @@ class EngineOptions:
         for name in ("max_model_len", "kv_cache_blocks", "max_waiting_requests", "num_threads"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
+        if self.step_timeout is not None and (
+            isinstance(self.step_timeout, bool)
+            or not isinstance(self.step_timeout, (int, float))
+            or not 0 < self.step_timeout < math.inf
+        ):
+            raise ValueError(f"step_timeout must be a positive number of seconds or None, got {self.step_timeout!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32', 'float16' or 'bfloat16', got {self.dtype!r}")
 
@@ -124,6 +137,7 @@ class Engine:
         kv_cache_memory: int | float | None = None,
         compile: bool = False,
         num_threads: int | None = None,
+        step_timeout: float | None = DEFAULT_STEP_TIMEOUT,
         runner: ModelRunner | None = None,
         tokenizer: Tokenizer | None = None,
     ) -> Engine:
@@ -174,6 +188,11 @@ class Engine:
                 set, else every usable core below 8 cores and all but one from 8 on (the spare
                 core runs the event loop). On a machine that other processes keep busy, fewer
                 threads avoid OpenMP stalls (docs/performance.md).
+            step_timeout: Seconds a model step may take, from its submission to the device thread,
+                before the device counts as hung: the engine then dies with
+                ``DeviceStepTimeoutError`` on every stream, ``check_health`` (``/health``) fails,
+                and leaving ``async with`` returns at once, leaving the stuck thread behind (logged).
+                None waits forever.
             runner: A ``ModelRunner`` to use instead of the torch one (tests: ``asyncllm.testing``).
             tokenizer: The tokenizer to use with ``runner`` (by default loaded from ``model``).
 
@@ -201,6 +220,7 @@ class Engine:
             kv_cache_memory=kv_cache_memory,
             compile=compile,
             num_threads=num_threads,
+            step_timeout=step_timeout,
         )
         if runner is not None and tokenizer is None:
             raise ValueError("a custom runner needs a tokenizer too")
@@ -242,7 +262,7 @@ class Engine:
         worker = DeviceWorker()
         stack.push_async_callback(worker.stop)
         info = await worker.run(runner.load)
-        stack.push_async_callback(worker.run, runner.close)
+        stack.push_async_callback(_close_runner, worker, runner)
         self._info = info
         self._max_model_len = self._resolve_max_model_len(info)
         kv_cache = KVCacheManager(
@@ -253,7 +273,12 @@ class Engine:
         )
         outputs = OutputProcessor(tokenizer)
         self._core = core = EngineCore(
-            scheduler, worker, runner, outputs, async_scheduling=self.options.async_scheduling
+            scheduler,
+            worker,
+            runner,
+            outputs,
+            async_scheduling=self.options.async_scheduling,
+            step_timeout=self.options.step_timeout,
         )
         # Streams still open when the engine goes away end with an error instead of hanging.
         stack.callback(lambda: outputs.fail_all(EngineClosedError("the engine was closed")))
@@ -604,6 +629,13 @@ class _SampleParts:
     def sample(self, index: int) -> Sample:
         logprobs = None if self.logprobs is None else tuple(self.logprobs)
         return Sample(index, "".join(self.texts), tuple(self.token_ids), self.finish_reason, logprobs, self.stop_reason)
+
+
+async def _close_runner(worker: DeviceWorker, runner: ModelRunner) -> None:
+    if worker.abandoned:  # its thread is stuck in a step: close() would queue behind it forever
+        logger.warning("asyncllm: the model runner was not closed (its device thread is stuck)")
+        return
+    await worker.run(runner.close)
 
 
 def _resolve_model(model: str | os.PathLike[str] | None) -> Path:

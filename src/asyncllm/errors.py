@@ -10,8 +10,11 @@ AsyncLLMError(Exception)
 ├── ModelNotFoundError(FileNotFoundError)   the model folder or the default model's package is missing
 ├── EngineOverloadedError(RuntimeError)     the waiting queue is full (max_waiting_requests); retry later
 ├── EngineClosedError(RuntimeError)         the engine is not open (not entered yet, or already left)
+├── RequestFailedError(RuntimeError)        one request failed inside the engine; the others go on
+│   └── SchedulerStalledError               the request could not be scheduled while nothing else ran
 └── EngineDeadError(RuntimeError)           a model step failed; the cause is chained (``__cause__``)
-    └── DeviceOutOfMemoryError              the device ran out of memory during a step
+    ├── DeviceOutOfMemoryError              the device ran out of memory during a step
+    └── DeviceStepTimeoutError              a step did not return within ``step_timeout`` seconds
 ```
 
 Every ``InvalidRequestError`` is also a ``ValueError``, so code that already catches ``ValueError``
@@ -58,9 +61,24 @@ class EngineClosedError(AsyncLLMError, RuntimeError):
     """The engine is not running: it was not entered yet, or it has been closed."""
 
 
+class RequestFailedError(AsyncLLMError, RuntimeError):
+    """Work that belongs to this request alone failed (e.g. detokenizing its output); the cause is
+    chained. The request's stream ends with it and the engine keeps serving the others."""
+
+
+class SchedulerStalledError(RequestFailedError):
+    """The request could not be scheduled although nothing else was running: an engine bug, turned
+    into an error on the stuck requests rather than a silent wait that never ends."""
+
+
 class EngineDeadError(AsyncLLMError, RuntimeError):
     """A model step failed; every open request ends with this error, chained to the cause."""
 
 
 class DeviceOutOfMemoryError(EngineDeadError):
     """The device ran out of memory during a model step."""
+
+
+class DeviceStepTimeoutError(EngineDeadError):
+    """A model step did not return within the engine's ``step_timeout``; the device thread is left
+    behind (it cannot be interrupted) and every open request ends with this error."""

@@ -10,12 +10,14 @@ scheduler too.
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from asyncllm.detokenizer import IncrementalDetokenizer, Tokenizer
+from asyncllm.errors import RequestFailedError
 from asyncllm.metrics import EngineMetrics
 from asyncllm.outputs import FinishReason, Logprobs, TokenLogprob
 from asyncllm.request import Request
@@ -23,6 +25,19 @@ from asyncllm.runner import PositionLogprobs
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.scheduler import TokenEvent
 from asyncllm.stream import RequestStream
+
+logger = logging.getLogger("asyncllm")
+
+
+@dataclass(slots=True)
+class Delivery:
+    """What delivering a step's events left for the core to end in the scheduler."""
+
+    stopped: list[Request] = field(default_factory=list)
+    """Requests a stop string ended while the scheduler still runs them: finish them with "stop"."""
+    failed: list[Request] = field(default_factory=list)
+    """Requests whose output processing failed (their stream already ended with the error): end
+    them and the rest of their group with "abort"."""
 
 
 @dataclass(slots=True)
@@ -62,71 +77,94 @@ class OutputProcessor:
         """Start routing a request's output to ``stream``."""
         self._outputs[request_id] = _Output(weakref.ref(stream), index)
 
-    def process(self, events: list[TokenEvent]) -> list[Request]:
+    def process(self, events: list[TokenEvent]) -> Delivery:
         """Deliver one step's events; a finished request's held-back text is flushed and it is forgotten.
 
+        A failure while handling one request's event (its tokenizer raising, say) ends that
+        request's stream with ``RequestFailedError`` and touches no other request.
+
         Returns:
-            The requests a stop string ended that the scheduler still runs: the caller must finish
-            them (``Scheduler.finish(request, "stop")``) so their blocks come back.
+            The requests the caller must still end in the scheduler (see ``Delivery``).
         """
         now = time.monotonic()
-        stopped: list[Request] = []
+        delivery = Delivery()
         for event in events:
-            request = event.request
-            output = self._outputs.get(request.request_id)
-            if output is None:
-                continue
-            params = request.params
-            if output.detokenizer is None:
-                output.detokenizer = IncrementalDetokenizer(
-                    self._tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens
-                )
-                stream = output.stream()
-                output.text_at_end = stream is not None and stream.wakes_at_end and not params.stop
-            if event.new_token_ids:
-                self._record_tokens(request, output, len(event.new_token_ids), now)
-                output.num_tokens += len(event.new_token_ids)
-            finish_reason: FinishReason | None = event.finish_reason
-            stop_reason = request.stop_reason if finish_reason == "stop" else None
-            if output.text_at_end:
-                # Two decodes per token and step (about 20 us) are loop time the device waits for; the
-                # flush below decodes the whole output once.
-                output.detokenizer.defer(event.new_token_ids)
-                text = ""
-            else:
-                text = output.detokenizer.push(event.new_token_ids)
-            if finish_reason is not None:
-                text += output.detokenizer.flush()
-            if params.stop:
-                text, matched = _apply_stop_strings(output, params, text, finished=finish_reason is not None)
-                if matched is not None:
-                    if finish_reason is None:
-                        stopped.append(request)
-                    finish_reason, stop_reason = "stop", matched
-                    request.stop_reason = matched
-            logprobs = None
-            if event.logprobs is not None:
-                logprobs = [self._logprobs(entry) for entry in event.logprobs if entry is not None]
-            prompt_logprobs = None
-            if event.prompt_logprobs is not None and not output.prompt_logprobs_sent:
-                output.prompt_logprobs_sent = True
-                prompt_logprobs = tuple(None if e is None else self._logprobs(e) for e in event.prompt_logprobs)
-            if finish_reason is not None:
-                del self._outputs[request.request_id]
-                self._record_finish(request, finish_reason, now)
-            stream = output.stream()
-            if stream is None:  # dropped by its consumer; its abort is on the way
-                continue
-            stream._push(
-                output.index,
-                text,
-                event.new_token_ids,
-                finish_reason,
-                logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
-                stop_reason=stop_reason,
+            try:
+                self._deliver(event, now, delivery.stopped)
+            except Exception as exc:
+                logger.exception("asyncllm: request %d failed in output processing", event.request.request_id)
+                error = RequestFailedError(f"request failed while its output was processed: {exc!r}")
+                error.__cause__ = exc
+                self.fail_one(event.request.request_id, error)
+                delivery.failed.append(event.request)
+        return delivery
+
+    def fail_one(self, request_id: int, error: BaseException) -> None:
+        """End one request's stream with ``error`` (every sample of it: a stream fails as a whole)."""
+        output = self._outputs.pop(request_id, None)
+        stream = None if output is None else output.stream()
+        if stream is not None:
+            stream._fail(error)
+
+    def discard(self, request_id: int) -> None:
+        """Stop routing a request's output (its stream has already ended)."""
+        self._outputs.pop(request_id, None)
+
+    def _deliver(self, event: TokenEvent, now: float, stopped: list[Request]) -> None:
+        request = event.request
+        output = self._outputs.get(request.request_id)
+        if output is None:
+            return
+        params = request.params
+        if output.detokenizer is None:
+            output.detokenizer = IncrementalDetokenizer(
+                self._tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens
             )
-        return stopped
+            stream = output.stream()
+            output.text_at_end = stream is not None and stream.wakes_at_end and not params.stop
+        if event.new_token_ids:
+            self._record_tokens(request, output, len(event.new_token_ids), now)
+            output.num_tokens += len(event.new_token_ids)
+        finish_reason: FinishReason | None = event.finish_reason
+        stop_reason = request.stop_reason if finish_reason == "stop" else None
+        if output.text_at_end:
+            # Two decodes per token and step (about 20 us) are loop time the device waits for; the
+            # flush below decodes the whole output once.
+            output.detokenizer.defer(event.new_token_ids)
+            text = ""
+        else:
+            text = output.detokenizer.push(event.new_token_ids)
+        if finish_reason is not None:
+            text += output.detokenizer.flush()
+        if params.stop:
+            text, matched = _apply_stop_strings(output, params, text, finished=finish_reason is not None)
+            if matched is not None:
+                if finish_reason is None:
+                    stopped.append(request)
+                finish_reason, stop_reason = "stop", matched
+                request.stop_reason = matched
+        logprobs = None
+        if event.logprobs is not None:
+            logprobs = [self._logprobs(entry) for entry in event.logprobs if entry is not None]
+        prompt_logprobs = None
+        if event.prompt_logprobs is not None and not output.prompt_logprobs_sent:
+            output.prompt_logprobs_sent = True
+            prompt_logprobs = tuple(None if e is None else self._logprobs(e) for e in event.prompt_logprobs)
+        if finish_reason is not None:
+            del self._outputs[request.request_id]
+            self._record_finish(request, finish_reason, now)
+        stream = output.stream()
+        if stream is None:  # dropped by its consumer; its abort is on the way
+            return
+        stream._push(
+            output.index,
+            text,
+            event.new_token_ids,
+            finish_reason,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            stop_reason=stop_reason,
+        )
 
     def _token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)

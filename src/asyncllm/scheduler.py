@@ -13,7 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from asyncllm.kv.manager import NO_HIT, KVCacheManager
+from asyncllm.kv.manager import CacheHit, KVCacheManager
 from asyncllm.outputs import FinishReason
 from asyncllm.request import Request, RequestStatus
 from asyncllm.runner import PositionLogprobs, StepOutput
@@ -112,14 +112,15 @@ class Scheduler:
         # Admitting new work right after a preemption would only thrash the cache.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            # A forked sample already holds its first sample's prompt blocks; others ask the cache.
-            forked = request.num_computed_tokens > 0
-            hit = NO_HIT if forked else self.kv_cache.find_cached_prefix(request)
-            start = max(request.num_computed_tokens, hit.num_tokens)
+            # Waiting requests hold no blocks. A sample shares its first sample's computed prompt
+            # blocks while that one runs; every other request (or sample) asks the prefix cache.
+            shared = self._shared_prompt(request)
+            hit = shared if shared is not None else self.kv_cache.find_cached_prefix(request)
+            start = hit.num_tokens
             num_new = min(request.num_tokens + request.num_pending_tokens - start, budget)
             if self.kv_cache.allocate_slots(request, start + num_new, hit) is None:
                 break
-            if not forked:
+            if shared is None:
                 self.kv_cache.record_lookup(request, hit)
             request.num_computed_tokens = start
             self.waiting.popleft()
@@ -168,7 +169,7 @@ class Scheduler:
                 request.num_confirmed_tokens = max(request.num_confirmed_tokens, item.start + item.num_new_tokens)
                 self.kv_cache.cache_computed_blocks(request)
                 if request.forks and request.num_confirmed_tokens >= len(request.prompt_token_ids):
-                    self._release_forks(request)
+                    self._release_samples(request)
             if not item.sample:
                 continue
             request.num_pending_tokens -= 1
@@ -199,19 +200,33 @@ class Scheduler:
         request.finish_reason = reason
         self.kv_cache.free(request)
         self._finished_ids.append(request.request_id)
+        if request.forks:
+            # It ended before its prompt was computed (a preempted step's token can finish it):
+            # the samples it held back must not wait for it any longer.
+            self._release_samples(request)
 
-    def _release_forks(self, first: Request) -> None:
-        # Sample 0 has computed the prompt: the other samples share its full prompt blocks by
-        # reference and each computes only the partial last block (at least one token, to have
-        # logits of its own to sample from), where their different continuations will be written.
-        shared_blocks = (len(first.prompt_token_ids) - 1) // self.kv_cache.block_size
+    def _release_samples(self, first: Request) -> None:
+        # The other samples queue up at the front, holding no blocks: at admission each one shares
+        # the prompt blocks of ``first`` if it still runs with them computed (``_shared_prompt``).
         for sample in reversed(first.forks):
-            if sample.finished:
-                continue
-            self.kv_cache.fork(first, sample, shared_blocks)
-            sample.num_computed_tokens = sample.num_confirmed_tokens = shared_blocks * self.kv_cache.block_size
-            self.waiting.appendleft(sample)
+            if not sample.finished:
+                self.waiting.appendleft(sample)
         first.forks = []
+
+    def _shared_prompt(self, request: Request) -> CacheHit | None:
+        """The full prompt blocks a sample can share with its group's first sample, if it can now.
+
+        Each sample computes at least the partial last block itself (at least one token, to have
+        logits of its own), where its continuation will be written.
+        """
+        if request.sample_index == 0 or not request.group:
+            return None
+        first = request.group[0]
+        num_blocks = (len(request.prompt_token_ids) - 1) // self.kv_cache.block_size
+        num_tokens = num_blocks * self.kv_cache.block_size
+        if first.status is not RequestStatus.RUNNING or first.num_confirmed_tokens < num_tokens:
+            return None
+        return CacheHit(self.kv_cache.block_table(first.request_id)[:num_blocks], num_tokens)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         # Optimistic: the tokens count as computed from now on, so the next step can be scheduled

@@ -118,12 +118,6 @@ class KVCacheManager:
             tokens = request.token_ids(0, num_tokens)
             extend_block_hashes(request.block_hashes, tokens, self.block_size, request.cache_salt)
 
-    def fork(self, source: Request, target: Request, num_blocks: int) -> None:
-        """Start ``target``'s table with ``source``'s first ``num_blocks`` blocks, shared by reference."""
-        shared = self._tables.get(source.request_id, [])[:num_blocks]
-        self.pool.touch(shared)
-        self._tables[target.request_id] = list(shared)
-
     def block_table(self, request_id: int) -> list[int]:
         """The request's blocks in sequence order (empty if it holds none)."""
         return self._tables.get(request_id, [])
