@@ -2,7 +2,7 @@
 
     python benchmarks/amx_gemm.py [--rows 2048 512 64] [--pairs 15] [--probes 10]
 
-docs/performance.md, "Eleventh round", tried this kernel for the prompts' matmuls and did not keep it in
+docs/performance-log.md, "Eleventh round", tried this kernel for the prompts' matmuls and did not keep it in
 the engine; this script reproduces those figures. Each float32 (inputs and weights) splits exactly into
 three bfloat16 parts ``h + m + l``; AMX forms the six largest of the nine part products exactly and sums
 them in float32 (the five small ones first over all inputs, ``h*h`` last). The three dropped products

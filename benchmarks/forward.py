@@ -27,7 +27,7 @@ Repeats are interleaved (repeat 1 of every variant on a step, then repeat 2, ...
 rotates), each repeat times ``--steps`` consecutive steps and keeps their median; the table shows
 the median over repeats in ms per step, and the spread table the half-range over repeats in % of it.
 
-    python benchmarks/forward.py                  # the table in docs/performance.md
+    python benchmarks/forward.py                  # the tables in docs/performance-log.md
     python benchmarks/forward.py --quick          # smoke run (tiny shapes, one repeat)
     python benchmarks/forward.py --gemm           # only the matmuls: F.linear, MKL packed, panels (GFLOPS)
 """

@@ -1,6 +1,6 @@
 """Input preparation per step: the persistent ``InputBatch`` against the from-scratch construction it replaced.
 
-    python benchmarks/input_prep.py               # the table in docs/performance.md
+    python benchmarks/input_prep.py               # the table in docs/performance-log.md
     python benchmarks/input_prep.py --quick       # smoke run (small batches, few steps)
 
 A step is what ``TorchModelRunner`` does before the model runs: token ids, positions, slot mapping,

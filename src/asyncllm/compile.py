@@ -18,8 +18,8 @@ reads and writes the paged KV cache through its backend.
   ``/tmp/torchinductor_<user>``) keep the generated code, so a second start-up with the same model
   shapes and torch version skips code generation (seconds instead of tens of seconds).
 
-``configure_cpu_threads`` decides torch's intra-op thread count on the CPU (see
-docs/performance.md for the measurements behind it).
+``configure_cpu_threads`` decides torch's intra-op thread count on the CPU (the measurements behind
+the choice: docs/performance-log.md).
 """
 
 from __future__ import annotations
@@ -121,10 +121,8 @@ def configure_cpu_threads(requested: int | None) -> int:
     application itself) runs while the device thread computes, and an OpenMP parallel region
     waits at its barrier for its slowest thread, so a torch thread that shares its core with the
     loop stalls the whole step a little. With 8 or more cores one core is a small price for
-    avoiding that; below, a reserved core costs far more than the stalls do (2 cores: 1 thread
-    ran the throughput workload at 208-225 output tokens/s, 2 threads at 291-312, interleaved runs;
-    docs/performance.md). On a machine other processes load heavily, fewer threads than cores
-    avoid OpenMP stalls: pass ``num_threads``.
+    avoiding that; below, a reserved core costs far more than the stalls do. On a machine other
+    processes load heavily, fewer threads than cores avoid OpenMP stalls: pass ``num_threads``.
 
     Args:
         requested: A thread count; or None: ``OMP_NUM_THREADS`` if it is set (torch read it at

@@ -60,7 +60,7 @@ def decoder_for(tokenizer: Tokenizer) -> Decode:
     """The fastest exact ``decode`` of ``tokenizer``.
 
     An HF fast tokenizer's ``decode`` converts its input and checks types in Python before it calls
-    the Rust tokenizer; that wrapper costs about five times the decode itself, twice per token of
+    the Rust tokenizer; that wrapper costs several times the decode itself, twice per token of
     every running request (``IncrementalDetokenizer.push``). Where the tokenizer's class is one whose
     decode only forwards (no subclass overrides it, no clean-up of spaces), the Rust tokenizer is
     called directly; any other tokenizer keeps its own ``decode``.

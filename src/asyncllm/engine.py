@@ -177,12 +177,10 @@ class Engine:
                 that (at most 4 GiB) on the CPU, 90% on CUDA. The block count and the concurrency
                 it allows at ``max_model_len`` are logged.
             compile: ``torch.compile`` the dense parts of every layer at start-up (norms, fused
-                matmuls, rotary, MLP; a progress line is logged). For SmolLM2 on 2 CPU cores that
-                takes about 30 s the first time and 6 s once inductor's on-disk cache has it, for
-                about 6% more throughput on the CPU (within the run-to-run spread there; see
-                docs/performance.md), so it is off by default: the fast CPU path (fused
-                projections, the cpu attention kernel, the thread count) does not need it. False
-                keeps the eager forward.
+                matmuls, rotary, MLP; a progress line is logged). It costs tens of seconds at the
+                first start-up (seconds once inductor's on-disk cache has it) for a few percent
+                more throughput on the CPU when last measured (docs/performance.md), so it is off
+                by default: the fast CPU path does not need it. False keeps the eager forward.
             num_threads: torch's intra-op threads for the forward on the CPU (set at start-up on
                 the device thread; torch's count is per process). None: ``OMP_NUM_THREADS`` if
                 set, else every usable core below 8 cores and all but one from 8 on (the spare

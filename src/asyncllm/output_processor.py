@@ -128,8 +128,8 @@ class OutputProcessor:
         finish_reason: FinishReason | None = event.finish_reason
         stop_reason = request.stop_reason if finish_reason == "stop" else None
         if output.text_at_end:
-            # Two decodes per token and step (about 20 us) are loop time the device waits for; the
-            # flush below decodes the whole output once.
+            # Two decodes per token and step are loop time the device waits for; the flush below
+            # decodes the whole output once.
             output.detokenizer.defer(event.new_token_ids)
             text = ""
         else:

@@ -2,8 +2,11 @@
 
 It is an async iterator and an async context manager, deliberately not an async generator: the
 engine pushes deltas into it without ever waiting for the consumer, and a consumer that lags finds
-them merged into one chunk (memory stays bounded by the text itself). Leaving it early by any route
-(``break``, cancellation, a timeout, ``aclose()``) aborts the request so its KV blocks come back.
+them merged into one chunk (memory stays bounded by the text itself). Leaving it early aborts the
+request so its KV blocks come back: at once on leaving ``async with``, on ``aclose()``, or when the
+consumer is cancelled while it waits for output; after a bare ``break`` only when the stream is
+dropped, since ``__del__`` is then the engine's only way to hear of it (a stream still held in a
+variable keeps generating until that reference goes).
 """
 
 from __future__ import annotations
@@ -92,8 +95,7 @@ class RequestStream:
         self._wakeup = anyio.Event()
         self._closed = False
         # A consumer that only wants the whole output (``Engine.generate``) is woken once, at the end:
-        # a wake-up per step and request is event-loop time the device waits for (64 requests: about
-        # 2 ms a step, 4% of the throughput benchmark).
+        # a wake-up per step and request is event-loop time the device waits for.
         self._wake_at_end = wake_at_end
 
     @property
@@ -193,6 +195,7 @@ class RequestStream:
         self._close()
 
     def __del__(self) -> None:
-        # A `break` out of `async for` just drops the stream; this is how the engine hears of it.
+        # A `break` out of `async for` just drops the stream; this is how the engine hears of it, once
+        # the last reference goes (at once under CPython's reference counting, unless a cycle holds it).
         if not self._closed and not self.finished:
             self._abort(self.request_id)

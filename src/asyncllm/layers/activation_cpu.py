@@ -1,11 +1,9 @@
 """SiLU of the gate times up, in one pass and bit for bit torch's, float32 on x86 CPUs with AVX-512.
 
 An MLP's ``F.silu(gate, inplace=True)`` then ``gate.mul_(up)`` is two passes over the gate/up
-projection's output, each a trip into torch's thread pool. At a 2,048-token prefill that output is 25
-MB on the benchmark model, read and written from memory twice (about 3 ms a layer); at a decode step
-the two calls' fixed costs are most of it. One C pass reads gate and up once and writes the product:
-the op alone 1.9x at 2,048 rows, 2.5x at 64; whole prefill and 64-sequence decode steps about 1.5%
-(docs/performance.md, "Eighth round").
+projection's output, each a trip into torch's thread pool: at a prefill the output comes from memory
+twice, at a decode step the two calls' fixed costs are most of the work. One C pass reads gate and up
+once and writes the product (measurements: docs/performance-log.md, "Eighth round").
 
 The result is exactly torch's: torch computes ``x / (1 + exp(-x))`` with SLEEF's ``expf16_u10``, two
 AVX-512 vectors (32 floats) at a time, and with the C library's ``expf`` on the rest of a stretch (up to

@@ -2,8 +2,8 @@
 
 The ``torch`` reference backend (``asyncllm.layers.attention``) gathers, for every layer, the keys
 and values of every decode sequence into one batch padded to the longest context, then runs SDPA
-on it: at 64 sequences of 512 tokens that is 67 MB copied per layer into freshly allocated memory
-(page faults included), and it dominates the step. This backend reads the cache in place:
+on it: a copy of every context per layer into freshly allocated memory, which dominates a decode
+step. This backend reads the cache in place:
 
 - Decode tokens (one query per sequence) go to a small C kernel, compiled once per head size with
   the system C compiler at start-up (about half a second; cached under ``cache_root()/kernels``)
@@ -17,7 +17,7 @@ on it: at 64 sequences of 512 tokens that is 67 MB copied per layer into freshly
 - Prompt chunks that start at position 0 attend only to their own new keys and values, taken
   straight from the projection: a second C kernel (flash-attention tiling: tiles of as many
   queries as a vector has lanes walk the key tiles up to their diagonal with an online softmax
-  run across the tile's queries at once; 4.6-7.6x torch's causal SDPA here). A chunk with cached
+  run across the tile's queries at once). A chunk with cached
   history (chunked prefill, a prefix-cache hit) or a sliding window gathers its slots once and
   runs SDPA, as the reference does.
 
@@ -91,8 +91,8 @@ static inline vec vmax(vec a, vec b) { return vselect(a > b, a, b); }
    1.6e-38, nothing beside the maximum's 1. */
 static inline vec vexp(vec x) {
     /* Lanes whose result is discarded (masked keys, stale scratch) may hold anything: clamp to [-87, 0],
-       with vector compares (a lane-by-lane loop here compiled to scalar code, and the clamp cost more than
-       the rest of the exponential). */
+       with vector compares: a lane-by-lane loop compiles to scalar code, which would cost more than the
+       rest of the exponential. */
     x = vselect(x < splat(-87.0f), splat(-87.0f), x);
     x = vselect(x > splat(0.0f), splat(0.0f), x);
     const vec shift = splat(12582912.0f);
@@ -116,10 +116,9 @@ static inline vec vexp(vec x) {
 
 /* A sequence's blocks are scattered over the cache and the hardware prefetchers stop at page boundaries,
    so the next block's rows are prefetched while this block is computed, into L2 (hint 2), spread out: per
-   row computed, that row of the next block, one KV head's keys and values beside that head's scores. A whole
-   block prefetched at once (32 KB, as an earlier version did) fills the line-fill buffers and stalls the
-   loads of the block being computed (14-15 GB/s from memory against 19-20 spread by rows; a plain read of the
-   same blocks: 26); a whole row at once (32 lines) was 1.07-1.09x slower than this. */
+   row computed, that row of the next block, one KV head's keys and values beside that head's scores: fetches
+   in bursts (a whole block, or a whole row, at once) fill the line-fill buffers and stall the loads of the
+   block being computed. */
 static inline void prefetch_row(const float *row, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)row + b, 0, 2);
 }
@@ -187,8 +186,7 @@ int asyncllm_paged_decode_f32(const float *q, int64_t q_stride, const float *k_c
                 const float *keys = k_cache + (table[b] * block_size * row_size + h0 * HEAD_DIM);
                 const float *values = v_cache + (table[b] * block_size * row_size + h0 * HEAD_DIM);
                 /* Keys row by row, front to back through the block (the order the memory system
-                   streams best; head by head over the rows was 25-30% slower from memory), every head's
-                   score against each row. */
+                   streams best), every head's score against each row. */
                 const int64_t next = b < last ? table[b + 1] * block_size * row_size + h0 * HEAD_DIM : -1;
                 const float *next_keys = next >= 0 ? k_cache + next : 0;
                 const float *next_values = next >= 0 ? v_cache + next : 0;
@@ -268,9 +266,8 @@ int asyncllm_paged_decode_f32(const float *q, int64_t q_stride, const float *k_c
    [starts[c], ends[c]). Work: (chunk, KV head, block of TILE queries), each walking the key tiles up to its
    diagonal with an online softmax. The softmax runs across the tile's queries at once (lanes = queries):
    the scores of every query against one key are one vector, so a tile's maxima, exponentials and sums are
-   whole-vector operations, not a reduction across lanes per query row (twice as fast as that layout,
-   which spent most of its time in per-row maxima, sums and scalar exponentials). Returns 0, or -1 when
-   scratch memory ran out. */
+   whole-vector operations, not per-row maxima, sums and scalar exponentials across lanes. Returns 0, or -1
+   when scratch memory ran out. */
 #define TILE W
 /* The weighted values' register block: QB queries x DV vectors (HEAD_DIM / W) of accumulators, at most 16. */
 #define DV (HEAD_DIM / W)
@@ -372,8 +369,8 @@ int asyncllm_causal_prefill_f32(const float *q, int64_t q_stride, const float *k
                     /* Weighted values, lanes = dimensions: acc[i] (query i's accumulator row) += query i's
                        probability against key j, broadcast, x value row j. QB queries at a time keep their
                        rows in registers, rescaled as they are loaded, and share each value row's loads: per
-                       key DV loads feed QB x DV multiply-adds (lanes = queries here needed a load per
-                       multiply-add and ran 1.05-1.19x slower; same sums in the same order, same bits). */
+                       key DV loads feed QB x DV multiply-adds, where lanes = queries would need a load per
+                       multiply-add. */
                     float rescales[TILE];
                     store(rescales, rescale);
                     const float *tile_values = v + (starts[c] + key0) * v_stride + g * HEAD_DIM;
@@ -616,7 +613,8 @@ _Kernel = Callable[..., int]
 def _library(head_dim: int) -> ctypes.CDLL | None:
     if head_dim % 4:
         return None  # the kernels' vectors are 4, 8 or 16 floats wide
-    # -ffp-contract=fast lets the multiply-adds be fused (ISO C mode forbids it by default): 20% faster.
+    # -ffp-contract=fast lets the multiply-adds be fused (ISO C mode forbids it by default): fewer roundings
+    # and instructions in the dot products.
     source = f"#define HEAD_DIM {head_dim}\n{_SOURCE}"
     path = native.build(f"attention_hd{head_dim}", source, ("-ffp-contract=fast",))
     if path is None:

@@ -1,10 +1,9 @@
 """RMSNorm (with the residual add fused in), rotary embeddings and the KV write as C kernels, float32 on the CPU.
 
 torch has no fused RMSNorm kernel on the CPU: ``torch.rms_norm`` runs the composite (square, mean,
-add, rsqrt, two multiplies), each op a pass over the tensor and a trip into the thread pool. At a
-decode step's few rows that is 0.1-0.2 ms per norm for microseconds of arithmetic, 17 norms a step
-on the benchmark model; at a 2,048-token prefill it is seven passes over 4 MB. Rotary is five ops
-per tensor the same way. Here each is one pass, called through ``ctypes`` (built by
+add, rsqrt, two multiplies), each op a pass over the tensor and a trip into the thread pool, which
+at a decode step's few rows costs far more than the arithmetic. Rotary is five ops per tensor the
+same way. Here each is one pass, called through ``ctypes`` (built by
 ``asyncllm.layers.native``; ``available()`` says whether it could be).
 
 The KV write (``write_kv``) is ``index_copy_``'s result in one pass over the rows, with streaming stores
@@ -120,8 +119,7 @@ void asyncllm_rotary_f32(float *q, float *k, const float *cos, const float *sin,
 
 /* Copy n floats to a cache row. The row's lines are rarely in the cache (a sequence's slots are scattered over
    the whole KV cache), and an ordinary store first reads each line from memory; with AVX-512, rows of whole
-   64-byte lines at aligned addresses are written with streaming stores instead, which skip that read (the KV
-   write at 64 decode sequences: 0.40 -> 0.14 ms a step; a 2,048-token prefill: 3.9 -> 1.9 ms). */
+   64-byte lines at aligned addresses are written with streaming stores instead, which skip that read. */
 static inline void store_row(float *dst, const float *src, int64_t n) {
 #ifdef __AVX512F__
     if (n % 16 == 0 && (uintptr_t)dst % 64 == 0) {

@@ -1,10 +1,9 @@
 """Float32 matmul against weights packed into column panels: a C kernel for x86 CPUs with AVX-512.
 
 A decode step multiplies a few to a few dozen rows by every weight of the model, and the weights
-(166 MB on the benchmark model) do not stay in the cache between steps: each matmul streams its
-weight from memory. MKL's packed GEMM (``layers.linear``) reaches 230-270 GFLOPS on this project's
-2-core machine when the weight is in the cache, but 30-45% less when it comes from memory at 8-32
-rows: it does not fetch the weight ahead of the arithmetic. This kernel does.
+do not stay in the cache between steps: each matmul streams its weight from memory. MKL's packed
+GEMM (``layers.linear``) does not fetch the weight ahead of its arithmetic, so at those row counts
+it waits on memory; this kernel fetches the next panel while it computes.
 
 Layout: the [out_features, in_features] weight becomes panels of 48 output columns (three 16-float
 AVX-512 vectors), each panel ``in_features`` rows of 48 floats, the last panel zero-padded. One
@@ -22,12 +21,9 @@ Numerics: each output is the float32 fused multiply-add chain over the inputs in
 rounding per step (MKL sums in another order; both differ from the exact product by float32
 rounding only; greedy tokens match transformers', tests/test_parity.py).
 
-Measured on the 2-core machine (weights from memory, all of the benchmark model's matmuls back to
-back, against MKL packed): 1.3-1.5x at 4-8 rows, 1.2-1.3x at 16, 1.0-1.2x at 32, 0.9-1.1x from 64 to
-2,048, level at 1 row (both read the weights at the memory's speed there). Inside the model the
-prefill-sized inputs lost (a 2,048-row step 12-17% slower, a 256-row one 2-5%): there the arithmetic
-decides and MKL blocks for the caches better, so ``layers.linear`` sends inputs of more than
-``PANEL_MAX_ROWS`` rows to MKL's layout where it keeps both. See docs/performance.md, "Fifth round".
+Use: decode-sized inputs. For prefill-sized ones the arithmetic decides and MKL blocks for the
+caches better, so ``layers.linear`` sends inputs of more than ``PANEL_MAX_ROWS`` rows to MKL's layout
+where it keeps both. The measurements: docs/performance-log.md, "Fifth round".
 """
 
 from __future__ import annotations
@@ -78,8 +74,8 @@ void asyncllm_panel_pack(const float *weight, float *panels, int64_t out_feature
 }
 
 /* out[r, 0:columns] = x[r, :] . panel for r < rows. While computing, prefetch `lines` cache lines from
-   `ahead` into L2, evenly: `rate` lines per `in_features` input columns (whole lines a step in bursts, with the
-   rest of the block left without any, made 9-16 input rows 7-8% slower). */
+   `ahead` into L2, evenly: `rate` lines per `in_features` input columns, a running remainder carrying the
+   fractions, so the fetches neither bunch up nor leave the end of the block without any. */
 static inline __attribute__((always_inline)) void micro(const float *restrict x, int64_t x_stride,
         const float *restrict panel, float *restrict out, int64_t out_stride, int64_t in_features, int64_t columns,
         const int rows, const char *restrict ahead, int64_t lines, int64_t rate) {

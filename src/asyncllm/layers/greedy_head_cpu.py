@@ -1,9 +1,9 @@
 """Greedy tokens without the whole float32 output projection: bounded in bfloat16 on AMX, decided in float32.
 
 A greedy row needs one thing from its [vocab] logits: which column is largest. Computing all of them in
-float32 is the output projection, 13% of a decode step's device time on the benchmark model and more on
-SmolLM2 (vocabularies of 32,000-49,152 columns against hidden sizes of 512-576). This head gets the same
-token for a fraction of that:
+float32 is the output projection, a large share of a decode step on small models, whose vocabularies
+(32,000-49,152 columns) dwarf their hidden sizes (512-576). This head gets the same token for a fraction
+of that:
 
 1. **Bound every logit.** The hidden state and the weight (packed once) go to bfloat16, and Intel's AMX
    tile unit multiplies them with float32 sums: half the bytes to stream, and the arithmetic nearly free.
@@ -12,7 +12,8 @@ token for a fraction of that:
    (x - x').w'`` and on the two sums' rounding: ``x'`` and ``w'`` are the bfloat16 copies, ``e_j`` the
    norm of column j's rounding error and ``s_j`` the larger of its two norms (both measured at packing),
    ``g_t`` and ``g_c`` the relative error bounds of a float32 sum over the padded and the actual inputs.
-   Measured rounding errors, not the worst case of 2**-8 per value, make the bound 2-3 times tighter.
+   Measured rounding errors, not the worst case of 2**-8 per value, keep the bound tight, so few columns
+   survive step 2.
    The factors are rounded up, which covers the float32 arithmetic of the bound itself; rounding
    ``a_j +- b_j`` to nearest cannot cross ``f_j``, itself a float32.
 2. **Keep the columns that could be the maximum.** Any column whose ``a_j + b_j`` falls below

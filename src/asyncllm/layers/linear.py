@@ -2,17 +2,15 @@
 
 ``F.linear`` on the CPU calls MKL's ``sgemm``, which repacks the whole weight matrix into its
 internal panel layout on every call. At the batch sizes of decoding (a few to a few hundred rows)
-that repacking costs as much as the multiplication: measured on this project's 2-core machine, a
-[3072 x 512] weight runs at 28-77 GFLOPS for 16-32 rows through ``F.linear`` and at 66-101 GFLOPS
-from a weight packed once; whole decode steps of the benchmark model are 1.2-1.33x faster
-(docs/performance.md). Two packed layouts, used alone or together:
+that repacking costs about as much as the multiplication, so the weights are packed once, at load.
+Two packed layouts, used alone or together:
 
 - ``"panels"`` (x86 with AVX-512): ``asyncllm.layers.gemm_cpu``'s own kernel and layout, which
-  fetches the next part of the weight while it computes; 1.1-1.5x MKL's packed GEMM at 4-32 rows
-  with the weights coming from memory, as they do in a decode step;
+  fetches the next part of the weight while it computes: the faster one at decode row counts, where
+  the weights come from memory;
 - ``"mkl"``: MKL's ``cblas_sgemm_pack`` / ``cblas_sgemm_compute``. torch's CPU builds for x86 link
   MKL statically and export those symbols from ``libtorch_cpu.so``, so they are reached with
-  ``ctypes``. Faster than the panels for prefill-sized inputs (a 2,048-row step 12-17%);
+  ``ctypes``. The faster one for prefill-sized inputs, where the arithmetic decides;
 - ``"both"``: a copy in each layout, each input on the better one by its row count
   (``PANEL_MAX_ROWS``); the default where both run and the second copy fits comfortably in memory.
 
@@ -152,9 +150,8 @@ def packed_matmul_into(
 PANEL_MAX_ROWS = 64
 """With both packed formats, inputs of up to this many rows go to the panel GEMM, larger ones to MKL's.
 
-The panel GEMM wins where the weights' memory traffic decides (decode batches: 1.2-1.3x whole steps at 8-32
-rows, level at 64); MKL's wins where the arithmetic does (prefill: a 2,048-row step 12-17% faster,
-docs/performance.md)."""
+The panel GEMM wins where the weights' memory traffic decides (decode batches); MKL's wins where the
+arithmetic does (prefill). Measurements: docs/performance-log.md, "Fifth round"."""
 
 
 def on_panels(has_panels: bool, has_packed: bool, rows: int) -> bool:

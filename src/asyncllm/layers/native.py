@@ -48,8 +48,7 @@ static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
 static inline vec splat(float x) { return (vec){0} + x; }
 
 /* The sum of the lanes by a tree of halvings, not a lane-by-lane chain: without -ffast-math the compiler
-   keeps the written order, and sixteen dependent adds per dot product made an earlier decode kernel
-   compute-bound (18 of 40 GB/s on cached data). */
+   keeps the written order, and sixteen dependent adds per dot product would make a kernel compute-bound. */
 static inline float hsum(vec v) {
     for (int w = W / 2; w >= 1; w /= 2)
         for (int j = 0; j < w; ++j) v[j] += v[j + w];

@@ -4,10 +4,8 @@ On the CPU in float32 every heavy part of a layer is already a foreign call that
 the packed GEMMs (``layers.gemm_cpu``'s panels, MKL's packed layout), the fused norms and rotary
 (``layers.elementwise_cpu``) and the attention kernels (``layers.attention_cpu``). Between them the
 module forward spends Python: module calls, attribute lookups, argument checks, views, and a fresh
-tensor for every intermediate result. At a decode step's few rows that is most of a layer: on the
-benchmark model (8 layers, hidden 512) one sequence's forward took 9.6-11 ms through the modules and
-5.4-6.8 ms through the calls below, bit for bit the same hidden states (docs/performance.md,
-"Seventh round").
+tensor for every intermediate result. At a decode step's few rows that Python is a large share of a
+layer's time (measurements: docs/performance-log.md, "Seventh round").
 
 ``LeanCpuForward`` makes those calls itself. Built once per model after its weights are packed, it
 holds each layer's packed-weight addresses and norm weights; a step then runs, per layer: the input
@@ -117,9 +115,9 @@ class LeanCpuForward:
     def _scratch(self, tokens: int, floats_per_token: int) -> torch.Tensor:
         """A flat float32 buffer of at least ``tokens * floats_per_token`` floats, kept between steps.
 
-        A fresh tensor per intermediate and step made glibc map and unmap the prefill steps' (tens of
-        MB) every step: 58,000 page faults in every 12 s throughput run, 200-1,900 now. The buffer only
-        grows (to the largest step seen: about 54 MB at 2,048 tokens on the benchmark model).
+        Fresh tensors per intermediate and step would make glibc map and unmap a prefill step's scratch
+        (tens of MB) every step, page faults and zeroing included. The buffer only grows, to the largest
+        step seen.
         """
         needed = tokens * floats_per_token
         if self._buffer.numel() < needed:
