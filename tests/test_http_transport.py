@@ -8,6 +8,8 @@ and SIGTERM with a stream open. Raw sockets where the behaviour is below what an
 
 from __future__ import annotations
 
+import array
+import fcntl
 import json
 import re
 import resource
@@ -15,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import termios
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -36,21 +39,45 @@ READ_BOUND_S = 30.0  # generous bound on any wait for the server; never a timing
 
 
 @asynccontextmanager
-async def serving(app: OpenAIApp, backend: str, *, graceful_timeout: float = 0.0) -> AsyncIterator[str]:
-    """Serve ``app`` as ``asyncllm serve`` does, on a listening socket made here; yield its URL."""
+async def serving(
+    app: OpenAIApp,
+    backend: str,
+    *,
+    graceful_timeout: float = 0.0,
+    send_timeout: float = cli.DEFAULT_SEND_TIMEOUT,
+    send_buffer: int | None = None,
+) -> AsyncIterator[str]:
+    """Serve ``app`` as ``asyncllm serve`` does, on a listening socket made here; yield its URL.
+
+    ``send_buffer`` shrinks the kernel's send buffer of the accepted connections, so that a client
+    that does not read blocks the server after kilobytes rather than megabytes.
+    """
     listener = socket.socket()
+    if send_buffer is not None:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)  # accepted sockets inherit it
     listener.bind(("127.0.0.1", 0))
     listener.listen(100)  # listening already: clients may connect before hypercorn accepts
     port = listener.getsockname()[1]
     config = cli._hypercorn_config(
-        [f"fd://{listener.detach()}"], backend=backend, access_log=False, graceful_timeout=graceful_timeout
+        [f"fd://{listener.detach()}"],
+        backend=backend,
+        access_log=False,
+        graceful_timeout=graceful_timeout,
+        send_timeout=send_timeout,
     )
     stop = anyio.Event()
     serve = partial(cli._serve_app, app, config, backend=backend, graceful_timeout=graceful_timeout, stop=stop.wait)
+    url = f"http://127.0.0.1:{port}"
     async with anyio.create_task_group() as task_group:
         task_group.start_soon(serve)
         try:
-            yield f"http://127.0.0.1:{port}"
+            # Wait (bounded) until hypercorn answers: connections made earlier, queued by the kernel
+            # before the server set its socket options, would not have them.
+            async with httpx.AsyncClient(base_url=url) as http:
+                with anyio.fail_after(READ_BOUND_S):
+                    while (await http.get("/metrics")).status_code != 200:
+                        await anyio.sleep(0.01)
+            yield url
         finally:
             stop.set()
 
@@ -181,6 +208,46 @@ async def test_requests_beyond_the_cap_get_503_at_once_and_health_still_answers(
     assert health.status_code == 200
     assert [[status for status, _, _ in answer] for answer in answers] == [[200, 200], [200, 200]]
     assert after.status_code == 200
+
+
+LONG = {"max_model_len": 100_000, "num_kv_blocks": 7_000}  # scripted streams of up to 100k tokens (seconds)
+
+
+async def _stream_without_reading(url: str) -> socket.socket:
+    """Start a long stream from a client that never reads (its receive buffer is small)."""
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    body = json.dumps({"prompt": "x", "max_tokens": 90_000, "ignore_eos": True, "stream": True}).encode()
+    head = request("POST", "/v1/completions", content_type="application/json", content_length=str(len(body)))
+    await anyio.to_thread.run_sync(client.connect, ("127.0.0.1", _port(url)))
+    await anyio.to_thread.run_sync(client.sendall, head + body)
+    with anyio.fail_after(READ_BOUND_S):  # until its receive buffer holds kilobytes: the server is blocked soon
+        while _unread_bytes(client) < 2048:
+            await anyio.sleep(0.01)
+    return client
+
+
+def _unread_bytes(sock: socket.socket) -> int:
+    count = array.array("i", [0])
+    fcntl.ioctl(sock, termios.FIONREAD, count)
+    return count[0]
+
+
+@pytest.mark.asyncllm_script("h", **LONG)
+async def test_a_client_that_stops_reading_is_cut_after_the_send_timeout(
+    scripted_engine: Engine, anyio_backend: str
+) -> None:
+    # The server's send blocks once the buffers are full; nothing above the socket can time it out
+    # (hypercorn shields it on trio). The kernel aborts the connection (TCP_USER_TIMEOUT).
+    app = create_app(scripted_engine)
+    async with serving(app, anyio_backend, send_timeout=0.5, send_buffer=4096) as url:
+        with await _stream_without_reading(url):
+            await _wait_in_flight(app, 1)
+            await _wait_in_flight(app, 0)  # bounded: fails if the request stays in flight
+    await scripted_engine.generate("y", {"max_tokens": 1})
+    assert scripted_engine.metrics.finished_requests["abort"] == 1
+    stats = scripted_engine.statistics()
+    assert stats.kv_blocks_free == stats.kv_blocks_total
 
 
 # -- shutdown ------------------------------------------------------------------------------------

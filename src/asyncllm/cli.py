@@ -227,6 +227,9 @@ async def _chat(args: argparse.Namespace) -> None:
 DEFAULT_GRACEFUL_TIMEOUT = 5.0
 """Seconds the requests in flight at SIGTERM may take to finish before they are ended."""
 
+DEFAULT_SEND_TIMEOUT = 15.0
+"""Seconds a client may accept no data before its connection is aborted (TCP_USER_TIMEOUT)."""
+
 _CONNECTION_GRACE = 2.0  # after the app ended its requests: time for their last bytes, then hypercorn cuts
 
 # accept(2) fails with these when the process or the system is out of descriptors or buffers.
@@ -243,13 +246,14 @@ async def _wait_for_signal() -> None:
 class _PacedAcceptSocket(socket.socket):
     """A listening socket that reports one accept failure per wake-up of asyncio's accept loop.
 
-    When ``accept()`` fails for lack of file descriptors, asyncio's selector loop (CPython 3.10
-    to 3.13, ``_accept_connection``) does not stop: it calls ``accept()`` again, up to the
-    listen backlog (100) times in the same wake-up, logging the error with its traceback and
-    scheduling a retry each time, and each retry does the same: thousands of records a second
-    (147 MB of log in 50 s). After a failure, the next call says "nothing waiting"
-    (``BlockingIOError``), which ends that loop: one record, and one retry a second later
-    (asyncio's ``ACCEPT_RETRY_DELAY``). trio's accept loop is not affected (and does not use this).
+    When ``accept()`` fails for lack of file descriptors, asyncio's selector loop
+    (``BaseSelectorEventLoop._accept_connection``, CPython 3.11) does not stop: it calls
+    ``accept()`` again, up to the listen backlog (100) times in the same wake-up, logging the
+    error with its traceback and scheduling a retry each time, and each retry does the same:
+    thousands of records a second (147 MB of log in 50 s). After a failure, the next call says
+    "nothing waiting" (``BlockingIOError``), which ends that loop: one record, and one retry a
+    second later (asyncio's ``ACCEPT_RETRY_DELAY``). Harmless where the loop stops by itself;
+    trio's accept loop does not use it (trio wraps the stdlib socket and insists on its type).
     """
 
     _failed = False
@@ -271,19 +275,37 @@ class _PacedAcceptSocket(socket.socket):
         return cls(sock.family, sock.type, sock.proto, fileno=sock.detach())
 
 
-def _hypercorn_config(bind: list[str], *, backend: str, access_log: bool, graceful_timeout: float) -> Config:
+def _hypercorn_config(
+    bind: list[str], *, backend: str, access_log: bool, graceful_timeout: float, send_timeout: float
+) -> Config:
     """hypercorn's configuration for ``asyncllm serve`` (and the tests that serve like it).
 
     hypercorn closes a connection that has sent no complete request head within
     ``keep_alive_timeout`` (5 s, also the limit on idle keep-alive connections) and caps a head at
     ``h11_max_incomplete_size`` (16 KiB); the app bounds the body (``body_timeout``). hypercorn's
     ``read_timeout`` stays off: it would cut streams, during which clients send nothing.
+
+    A client that stops reading is bounded by the kernel: ``TCP_USER_TIMEOUT`` (Linux; accepted
+    connections inherit it from the listening socket) aborts a connection whose sent data stays
+    unacknowledged, or unsent for a closed receive window, for ``send_timeout`` seconds. Nothing
+    above the socket can: hypercorn's trio server shields its sends from cancellation, and its
+    asyncio server waits, uncancellably, for a closing connection to flush.
     """
     from hypercorn.config import Config, Sockets
+
+    if not graceful_timeout >= 0:
+        raise ValueError(f"--graceful-timeout must be >= 0 seconds, got {graceful_timeout}")
+    if not send_timeout > 0:
+        raise ValueError(f"--send-timeout must be > 0 seconds, got {send_timeout}")
 
     class ServeConfig(Config):
         def create_sockets(self) -> Sockets:
             sockets = super().create_sockets()
+            streams = [*sockets.secure_sockets, *sockets.insecure_sockets]
+            user_timeout = getattr(socket, "TCP_USER_TIMEOUT", None)
+            for sock in streams:
+                if user_timeout is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+                    sock.setsockopt(socket.IPPROTO_TCP, user_timeout, max(1, round(send_timeout * 1000)))
             if backend != "asyncio":
                 return sockets  # trio wraps the stdlib socket itself (and insists on its exact type)
             return Sockets(
@@ -309,6 +331,7 @@ class _AcceptFailureFilter(logging.Filter):
 
     Out of file descriptors, trio's accept loop logs one with a traceback every 0.1 s and
     asyncio's one per retry; each failed accept is the same news, and a flood of it fills disks.
+    asyncio's traceback for a retry that fires after the server closed its socket is dropped.
     """
 
     def __init__(self, interval: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
@@ -382,7 +405,9 @@ async def _serve_app(
     Shutdown is bounded: hypercorn stops accepting and closes idle connections, while
     ``app.shutdown(graceful_timeout)`` lets the requests in flight finish for up to
     ``graceful_timeout`` seconds and then ends the rest (a stream gets a last error event and
-    ``[DONE]``); hypercorn cancels any connection still open ``_CONNECTION_GRACE`` seconds later.
+    ``[DONE]``); hypercorn cancels any connection still open ``_CONNECTION_GRACE`` seconds later,
+    but for one blocked on a client that stopped reading, which the send timeout ends (see
+    ``_hypercorn_config``).
 
     Args:
         app: The application (its engine is already running).
@@ -405,7 +430,37 @@ async def _serve_app(
             else:
                 from hypercorn.asyncio import serve as asyncio_serve
 
-                await asyncio_serve(app, config, shutdown_trigger=shutdown_trigger)  # type: ignore[arg-type]
+                with _send_timeouts_expected():
+                    await asyncio_serve(app, config, shutdown_trigger=shutdown_trigger)  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def _send_timeouts_expected() -> Iterator[None]:
+    """On the running asyncio loop: a connection aborted by the send timeout is one log line.
+
+    hypercorn's asyncio server lets the ``ETIMEDOUT`` of such a connection escape its connection
+    task, to the loop's exception handler (a traceback per connection). It is expected: the send
+    timeout did it. Everything else goes to the handler that was there.
+    """
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    previous = loop.get_exception_handler()
+
+    def handle(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        error = context.get("exception")
+        if isinstance(error, OSError) and error.errno == errno.ETIMEDOUT:
+            logger.info("aborted a connection whose client accepted no data within the send timeout")
+        elif previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handle)
+    try:
+        yield
+    finally:
+        loop.set_exception_handler(previous)
 
 
 async def _serve(args: argparse.Namespace) -> None:
@@ -417,6 +472,7 @@ async def _serve(args: argparse.Namespace) -> None:
         backend=args.backend,
         access_log=args.access_log,
         graceful_timeout=args.graceful_timeout,
+        send_timeout=args.send_timeout,
     )
     async with _open_engine(args) as engine:
         app = create_app(
@@ -526,6 +582,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="at SIGTERM, requests in flight may finish within this; the rest end with an error "
         f"[{DEFAULT_GRACEFUL_TIMEOUT:g}]",
+    )
+    serve.add_argument(
+        "--send-timeout",
+        type=float,
+        default=DEFAULT_SEND_TIMEOUT,
+        metavar="SECONDS",
+        help="a connection whose client accepts no data for this long is aborted (Linux TCP_USER_TIMEOUT) "
+        f"[{DEFAULT_SEND_TIMEOUT:g}]",
     )
     serve.add_argument("--access-log", action="store_true", help="log every request to stderr")
     _add_engine_options(serve)
