@@ -5,9 +5,11 @@
 
 from __future__ import annotations
 
+import errno
 import importlib.metadata
 import inspect
 import io
+import logging
 import shutil
 import sys
 from pathlib import Path
@@ -141,3 +143,62 @@ def test_bench_names_what_is_missing(tmp_path: Path, capsys: pytest.CaptureFixtu
 def test_the_console_script_is_cli_main() -> None:
     (script,) = [e for e in importlib.metadata.entry_points(group="console_scripts") if e.name == "asyncllm"]
     assert script.value == "asyncllm.cli:main"
+
+
+def test_serve_transport_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, Any] = {}
+
+    async def fake_serve(args: Any) -> None:
+        seen.update(vars(args))
+
+    monkeypatch.setattr(cli, "_serve", fake_serve)
+    assert cli.main(["serve"]) == 0
+    from asyncllm.http import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENT_REQUESTS
+
+    assert (seen["max_body_bytes"], seen["body_timeout"], seen["max_concurrent_requests"]) == (
+        DEFAULT_MAX_BODY_BYTES,
+        DEFAULT_BODY_TIMEOUT,
+        DEFAULT_MAX_CONCURRENT_REQUESTS,
+    )
+    assert (seen["cors_origins"], seen["graceful_timeout"], seen["send_timeout"]) == (None, 5.0, 15.0)
+    argv = ["serve", "--cors-origins", "https://a.example, http://localhost:3000", "--body-timeout", "2.5"]
+    assert cli.main([*argv, "--max-concurrent-requests", "8", "--graceful-timeout", "0", "--send-timeout", "1"]) == 0
+    assert seen["cors_origins"] == ["https://a.example", "http://localhost:3000"]
+    assert (seen["body_timeout"], seen["max_concurrent_requests"], seen["graceful_timeout"]) == (2.5, 8, 0.0)
+    assert seen["send_timeout"] == 1.0
+
+
+def test_hypercorn_config_checks_its_timeouts() -> None:
+    with pytest.raises(ValueError, match="graceful-timeout"):
+        cli._hypercorn_config(["127.0.0.1:0"], backend="trio", access_log=False, graceful_timeout=-1, send_timeout=1)
+    with pytest.raises(ValueError, match="send-timeout"):
+        cli._hypercorn_config(["127.0.0.1:0"], backend="trio", access_log=False, graceful_timeout=0, send_timeout=0)
+
+
+def _accept_failure(name: str, message: str) -> logging.LogRecord:
+    error = OSError(errno.EMFILE, "Too many open files")
+    return logging.LogRecord(name, logging.ERROR, __file__, 1, message, None, (OSError, error, None))
+
+
+def test_accept_failures_pass_once_a_second_without_tracebacks() -> None:
+    now = [100.0]
+    accept_failures = cli._AcceptFailureFilter(clock=lambda: now[0])
+    asyncio_message = "socket.accept() out of system resource\nsocket: <asyncio.TransportSocket fd=6>"
+    trio_message = "accept returned EMFILE (Too many open files); retrying in 0.1 seconds"
+
+    def at(time: float, name: str, message: str) -> str | None:
+        now[0] = time
+        record = _accept_failure(name, message)
+        if not accept_failures.filter(record):
+            return None
+        assert record.exc_info is None  # the traceback is always the same: dropped
+        return record.getMessage()
+
+    first = at(100.0, "asyncio", asyncio_message)
+    assert first == "socket.accept() out of system resource: [Errno 24] Too many open files"
+    assert [at(100.0 + i / 10, "trio.serve_listeners", trio_message) for i in range(1, 10)] == [None] * 9
+    assert at(101.0, "trio.serve_listeners", trio_message) == trio_message + " (9 more like it since the last report)"
+    assert at(101.5, "asyncio", asyncio_message) is None
+    assert at(102.0, "trio.serve_listeners", trio_message) == trio_message + " (1 more like it since the last report)"
+    other = logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "something else", None, None)
+    assert accept_failures.filter(other) and other.getMessage() == "something else"  # untouched

@@ -280,7 +280,7 @@ async def test_bad_parameters_are_400_naming_the_field(scripted_engine: Engine, 
 
 
 async def test_malformed_json_unknown_model_route_and_method(scripted_engine: Engine) -> None:
-    async with client(create_app(scripted_engine, model_name="m")) as http:
+    async with client(create_app(scripted_engine, model_name="m"), **{"content-type": "application/json"}) as http:
         not_json = await http.post("/v1/completions", content=b"{nope")
         empty = await http.post("/v1/completions", content=b"")
         model = await http.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"})
@@ -303,11 +303,111 @@ async def test_body_size_limit_is_413(scripted_engine: Engine) -> None:
 
     async with client(app) as http:
         declared = await http.post("/v1/completions", json=big)
-        streamed = await http.post("/v1/completions", content=chunks())
+        streamed = await http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
         small = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
     assert error_of(declared, 413)["code"] == "request_too_large"
     assert error_of(streamed, 413)["code"] == "request_too_large"
     assert small.status_code == 200
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"[" * 100_000,
+        b'{"a":' * 100_000,
+        b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        b'{"prompt": "x", "logit_bias": ' + b'{"1":' * 100_000 + b"1" + b"}" * 100_001,
+        b'{"prompt": [' + b'{"a":' * 100_000,
+    ],
+    ids=["arrays", "objects", "prompt", "logit_bias", "unclosed"],
+)
+async def test_json_nested_too_deep_is_400_not_500(scripted_engine: Engine, raw: bytes) -> None:
+    async with client(create_app(scripted_engine), **{"content-type": "application/json"}) as http:
+        completion = await http.post("/v1/completions", content=raw)
+        chat = await http.post("/v1/chat/completions", content=raw.replace(b'"prompt"', b'"messages"'))
+        after = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert error_of(completion, 400)["code"] in ("invalid_json", "invalid_parameter")
+    assert error_of(chat, 400)["code"] in ("invalid_json", "invalid_parameter")
+    assert after.status_code == 200
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        None,
+        "text/plain",
+        "text/plain;charset=UTF-8",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+    ],
+)
+async def test_bodies_not_declared_json_are_415(scripted_engine: Engine, content_type: str | None) -> None:
+    # What a web page may send to any origin without a CORS preflight (a Blob body has no type).
+    headers = {} if content_type is None else {"content-type": content_type}
+    body = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
+    async with client(create_app(scripted_engine)) as http:
+        response = await http.post("/v1/completions", content=body, headers=headers)
+    error = error_of(response, 415)
+    assert error["code"] == "unsupported_media_type" and "application/json" in error["message"]
+    assert scripted_engine.statistics().num_waiting == scripted_engine.statistics().num_running == 0
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=utf-8", "Application/JSON"])
+async def test_json_content_types_are_accepted(scripted_engine: Engine, content_type: str) -> None:
+    body = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
+    async with client(create_app(scripted_engine)) as http:
+        response = await http.post("/v1/completions", content=body, headers={"content-type": content_type})
+    assert response.status_code == 200, response.text
+
+
+async def test_cors_is_off_by_default_but_options_is_answered(scripted_engine: Engine) -> None:
+    preflight = {
+        "origin": "https://evil.example",
+        "access-control-request-method": "POST",
+        "access-control-request-headers": "authorization, content-type",
+    }
+    async with client(create_app(scripted_engine, api_key="k")) as http:
+        options = await http.options("/v1/chat/completions", headers=preflight)
+        missing = await http.options("/v1/nothing", headers=preflight)
+        simple = await http.get("/health", headers={"origin": "https://evil.example"})
+    assert options.status_code == 204 and options.headers["allow"] == "OPTIONS, POST"
+    assert not [name for name in options.headers if name.startswith("access-control-")]
+    assert missing.status_code == 404
+    assert "access-control-allow-origin" not in simple.headers
+
+
+async def test_cors_origins_are_granted_and_others_not(scripted_engine: Engine) -> None:
+    app = create_app(scripted_engine, api_key="k", cors_origins=["https://app.example", "http://localhost:3000/"])
+    asks = {"access-control-request-method": "POST", "access-control-request-headers": "authorization, x-stainless-os"}
+    async with client(app) as http:
+        granted = await http.options("/v1/completions", headers={"origin": "https://app.example", **asks})
+        local = await http.options("/completions", headers={"origin": "http://localhost:3000", **asks})
+        other = await http.options("/v1/completions", headers={"origin": "https://evil.example", **asks})
+        answer = await http.post(
+            "/v1/completions",
+            json={"prompt": "x", "max_tokens": 1},
+            headers={"origin": "https://app.example", "authorization": "Bearer k"},
+        )
+        refused = await http.get("/v1/models", headers={"origin": "https://evil.example", "authorization": "Bearer k"})
+        unauthorized = await http.get("/v1/models", headers={"origin": "https://app.example"})
+    assert granted.status_code == 204
+    assert granted.headers["access-control-allow-origin"] == "https://app.example"
+    assert granted.headers["access-control-allow-methods"] == "OPTIONS, POST"
+    assert granted.headers["access-control-allow-headers"] == "authorization, x-stainless-os"
+    assert granted.headers["vary"] == "origin" and int(granted.headers["access-control-max-age"]) > 0
+    assert local.headers["access-control-allow-origin"] == "http://localhost:3000"
+    assert other.status_code == 204 and "access-control-allow-origin" not in other.headers
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "https://app.example"
+    assert refused.status_code == 200 and "access-control-allow-origin" not in refused.headers
+    # Errors carry the header too, so the page can read why.
+    assert error_of(unauthorized, 401) and unauthorized.headers["access-control-allow-origin"] == "https://app.example"
+
+
+async def test_cors_any_origin(scripted_engine: Engine) -> None:
+    app = create_app(scripted_engine, cors_origins=["*"])
+    async with client(app) as http:
+        response = await http.get("/v1/models", headers={"origin": "https://anyone.example"})
+    assert response.headers["access-control-allow-origin"] == "https://anyone.example"
 
 
 async def test_api_key_guards_v1_but_not_health_and_metrics(scripted_engine: Engine) -> None:
@@ -678,6 +778,16 @@ def test_create_app_checks_its_arguments() -> None:
         create_app(engine, max_body_bytes=0)
     with pytest.raises(ValueError, match="api_key"):
         create_app(engine, api_key="")
+    with pytest.raises(ValueError, match="body_timeout"):
+        create_app(engine, body_timeout=0)
+    with pytest.raises(ValueError, match="body_timeout"):
+        create_app(engine, body_timeout=float("nan"))
+    with pytest.raises(ValueError, match="max_concurrent_requests"):
+        create_app(engine, max_concurrent_requests=0)
+    with pytest.raises(ValueError, match="cors_origins"):
+        create_app(engine, cors_origins=["app.example"])  # no scheme: not an origin
+    with pytest.raises(ValueError, match="cors_origins"):
+        create_app(engine, cors_origins="https://app.example")  # one string, not a list of origins
 
 
 # -- logprobs ------------------------------------------------------------------------------------

@@ -13,24 +13,33 @@ statistics go to stderr; only the generated text goes to stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import inspect
 import logging
+import math
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 import typing
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from asyncllm.engine import Engine
 from asyncllm.errors import AsyncLLMError, ChatTemplateError, InvalidRequestError
 from asyncllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from hypercorn.config import Config, Sockets
+
+    from asyncllm.http import OpenAIApp
 
 logger = logging.getLogger("asyncllm")
 
@@ -215,6 +224,18 @@ async def _chat(args: argparse.Namespace) -> None:
 # -- serve ---------------------------------------------------------------------------------------
 
 
+DEFAULT_GRACEFUL_TIMEOUT = 5.0
+"""Seconds the requests in flight at SIGTERM may take to finish before they are ended."""
+
+DEFAULT_SEND_TIMEOUT = 15.0
+"""Seconds a client may accept no data before its connection is aborted (TCP_USER_TIMEOUT)."""
+
+_CONNECTION_GRACE = 2.0  # after the app ended its requests: time for their last bytes, then hypercorn cuts
+
+# accept(2) fails with these when the process or the system is out of descriptors or buffers.
+_ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+
 async def _wait_for_signal() -> None:
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
@@ -222,31 +243,249 @@ async def _wait_for_signal() -> None:
             return
 
 
-async def _serve(args: argparse.Namespace) -> None:
-    from hypercorn.config import Config
+class _PacedAcceptSocket(socket.socket):
+    """A listening socket that reports one accept failure per wake-up of asyncio's accept loop.
 
-    from asyncllm.http import create_app
+    When ``accept()`` fails for lack of file descriptors, asyncio's selector loop
+    (``BaseSelectorEventLoop._accept_connection``, CPython 3.11) does not stop: it calls
+    ``accept()`` again, up to the listen backlog (100) times in the same wake-up, logging the
+    error with its traceback and scheduling a retry each time, and each retry does the same:
+    thousands of records a second (147 MB of log in 50 s). After a failure, the next call says
+    "nothing waiting" (``BlockingIOError``), which ends that loop: one record, and one retry a
+    second later (asyncio's ``ACCEPT_RETRY_DELAY``). Harmless where the loop stops by itself;
+    trio's accept loop does not use it (trio wraps the stdlib socket and insists on its type).
+    """
 
-    config = Config()
-    host = f"[{args.host}]" if ":" in args.host else args.host
-    config.bind = [f"{host}:{args.port}"]
+    _failed = False
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        if self._failed:
+            self._failed = False
+            raise BlockingIOError(errno.EAGAIN, "accept() paused after running out of resources")
+        try:
+            return super().accept()
+        except OSError as exc:
+            if exc.errno in _ACCEPT_CAPACITY_ERRNOS:
+                self._failed = True
+            raise
+
+    @classmethod
+    def adopt(cls, sock: socket.socket) -> _PacedAcceptSocket:
+        """The same listening socket (its descriptor moves over), as this class."""
+        return cls(sock.family, sock.type, sock.proto, fileno=sock.detach())
+
+
+def _hypercorn_config(
+    bind: list[str], *, backend: str, access_log: bool, graceful_timeout: float, send_timeout: float
+) -> Config:
+    """hypercorn's configuration for ``asyncllm serve`` (and the tests that serve like it).
+
+    hypercorn closes a connection that has sent no complete request head within
+    ``keep_alive_timeout`` (5 s, also the limit on idle keep-alive connections) and caps a head at
+    ``h11_max_incomplete_size`` (16 KiB); the app bounds the body (``body_timeout``). hypercorn's
+    ``read_timeout`` stays off: it would cut streams, during which clients send nothing.
+
+    A client that stops reading is bounded by the kernel: ``TCP_USER_TIMEOUT`` (Linux; accepted
+    connections inherit it from the listening socket) aborts a connection whose sent data stays
+    unacknowledged, or unsent for a closed receive window, for ``send_timeout`` seconds. Nothing
+    above the socket can: hypercorn's trio server shields its sends from cancellation, and its
+    asyncio server waits, uncancellably, for a closing connection to flush.
+    """
+    from hypercorn.config import Config, Sockets
+
+    if not graceful_timeout >= 0:
+        raise ValueError(f"--graceful-timeout must be >= 0 seconds, got {graceful_timeout}")
+    if not send_timeout > 0:
+        raise ValueError(f"--send-timeout must be > 0 seconds, got {send_timeout}")
+
+    class ServeConfig(Config):
+        def create_sockets(self) -> Sockets:
+            sockets = super().create_sockets()
+            streams = [*sockets.secure_sockets, *sockets.insecure_sockets]
+            user_timeout = getattr(socket, "TCP_USER_TIMEOUT", None)
+            for sock in streams:
+                if user_timeout is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+                    sock.setsockopt(socket.IPPROTO_TCP, user_timeout, max(1, round(send_timeout * 1000)))
+            if backend != "asyncio":
+                return sockets  # trio wraps the stdlib socket itself (and insists on its exact type)
+            return Sockets(
+                [_PacedAcceptSocket.adopt(s) for s in sockets.secure_sockets],
+                [_PacedAcceptSocket.adopt(s) for s in sockets.insecure_sockets],
+                sockets.quic_sockets,
+            )
+
+    config = ServeConfig()
+    config.bind = bind
     # Through the logging module (to stderr, as set up in main) rather than hypercorn's own handlers.
     config.errorlog = logging.getLogger("hypercorn.error")
-    config.accesslog = logging.getLogger("hypercorn.access") if args.access_log else None
-    config.graceful_timeout = 5.0
+    config.accesslog = logging.getLogger("hypercorn.access") if access_log else None
+    # How long hypercorn waits for connections after it stops accepting, before it cancels them:
+    # the app's own grace (it then ends its requests with an error), plus time to send that.
+    config.graceful_timeout = graceful_timeout + _CONNECTION_GRACE
+    return config
+
+
+class _AcceptFailureFilter(logging.Filter):
+    """Lets one "accept() failed for lack of resources" record through per second, without its
+    traceback (always the same), saying how many were held back since the last.
+
+    Out of file descriptors, trio's accept loop logs one with a traceback every 0.1 s and
+    asyncio's one per retry; each failed accept is the same news, and a flood of it fills disks.
+    asyncio's traceback for a retry that fires after the server closed its socket is dropped.
+    """
+
+    def __init__(self, interval: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self._interval = interval
+        self._clock = clock
+        self._next = -math.inf
+        self._held_back = 0
+
+    @staticmethod
+    def _is_accept_failure(record: logging.LogRecord) -> bool:
+        if record.name == "trio.serve_listeners":
+            return True
+        return record.name == "asyncio" and str(record.msg).startswith("socket.accept() out of system resource")
+
+    @staticmethod
+    def _is_retry_after_close(record: logging.LogRecord) -> bool:
+        # asyncio's accept retry, scheduled a second after a failure, still runs when the server
+        # closed its socket meanwhile and fails on the closed descriptor: a traceback about nothing.
+        error = record.exc_info[1] if record.exc_info else None
+        return (
+            record.name == "asyncio"
+            and str(record.msg).startswith("Exception in callback BaseSelectorEventLoop._start_serving")
+            and isinstance(error, ValueError)
+        )
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self._is_retry_after_close(record):
+            return False
+        if not self._is_accept_failure(record):
+            return True
+        now = self._clock()
+        if now < self._next:
+            self._held_back += 1
+            return False
+        self._next = now + self._interval
+        message = record.getMessage().split("\n", 1)[0]
+        error = record.exc_info[1] if record.exc_info else None
+        if record.name == "asyncio" and error is not None:
+            message += f": {error}"
+        if self._held_back:
+            message += f" ({self._held_back} more like it since the last report)"
+        self._held_back = 0
+        record.msg, record.args, record.exc_info, record.exc_text = message, (), None, None
+        return True
+
+
+@contextlib.contextmanager
+def _accept_failures_rate_limited() -> Iterator[None]:
+    accept_failures = _AcceptFailureFilter()
+    loggers = [logging.getLogger("asyncio"), logging.getLogger("trio.serve_listeners")]
+    for each in loggers:
+        each.addFilter(accept_failures)
+    try:
+        yield
+    finally:
+        for each in loggers:
+            each.removeFilter(accept_failures)
+
+
+async def _serve_app(
+    app: OpenAIApp,
+    config: Config,
+    *,
+    backend: str,
+    graceful_timeout: float,
+    stop: Callable[[], Awaitable[None]] = _wait_for_signal,
+) -> None:
+    """Serve ``app`` with hypercorn on the running event loop until ``stop`` returns, then shut down.
+
+    Shutdown is bounded: hypercorn stops accepting and closes idle connections, while
+    ``app.shutdown(graceful_timeout)`` lets the requests in flight finish for up to
+    ``graceful_timeout`` seconds and then ends the rest (a stream gets a last error event and
+    ``[DONE]``); hypercorn cancels any connection still open ``_CONNECTION_GRACE`` seconds later,
+    but for one blocked on a client that stopped reading, which the send timeout ends (see
+    ``_hypercorn_config``).
+
+    Args:
+        app: The application (its engine is already running).
+        config: From ``_hypercorn_config``.
+        backend: ``"asyncio"`` or ``"trio"``: the running event loop's.
+        graceful_timeout: Seconds requests in flight may take to finish once ``stop`` returned.
+        stop: Returns when the server should stop (default: at SIGINT or SIGTERM).
+    """
+    async with anyio.create_task_group() as task_group:
+
+        async def shutdown_trigger() -> None:
+            await stop()
+            task_group.start_soon(app.shutdown, graceful_timeout)  # runs while hypercorn stops accepting
+
+        with _accept_failures_rate_limited():
+            if backend == "trio":
+                from hypercorn.trio import serve as trio_serve
+
+                await trio_serve(app, config, shutdown_trigger=shutdown_trigger)  # type: ignore[arg-type]
+            else:
+                from hypercorn.asyncio import serve as asyncio_serve
+
+                with _send_timeouts_expected():
+                    await asyncio_serve(app, config, shutdown_trigger=shutdown_trigger)  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def _send_timeouts_expected() -> Iterator[None]:
+    """On the running asyncio loop: a connection aborted by the send timeout is one log line.
+
+    hypercorn's asyncio server lets the ``ETIMEDOUT`` of such a connection escape its connection
+    task, to the loop's exception handler (a traceback per connection). It is expected: the send
+    timeout did it. Everything else goes to the handler that was there.
+    """
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    previous = loop.get_exception_handler()
+
+    def handle(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        error = context.get("exception")
+        if isinstance(error, OSError) and error.errno == errno.ETIMEDOUT:
+            logger.info("aborted a connection whose client accepted no data within the send timeout")
+        elif previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handle)
+    try:
+        yield
+    finally:
+        loop.set_exception_handler(previous)
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    from asyncllm.http import create_app
+
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    config = _hypercorn_config(
+        [f"{host}:{args.port}"],
+        backend=args.backend,
+        access_log=args.access_log,
+        graceful_timeout=args.graceful_timeout,
+        send_timeout=args.send_timeout,
+    )
     async with _open_engine(args) as engine:
         app = create_app(
-            engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes, model_name=args.served_model_name
+            engine,
+            api_key=args.api_key,
+            max_body_bytes=args.max_body_bytes,
+            model_name=args.served_model_name,
+            body_timeout=args.body_timeout,
+            max_concurrent_requests=args.max_concurrent_requests,
+            cors_origins=args.cors_origins,
         )
         logger.info("serving %s on http://%s:%d/v1 (%s)", app.model_name, host, args.port, args.backend)
-        if args.backend == "trio":
-            from hypercorn.trio import serve as trio_serve
-
-            await trio_serve(app, config, shutdown_trigger=_wait_for_signal)  # type: ignore[arg-type]
-        else:
-            from hypercorn.asyncio import serve as asyncio_serve
-
-            await asyncio_serve(app, config, shutdown_trigger=_wait_for_signal)  # type: ignore[arg-type]
+        await _serve_app(app, config, backend=args.backend, graceful_timeout=args.graceful_timeout)
 
 
 # -- bench ---------------------------------------------------------------------------------------
@@ -282,6 +521,11 @@ def _bench(args: argparse.Namespace) -> int:
 # -- parser and entry point ----------------------------------------------------------------------
 
 
+def _origin_list(text: str) -> list[str]:
+    """``--cors-origins``: comma-separated origins."""
+    return [origin.strip() for origin in text.split(",") if origin.strip()]
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser (exposed for tests and docs)."""
     parser = argparse.ArgumentParser(
@@ -310,6 +554,43 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--served-model-name", default=None, help="the model's name in the API [the folder's name]")
     serve.add_argument("--max-body-bytes", type=int, default=None, help="larger request bodies get 413 [4 MiB]")
+    serve.add_argument(
+        "--body-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="a request body must arrive within this, else 408 and the connection closes [30]",
+    )
+    serve.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests in flight beyond which new ones get 503 at once (keep it below ulimit -n) [512]",
+    )
+    serve.add_argument(
+        "--cors-origins",
+        type=_origin_list,
+        default=None,
+        metavar="ORIGIN[,ORIGIN]",
+        help="web origins whose pages may call the API ('*': any) [none]",
+    )
+    serve.add_argument(
+        "--graceful-timeout",
+        type=float,
+        default=DEFAULT_GRACEFUL_TIMEOUT,
+        metavar="SECONDS",
+        help="at SIGTERM, requests in flight may finish within this; the rest end with an error "
+        f"[{DEFAULT_GRACEFUL_TIMEOUT:g}]",
+    )
+    serve.add_argument(
+        "--send-timeout",
+        type=float,
+        default=DEFAULT_SEND_TIMEOUT,
+        metavar="SECONDS",
+        help="a connection whose client accepts no data for this long is aborted (Linux TCP_USER_TIMEOUT) "
+        f"[{DEFAULT_SEND_TIMEOUT:g}]",
+    )
     serve.add_argument("--access-log", action="store_true", help="log every request to stderr")
     _add_engine_options(serve)
 
@@ -325,10 +606,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         return _bench(args)
-    if args.command == "serve" and args.max_body_bytes is None:
-        from asyncllm.http import DEFAULT_MAX_BODY_BYTES
+    if args.command == "serve":  # the app's defaults (imported here: the other commands need no HTTP)
+        from asyncllm.http import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENT_REQUESTS
 
-        args.max_body_bytes = DEFAULT_MAX_BODY_BYTES
+        if args.max_body_bytes is None:
+            args.max_body_bytes = DEFAULT_MAX_BODY_BYTES
+        if args.body_timeout is None:
+            args.body_timeout = DEFAULT_BODY_TIMEOUT
+        if args.max_concurrent_requests is None:
+            args.max_concurrent_requests = DEFAULT_MAX_CONCURRENT_REQUESTS
     # Progress (model conversion, loading) goes to stderr; generated text alone goes to stdout.
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     run = {"generate": _generate, "chat": _chat, "serve": _serve}[args.command]

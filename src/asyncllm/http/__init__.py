@@ -11,7 +11,22 @@ Starlette (``app.mount("/v1", create_app(engine))``). See docs/http.md.
 
 from __future__ import annotations
 
-from asyncllm.http.app import DEFAULT_MAX_BODY_BYTES, HTTPError, OpenAIApp, create_app
+from asyncllm.http.app import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONCURRENT_REQUESTS,
+    HTTPError,
+    OpenAIApp,
+    create_app,
+)
 from asyncllm.http.prometheus import render_metrics
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "HTTPError", "OpenAIApp", "create_app", "render_metrics"]
+__all__ = [
+    "DEFAULT_BODY_TIMEOUT",
+    "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MAX_CONCURRENT_REQUESTS",
+    "HTTPError",
+    "OpenAIApp",
+    "create_app",
+    "render_metrics",
+]
