@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -449,6 +450,50 @@ async def test_an_error_mid_stream_is_the_last_event() -> None:
     assert events[-2]["error"]["code"] == "engine_dead"
     text = "".join(e["choices"][0]["text"] for e in events[:-2])  # what the steps before the failure made
     assert set(text) == {"h"} and 0 < len(text) < 9
+
+
+async def test_a_hung_step_turns_health_503_after_step_timeout() -> None:
+    release = threading.Event()
+
+    class Hanging(ScriptedRunner):
+        def execute(self, batch):  # type: ignore[no-untyped-def]
+            if len(self.steps) == 2:
+                release.wait()
+            return super().execute(batch)
+
+    try:
+        with pytest.raises(asyncllm_errors.DeviceStepTimeoutError):
+            async with Engine.open(runner=Hanging([104]), tokenizer=ByteTokenizer(), step_timeout=0.5) as engine:
+                async with client(create_app(engine)) as http:
+                    response = await http.post(
+                        "/v1/completions", json={"prompt": "x", "max_tokens": 9, "stream": True}
+                    )
+                    health = await http.get("/health")
+    finally:
+        release.set()
+    events = sse(response)
+    assert events[-2]["error"]["code"] == "engine_dead" and "step_timeout" in events[-2]["error"]["message"]
+    assert error_of(health, 503)["code"] == "engine_dead"
+
+
+async def test_a_request_that_fails_alone_is_a_500_and_the_others_are_served() -> None:
+    class Fragile(ByteTokenizer):
+        def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+            if 7 in token_ids:
+                raise RuntimeError("tokenizer bug")
+            return super().decode(token_ids, skip_special_tokens)
+
+    def script(seq: Any) -> int:
+        return 7 if seq.prompt_token_ids[0] == ord("!") else 104
+
+    async with Engine.open(runner=ScriptedRunner(script), tokenizer=Fragile()) as engine:
+        async with client(create_app(engine)) as http:
+            failed = await http.post("/v1/completions", json={"prompt": "!x", "max_tokens": 3})
+            served = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
+            health = await http.get("/health")
+    assert error_of(failed, 500)["code"] == "request_failed"
+    assert served.json()["choices"][0]["text"] == "hhh"
+    assert health.status_code == 200
 
 
 def test_error_translation() -> None:

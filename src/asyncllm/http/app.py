@@ -28,7 +28,7 @@ import msgspec
 
 from asyncllm import errors
 from asyncllm.engine import Engine
-from asyncllm.errors import EngineClosedError, EngineDeadError
+from asyncllm.errors import EngineClosedError, EngineDeadError, RequestFailedError
 from asyncllm.http.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from asyncllm.http.prometheus import render_metrics
 from asyncllm.http.protocol import ErrorBody, ErrorResponse, ModelCard, ModelList
@@ -102,6 +102,8 @@ def error_for(exc: BaseException) -> HTTPError:
         )
     if isinstance(exc, EngineDeadError):
         return HTTPError(503, f"the engine is dead: {exc}", type="server_error", code="engine_dead")
+    if isinstance(exc, RequestFailedError):  # this request alone failed inside the engine; the log has why
+        return HTTPError(500, str(exc), type="server_error", code="request_failed")
     if isinstance(exc, EngineClosedError):
         return HTTPError(503, f"the engine is not running: {exc}", type="server_error", code="engine_closed")
     if isinstance(exc, msgspec.ValidationError):
