@@ -465,9 +465,7 @@ async def test_a_hung_step_turns_health_503_after_step_timeout() -> None:
         with pytest.raises(asyncllm_errors.DeviceStepTimeoutError):
             async with Engine.open(runner=Hanging([104]), tokenizer=ByteTokenizer(), step_timeout=0.5) as engine:
                 async with client(create_app(engine)) as http:
-                    response = await http.post(
-                        "/v1/completions", json={"prompt": "x", "max_tokens": 9, "stream": True}
-                    )
+                    response = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 9, "stream": True})
                     health = await http.get("/health")
     finally:
         release.set()

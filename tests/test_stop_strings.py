@@ -59,7 +59,7 @@ def _feed(
         request.output_token_ids.extend(chunk)
         last = start + per_event >= len(ids)
         event = TokenEvent(request, chunk, "length" if finish_last and last else None)
-        if processor.process([event]):
+        if processor.process([event]).stopped:
             stopped_at.append(start)
         if processor.num_open == 0:
             break
