@@ -236,7 +236,13 @@ async def _serve(args: argparse.Namespace) -> None:
     config.graceful_timeout = 5.0
     async with _open_engine(args) as engine:
         app = create_app(
-            engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes, model_name=args.served_model_name
+            engine,
+            api_key=args.api_key,
+            max_body_bytes=args.max_body_bytes,
+            model_name=args.served_model_name,
+            max_choices=args.max_choices,
+            max_completion_logprobs=args.max_completion_logprobs,
+            max_top_logprobs=args.max_top_logprobs,
         )
         logger.info("serving %s on http://%s:%d/v1 (%s)", app.model_name, host, args.port, args.backend)
         if args.backend == "trio":
@@ -311,6 +317,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="the model's name in the API [the folder's name]")
     serve.add_argument("--max-body-bytes", type=int, default=None, help="larger request bodies get 413 [4 MiB]")
     serve.add_argument("--access-log", action="store_true", help="log every request to stderr")
+    serve.add_argument(
+        "--max-choices", type=int, default=256, help="the most prompts times n in one request (more: 400) [256]"
+    )
+    serve.add_argument(
+        "--max-completion-logprobs", type=int, default=5, help="the largest logprobs of /v1/completions [5]"
+    )
+    serve.add_argument(
+        "--max-top-logprobs", type=int, default=20, help="the largest top_logprobs of /v1/chat/completions [20]"
+    )
     _add_engine_options(serve)
 
     bench = commands.add_parser("bench", help="run benchmarks/NAME.py, passing ARGS on")

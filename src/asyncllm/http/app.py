@@ -21,7 +21,7 @@ import msgspec
 
 from asyncllm import errors
 from asyncllm.engine import Engine
-from asyncllm.errors import EngineClosedError, EngineDeadError
+from asyncllm.errors import EngineClosedError, EngineDeadError, InvalidRequestError
 from asyncllm.http.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from asyncllm.http.prometheus import render_metrics
 from asyncllm.http.protocol import ErrorBody, ErrorResponse, ModelCard, ModelList
@@ -36,6 +36,16 @@ Send = Callable[[Message], Awaitable[None]]
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 """Default limit on a request body (4 MiB: a full context window of token ids fits many times)."""
+
+DEFAULT_MAX_CHOICES = 256
+"""Default limit on prompts times ``n`` in one request: the engine's default ``max_num_seqs``, so one
+request can fill a batch but not queue work for many."""
+
+DEFAULT_MAX_COMPLETION_LOGPROBS = 5
+"""Default limit on ``/v1/completions``' ``logprobs``: OpenAI's."""
+
+DEFAULT_MAX_TOP_LOGPROBS = 20
+"""Default limit on ``/v1/chat/completions``' ``top_logprobs``: OpenAI's."""
 
 _JSON = b"application/json"
 _T = TypeVar("_T")
@@ -95,7 +105,8 @@ def error_for(exc: BaseException) -> HTTPError:
     if isinstance(exc, msgspec.DecodeError):
         return HTTPError(400, f"the body is not valid JSON: {exc}", code="invalid_json")
     if isinstance(exc, ValueError):  # every InvalidRequestError, and SamplingParams' checks
-        return HTTPError(400, str(exc), param=_param_named_in(str(exc)), code="invalid_request")
+        param = exc.param if isinstance(exc, InvalidRequestError) and exc.param else _param_named_in(str(exc))
+        return HTTPError(400, str(exc), param=param, code="invalid_request")
     logger.error("unexpected error while serving a request", exc_info=exc)
     return HTTPError(500, f"internal error: {type(exc).__name__}", type="server_error", code="internal_error")
 
@@ -247,11 +258,32 @@ Handler = Callable[[Exchange], Awaitable[None]]
 class OpenAIApp:
     """The ASGI application ``create_app`` returns (see there)."""
 
-    def __init__(self, engine: Engine, *, api_key: str | None, max_body_bytes: int, model_name: str | None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        api_key: str | None,
+        max_body_bytes: int,
+        model_name: str | None,
+        max_choices: int = DEFAULT_MAX_CHOICES,
+        max_completion_logprobs: int = DEFAULT_MAX_COMPLETION_LOGPROBS,
+        max_top_logprobs: int = DEFAULT_MAX_TOP_LOGPROBS,
+    ) -> None:
         from asyncllm.http.completions import CompletionHandlers
 
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+        if max_choices < 1:
+            raise ValueError(f"max_choices must be >= 1, got {max_choices}")
+        for name, value in (
+            ("max_completion_logprobs", max_completion_logprobs),
+            ("max_top_logprobs", max_top_logprobs),
+        ):
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        self.max_choices = max_choices
+        self.max_completion_logprobs = max_completion_logprobs
+        self.max_top_logprobs = max_top_logprobs
         if api_key is not None and not api_key:
             raise ValueError("api_key must be a non-empty string, or None for no authentication")
         self.engine = engine
@@ -406,6 +438,9 @@ def create_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     model_name: str | None = None,
+    max_choices: int = DEFAULT_MAX_CHOICES,
+    max_completion_logprobs: int = DEFAULT_MAX_COMPLETION_LOGPROBS,
+    max_top_logprobs: int = DEFAULT_MAX_TOP_LOGPROBS,
 ) -> OpenAIApp:
     """An OpenAI-compatible ASGI application over ``engine``.
 
@@ -426,11 +461,24 @@ def create_app(
         max_body_bytes: Larger request bodies are refused with 413.
         model_name: The model's name in ``/v1/models`` and in responses; requests naming another
             model get 404. Default: the model folder's name (the default model's name for None).
+        max_choices: The most choices one request may ask for: its prompts times ``n`` (a 400
+            beyond). The engine's own limits (``Engine.open``'s ``max_logprobs``,
+            ``max_prompt_bytes``, ``max_stop``, ...) apply as well.
+        max_completion_logprobs: The largest ``logprobs`` of ``/v1/completions`` (OpenAI's 5).
+        max_top_logprobs: The largest ``top_logprobs`` of ``/v1/chat/completions`` (OpenAI's 20).
 
     Returns:
         The ASGI application (a plain callable; no framework needed).
 
     Raises:
-        ValueError: ``max_body_bytes`` < 1 or an empty ``api_key``.
+        ValueError: ``max_body_bytes`` or ``max_choices`` < 1, a negative logprobs limit, or an empty ``api_key``.
     """
-    return OpenAIApp(engine, api_key=api_key, max_body_bytes=max_body_bytes, model_name=model_name)
+    return OpenAIApp(
+        engine,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        model_name=model_name,
+        max_choices=max_choices,
+        max_completion_logprobs=max_completion_logprobs,
+        max_top_logprobs=max_top_logprobs,
+    )
