@@ -7,9 +7,13 @@ Through the real ASGI app, over httpx's ASGITransport and the official ``openai`
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import sys
 import threading
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -19,11 +23,18 @@ import pytest
 
 from asyncllm import Engine, SamplingParams
 from asyncllm.http import create_app
-from asyncllm.http.app import OpenAIApp
+from asyncllm.http.app import (
+    DEFAULT_MAX_CHOICES,
+    DEFAULT_MAX_COMPLETION_LOGPROBS,
+    DEFAULT_MAX_TOP_LOGPROBS,
+    OpenAIApp,
+)
 from asyncllm.input_processor import THREAD_MIN_CHARS
 from asyncllm.testing import ByteTokenizer, ScriptedRunner
 
 pytestmark = pytest.mark.anyio
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 class ChatTokenizer(ByteTokenizer):
@@ -224,3 +235,35 @@ async def test_other_streams_run_while_a_long_prompt_is_admitted(path: str) -> N
         assert response.json()["usage"]["completion_tokens"] == 2
         assert tokenizer.gated_threads and loop_thread not in tokenizer.gated_threads
         await still_serving(http)
+
+
+def test_heavy_requests_benchmark_quick(tiny_llama: Path, tmp_path: Path) -> None:
+    """benchmarks/heavy_requests.py runs end to end; its reproducers are refused and the rest served."""
+    spec = importlib.util.spec_from_file_location("asyncllm_bench_heavy_requests", BENCHMARKS / "heavy_requests.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    out = tmp_path / "rows.json"
+    assert module.main(["--quick", "--model", str(tiny_llama), "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [row["status"] for row in rows] == [400, 400, 400, 400, 200, 200, 400, 200]
+    assert [row["param"] for row in rows[:4]] == ["prompt", "top_logprobs", "prompt", "bad_words"]
+
+
+def test_asyncllm_serve_takes_the_limits_as_flags() -> None:
+    from asyncllm.cli import _ENGINE_PREFIX, build_parser
+
+    flags = ["--max-choices", "8", "--max-completion-logprobs", "2", "--max-top-logprobs", "3"]
+    engine_flags = ["--max-logprobs", "4", "--max-prompt-bytes", "1000", "--max-stop", "5", "--max-bad-words", "6"]
+    args = build_parser().parse_args(["serve", *flags, *engine_flags, "--max-waiting-requests", "7"])
+    assert (args.max_choices, args.max_completion_logprobs, args.max_top_logprobs) == (8, 2, 3)
+    engine = {k.removeprefix(_ENGINE_PREFIX): v for k, v in vars(args).items() if k.startswith(_ENGINE_PREFIX)}
+    assert engine["max_logprobs"] == 4 and engine["max_prompt_bytes"] == 1000
+    assert (engine["max_stop"], engine["max_bad_words"], engine["max_waiting_requests"]) == (5, 6, 7)
+    defaults = build_parser().parse_args(["serve"])
+    assert (defaults.max_choices, defaults.max_completion_logprobs, defaults.max_top_logprobs) == (
+        DEFAULT_MAX_CHOICES,
+        DEFAULT_MAX_COMPLETION_LOGPROBS,
+        DEFAULT_MAX_TOP_LOGPROBS,
+    )

@@ -138,6 +138,18 @@ async def test_a_tokenizer_failure_is_an_error_of_the_tree(where: str) -> None:
         await _still_serving(engine)
 
 
+async def test_a_chat_template_or_tokenizer_failure_is_a_chat_template_error() -> None:
+    class Failing(CountingTokenizer):
+        def apply_chat_template(self, messages: Sequence[Mapping[str, str]], **kwargs: Any) -> dict[str, list[int]]:
+            raise RuntimeError("the template engine gave up")
+
+    async with Engine.open(runner=ScriptedRunner(b"ok"), tokenizer=Failing()) as engine:
+        with pytest.raises(ChatTemplateError, match="RuntimeError: the template engine gave up") as raised:
+            await engine.chat([{"role": "user", "content": "hi"}])
+        assert raised.value.param == "messages" and isinstance(raised.value.__cause__, RuntimeError)
+        await _still_serving(engine)
+
+
 # -- temperatures too small to divide by ---------------------------------------------------------
 
 

@@ -11,13 +11,14 @@ Tokenizing is the one costly step, and it holds the thread that runs it. The syn
 ``Engine.open_stream``, ``Engine.generate`` and the HTTP app) runs the same checks, then tokenizes
 a long prompt (or many bad words) in a worker thread, so the event loop keeps streaming other
 requests meanwhile; short prompts are tokenized in place, where a thread hop would cost more than
-the tokenizing. Hugging Face's fast tokenizers encode in Rust without holding the GIL, and reading
-a shared tokenizer from several threads is safe (only changing its truncation or padding is not,
-and nothing here does).
+the tokenizing. Hugging Face's fast tokenizers encode in Rust without holding the GIL, and encoding
+with one tokenizer from several threads is safe once its truncation and padding settings are
+settled (see ``_thread_limiter``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -312,14 +313,18 @@ class InputProcessor:
         return prompt_ids, self.bad_words_token_ids(params)
 
     def _heavy(self, prompt: str | Sequence[int], params: SamplingParams) -> bool:
-        return (isinstance(prompt, str) and len(prompt) >= THREAD_MIN_CHARS) or len(
-            params.bad_words
-        ) >= THREAD_MIN_BAD_WORDS
+        long_text = isinstance(prompt, str) and len(prompt) >= THREAD_MIN_CHARS
+        return long_text or len(params.bad_words) >= THREAD_MIN_BAD_WORDS
 
     def _thread_limiter(self) -> anyio.CapacityLimiter:
         # Made on first use, in the engine's event loop. A few threads at most: a burst of long
         # prompts then takes a few cores from the device thread and the event loop, not all of them.
         if self._limiter is None:
+            # transformers turns a fast tokenizer's truncation and padding off on its first encode
+            # when its file had them on, a change that must not race another thread's encode: one
+            # encode here, before any thread shares the tokenizer, settles that.
+            with contextlib.suppress(Exception):
+                self.tokenizer.encode("a")
             self._limiter = anyio.CapacityLimiter(min(4, max(1, (os.cpu_count() or 2) // 2)))
         return self._limiter
 
@@ -478,6 +483,10 @@ class InputProcessor:
         except (TemplateError, ValueError, TypeError, KeyError) as exc:
             # Templates refuse some conversations on purpose (``raise_exception``), e.g. roles that do not alternate.
             raise ChatTemplateError(f"the chat template rejected the messages: {exc}", param="messages") from exc
+        except Exception as exc:  # the tokenizer's own failure is this conversation's, not the engine's
+            raise ChatTemplateError(
+                f"rendering or tokenizing the messages failed: {type(exc).__name__}: {exc}", param="messages"
+            ) from exc
         return list(encoded["input_ids"])
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:

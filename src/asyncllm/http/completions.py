@@ -1,7 +1,10 @@
 """``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI bodies in, engine streams out.
 
-Every request is validated up to the engine's own checks (``engine.stream()`` raises at the call)
-before a byte of the response is sent, so a bad request is always a clean 4xx. Then the response
+Every request is validated up to the engine's own checks (``engine.open_stream()`` raises at the
+call) before a byte of the response is sent, so a bad request is always a clean 4xx. The app's own
+limits (``max_choices``, ``max_completion_logprobs``, ``max_top_logprobs``) are checked first, before
+any prompt is tokenized; prompts are admitted with ``open_stream`` and conversations rendered with
+``encode_chat``, which tokenize long ones in a worker thread, off the event loop. Then the response
 is either one JSON body or server-sent events; either way the engine streams are consumed under
 ``Exchange.until_disconnect``, so a client that goes away cancels the consumer, which closes the
 streams, which aborts the requests and frees their KV blocks at the next step.
@@ -431,7 +434,8 @@ class CompletionHandlers:
             if max_tokens < 1:
                 raise PromptTooLongError(
                     f"messages of {len(prompt_ids)} tokens leave no room to reply within "
-                    f"max_model_len={self.engine.max_model_len}"
+                    f"max_model_len={self.engine.max_model_len}",
+                    param="messages",
                 )
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs)
