@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import os
 from collections.abc import Mapping, Sequence
@@ -252,18 +253,8 @@ class InputProcessor:
             PromptTooLongError: A text prompt is larger than ``max_prompt_bytes``.
         """
         if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidPromptError("prompt is empty", param="prompt")
-            self.check_text_size("prompt", prompt, InvalidPromptError, param="prompt")
-            try:
-                encoded = list(self.tokenizer.encode(prompt))
-            except Exception as exc:  # the tokenizer's own failure is this prompt's, not the engine's
-                raise InvalidPromptError(
-                    f"the tokenizer failed on the prompt: {type(exc).__name__}: {exc}", param="prompt"
-                ) from exc
-            if not encoded:
-                raise InvalidPromptError("prompt is made of no tokens (the tokenizer returned none)", param="prompt")
-            return encoded
+            self._check_text_prompt(prompt)
+            return self._encode(prompt)
         if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
             raise InvalidPromptError(
                 f"prompt must be a str or a sequence of token ids, got {type(prompt).__name__}", param="prompt"
@@ -277,6 +268,22 @@ class InputProcessor:
                     f"prompt token id {token_id!r} is outside the vocabulary [0, {self.vocab_size})", param="prompt"
                 )
         return ids
+
+    def _check_text_prompt(self, prompt: str) -> None:
+        if not prompt:
+            raise InvalidPromptError("prompt is empty", param="prompt")
+        self.check_text_size("prompt", prompt, InvalidPromptError, param="prompt")
+
+    def _encode(self, prompt: str) -> list[int]:
+        try:
+            encoded = list(self.tokenizer.encode(prompt))
+        except Exception as exc:  # the tokenizer's own failure is this prompt's, not the engine's
+            raise InvalidPromptError(
+                f"the tokenizer failed on the prompt: {type(exc).__name__}: {exc}", param="prompt"
+            ) from exc
+        if not encoded:
+            raise InvalidPromptError("prompt is made of no tokens (the tokenizer returned none)", param="prompt")
+        return encoded
 
     def bad_words_token_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
         """``params.bad_words`` as token sequences: each word alone and after a space (as vLLM does),
@@ -303,12 +310,13 @@ class InputProcessor:
         return tuple(sequences)
 
     def _tokenize_all(
-        self, prompt: str | Sequence[int], params: SamplingParams
+        self, prompt: str | Sequence[int], params: SamplingParams, *, text_checked: bool = False
     ) -> tuple[list[int], tuple[tuple[int, ...], ...]]:
-        # The tokenizing half of a request: run in place, or in a worker thread by process_async.
+        # The tokenizing half of a request: run in place, or in a worker thread by process_async
+        # (which checks a text prompt's size first, in place: text_checked).
         if not isinstance(prompt, str) and isinstance(prompt, Sequence):
             self._check_length(len(prompt), params)  # before looking at each id of an overlong prompt
-        prompt_ids = self.tokenize(prompt)
+        prompt_ids = self._encode(prompt) if text_checked and isinstance(prompt, str) else self.tokenize(prompt)
         self._check_length(len(prompt_ids), params)
         return prompt_ids, self.bad_words_token_ids(params)
 
@@ -377,8 +385,11 @@ class InputProcessor:
         await anyio.lowlevel.cancel_shielded_checkpoint()
         checked = self.check(params, cache_salt)
         if self._heavy(prompt, checked):
+            if isinstance(prompt, str):
+                self._check_text_prompt(prompt)  # an oversized prompt is refused here, without a thread
             prompt_ids, bad_words = await anyio.to_thread.run_sync(
-                self._tokenize_all, prompt, checked, limiter=self._thread_limiter()
+                functools.partial(self._tokenize_all, prompt, checked, text_checked=isinstance(prompt, str)),
+                limiter=self._thread_limiter(),
             )
         else:
             prompt_ids, bad_words = self._tokenize_all(prompt, checked)
