@@ -483,6 +483,9 @@ async def _serve(args: argparse.Namespace) -> None:
             body_timeout=args.body_timeout,
             max_concurrent_requests=args.max_concurrent_requests,
             cors_origins=args.cors_origins,
+            max_choices=args.max_choices,
+            max_completion_logprobs=args.max_completion_logprobs,
+            max_top_logprobs=args.max_top_logprobs,
         )
         logger.info("serving %s on http://%s:%d/v1 (%s)", app.model_name, host, args.port, args.backend)
         await _serve_app(app, config, backend=args.backend, graceful_timeout=args.graceful_timeout)
@@ -592,6 +595,15 @@ def build_parser() -> argparse.ArgumentParser:
         f"[{DEFAULT_SEND_TIMEOUT:g}]",
     )
     serve.add_argument("--access-log", action="store_true", help="log every request to stderr")
+    serve.add_argument(
+        "--max-choices", type=int, default=256, help="the most prompts times n in one request (more: 400) [256]"
+    )
+    serve.add_argument(
+        "--max-completion-logprobs", type=int, default=5, help="the largest logprobs of /v1/completions [5]"
+    )
+    serve.add_argument(
+        "--max-top-logprobs", type=int, default=20, help="the largest top_logprobs of /v1/chat/completions [20]"
+    )
     _add_engine_options(serve)
 
     bench = commands.add_parser("bench", help="run benchmarks/NAME.py, passing ARGS on")

@@ -26,19 +26,25 @@ import anyio
 from asyncllm.core import EngineCore
 from asyncllm.detokenizer import Tokenizer
 from asyncllm.device import DeviceWorker
-from asyncllm.errors import ChatTemplateError, EngineClosedError, EngineDeadError, EngineOverloadedError
-from asyncllm.input_processor import InputProcessor
+from asyncllm.errors import EngineClosedError, EngineDeadError, EngineOverloadedError
+from asyncllm.input_processor import InputProcessor, RequestLimits
 from asyncllm.kv.manager import KVCacheManager
 from asyncllm.memory import check_kv_cache_memory
 from asyncllm.metrics import EngineMetrics
 from asyncllm.output_processor import OutputProcessor
 from asyncllm.outputs import Completion, EngineStatistics, FinishReason, Logprobs, Sample, StreamChunk
+from asyncllm.request import Request
 from asyncllm.runner import ModelRunner, RunnerInfo, RunnerTimings
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.scheduler import Scheduler
 from asyncllm.stream import RequestStream
 
 logger = logging.getLogger("asyncllm")
+
+DEFAULT_MAX_WAITING_REQUESTS = 4096
+"""``max_waiting_requests``' default: sixteen full batches at the default ``max_num_seqs``, so a
+burst queues rather than fails, while the queue (each entry holds its prompt's ids, at most
+``max_model_len`` of them) stays bounded; beyond it requests fail fast with ``EngineOverloadedError``."""
 
 
 DEFAULT_STEP_TIMEOUT = 300.0
@@ -60,7 +66,7 @@ class EngineOptions:
     kv_cache_blocks: int | None
     seed: int | None
     enable_prefix_caching: bool = True
-    max_waiting_requests: int | None = None
+    max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS
     attention_backend: str = "auto"
     enforce_eager: bool = False
     async_scheduling: bool = True
@@ -68,6 +74,12 @@ class EngineOptions:
     compile: bool = False
     num_threads: int | None = None
     step_timeout: float | None = DEFAULT_STEP_TIMEOUT
+    max_logprobs: int = 20
+    max_prompt_bytes: int | None = None
+    max_stop: int = 64
+    max_stop_bytes: int = 4096
+    max_bad_words: int = 256
+    max_bad_words_bytes: int = 8192
 
     def __post_init__(self) -> None:
         check_kv_cache_memory(self.kv_cache_memory)
@@ -79,7 +91,7 @@ class EngineOptions:
             raise ValueError(f"compile must be a bool, got {self.compile!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             _check_positive(name, getattr(self, name))
-        for name in ("max_model_len", "kv_cache_blocks", "max_waiting_requests", "num_threads"):
+        for name in ("max_model_len", "kv_cache_blocks", "max_waiting_requests", "num_threads", "max_prompt_bytes"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
         if self.step_timeout is not None and (
@@ -90,6 +102,25 @@ class EngineOptions:
             raise ValueError(f"step_timeout must be a positive number of seconds or None, got {self.step_timeout!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32', 'float16' or 'bfloat16', got {self.dtype!r}")
+        for name in ("max_stop", "max_stop_bytes", "max_bad_words", "max_bad_words_bytes"):
+            _check_positive(name, getattr(self, name))
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64
+        ):
+            raise ValueError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
+
+    def request_limits(self) -> RequestLimits:
+        """The caps on one request these options set."""
+        return RequestLimits(
+            max_logprobs=self.max_logprobs,
+            max_prompt_bytes=self.max_prompt_bytes,
+            max_stop=self.max_stop,
+            max_stop_bytes=self.max_stop_bytes,
+            max_bad_words=self.max_bad_words,
+            max_bad_words_bytes=self.max_bad_words_bytes,
+        )
 
 
 def _check_positive(name: str, value: Any) -> None:
@@ -130,7 +161,7 @@ class Engine:
         kv_cache_blocks: int | None = None,
         seed: int | None = None,
         enable_prefix_caching: bool = True,
-        max_waiting_requests: int | None = None,
+        max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
         attention_backend: str = "auto",
         enforce_eager: bool = False,
         async_scheduling: bool = True,
@@ -138,6 +169,12 @@ class Engine:
         compile: bool = False,
         num_threads: int | None = None,
         step_timeout: float | None = DEFAULT_STEP_TIMEOUT,
+        max_logprobs: int = 20,
+        max_prompt_bytes: int | None = None,
+        max_stop: int = 64,
+        max_stop_bytes: int = 4096,
+        max_bad_words: int = 256,
+        max_bad_words_bytes: int = 8192,
         runner: ModelRunner | None = None,
         tokenizer: Tokenizer | None = None,
     ) -> Engine:
@@ -159,7 +196,8 @@ class Engine:
             enable_prefix_caching: Reuse the KV cache of identical prompt prefixes (full blocks)
                 across requests; on by default.
             max_waiting_requests: Bound of the queue of requests not yet running; beyond it
-                ``stream()`` raises ``EngineOverloadedError`` at once (HTTP 503). None: unbounded.
+                ``stream()`` raises ``EngineOverloadedError`` at once (HTTP 503). Default 4096
+                (sixteen batches of the default ``max_num_seqs``); None: unbounded.
             attention_backend: "auto" (the Triton kernels on CUDA when triton is installed; on the
                 CPU the cpu kernel when it can run, else the torch reference), "torch", "cpu" (a C
                 decode kernel for float32 on the CPU, built once with the system C compiler), or
@@ -191,6 +229,19 @@ class Engine:
                 ``DeviceStepTimeoutError`` on every stream, ``check_health`` (``/health``) fails,
                 and leaving ``async with`` returns at once, leaving the stuck thread behind (logged).
                 None waits forever.
+            max_logprobs: The most alternatives a request's ``logprobs`` or ``prompt_logprobs``
+                may ask for (vLLM's default, 20); more is an ``InvalidSamplingParamsError``.
+            max_prompt_bytes: The largest text prompt (or chat conversation) in UTF-8 bytes,
+                checked before it is tokenized (a ``PromptTooLongError``); None: 16 bytes per
+                token of ``max_model_len``. It bounds the tokenizing ``stream()`` does in the
+                caller's thread; ``open_stream()`` and ``generate()`` tokenize long prompts in a
+                worker thread.
+            max_stop: The most ``stop`` strings a request may give.
+            max_stop_bytes: The most UTF-8 bytes of a request's ``stop`` strings together (they
+                are looked for in the new text of every step).
+            max_bad_words: The most ``bad_words`` a request may give.
+            max_bad_words_bytes: The most UTF-8 bytes of a request's ``bad_words`` together
+                (each is tokenized twice at the call and checked at every step).
             runner: A ``ModelRunner`` to use instead of the torch one (tests: ``asyncllm.testing``).
             tokenizer: The tokenizer to use with ``runner`` (by default loaded from ``model``).
 
@@ -219,6 +270,12 @@ class Engine:
             compile=compile,
             num_threads=num_threads,
             step_timeout=step_timeout,
+            max_logprobs=max_logprobs,
+            max_prompt_bytes=max_prompt_bytes,
+            max_stop=max_stop,
+            max_stop_bytes=max_stop_bytes,
+            max_bad_words=max_bad_words,
+            max_bad_words_bytes=max_bad_words_bytes,
         )
         if runner is not None and tokenizer is None:
             raise ValueError("a custom runner needs a tokenizer too")
@@ -281,7 +338,11 @@ class Engine:
         # Streams still open when the engine goes away end with an error instead of hanging.
         stack.callback(lambda: outputs.fail_all(EngineClosedError("the engine was closed")))
         self._inputs = InputProcessor(
-            tokenizer, vocab_size=info.vocab_size, max_model_len=self._max_model_len, eos_token_ids=info.eos_token_ids
+            tokenizer,
+            vocab_size=info.vocab_size,
+            max_model_len=self._max_model_len,
+            eos_token_ids=info.eos_token_ids,
+            limits=self.options.request_limits(),
         )
         task_group = await stack.enter_async_context(anyio.create_task_group())
         await task_group.start(core.run)
@@ -360,7 +421,10 @@ class Engine:
     ) -> RequestStream:
         """Submit a request and return its live output.
 
-        Validation happens here, at the call: nothing is scheduled for a bad request.
+        Validation happens here, at the call: nothing is scheduled for a bad request. A text
+        prompt is tokenized here too, in the caller's thread (bounded by ``max_prompt_bytes``);
+        async code serving many users should prefer ``open_stream``, which tokenizes long
+        prompts in a worker thread.
 
         Args:
             prompt: Text (tokenized with the model's tokenizer) or a sequence of token ids.
@@ -390,10 +454,33 @@ class Engine:
         wake_at_end: bool,
     ) -> RequestStream:
         core, inputs = self._require_running()
+        self._check_capacity(core)
+        request = inputs.process(prompt, params if params is not None else SamplingParams(), cache_salt=cache_salt)
+        return self._admit(core, request, wake_at_end=wake_at_end)
+
+    async def _submit_async(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | Mapping[str, Any] | None,
+        cache_salt: str | None,
+        *,
+        wake_at_end: bool,
+    ) -> RequestStream:
+        core, inputs = self._require_running()
+        self._check_capacity(core)  # an overloaded engine refuses before any tokenizing
+        request = await inputs.process_async(
+            prompt, params if params is not None else SamplingParams(), cache_salt=cache_salt
+        )
+        core, _ = self._require_running()  # it may have closed or died while the prompt was tokenized
+        self._check_capacity(core)
+        return self._admit(core, request, wake_at_end=wake_at_end)
+
+    def _check_capacity(self, core: EngineCore) -> None:
         limit = self.options.max_waiting_requests
         if limit is not None and len(core.scheduler.waiting) >= limit:
             raise EngineOverloadedError(f"{limit} requests are already waiting (max_waiting_requests); retry later")
-        request = inputs.process(prompt, params if params is not None else SamplingParams(), cache_salt=cache_salt)
+
+    def _admit(self, core: EngineCore, request: Request, *, wake_at_end: bool) -> RequestStream:
         stream = RequestStream(
             request.request_id,
             request.prompt_token_ids,
@@ -404,6 +491,37 @@ class Engine:
         core.add(request, stream)
         return stream
 
+    async def open_stream(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | Mapping[str, Any] | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        """Submit a request and return its live output, as ``stream`` does, without holding the event loop.
+
+        ``stream`` tokenizes in the caller's thread, which is the event loop's: a long prompt then
+        holds up every other stream while it is tokenized (``max_prompt_bytes`` bounds how long).
+        This twin checks everything cheap in place, then tokenizes a long text prompt (8,192
+        characters or more) or many bad words in a worker thread. Servers that take prompts from
+        many users should use it (the HTTP app does); ``generate`` and ``chat`` do.
+
+        Args:
+            prompt: Text or token ids, as for ``stream``.
+            params: How to sample, as for ``stream``.
+            cache_salt: As for ``stream``.
+
+        Returns:
+            A ``RequestStream``, as ``stream`` returns.
+
+        Raises:
+            InvalidRequestError: As for ``stream``.
+            EngineOverloadedError: As for ``stream``.
+            EngineClosedError: The engine is not running (or was closed while the prompt was tokenized).
+            EngineDeadError: The engine died.
+        """
+        return await self._submit_async(prompt, params, cache_salt, wake_at_end=False)
+
     async def generate(
         self,
         prompt: str | Sequence[int],
@@ -411,7 +529,8 @@ class Engine:
         *,
         cache_salt: str | None = None,
     ) -> Completion:
-        """Run a request to the end and return its whole output.
+        """Run a request to the end and return its whole output (a long prompt is tokenized in a
+        worker thread, as ``open_stream`` does).
 
         Args:
             prompt: Text or token ids, as for ``stream``.
@@ -423,13 +542,14 @@ class Engine:
 
         Raises:
             InvalidRequestError: As for ``stream``.
+            EngineOverloadedError: As for ``stream``.
             EngineClosedError: The engine is not running (or closed while the request ran).
             EngineDeadError: The engine died.
         """
         parts: list[_SampleParts] = []
         prompt_logprobs: tuple[Logprobs | None, ...] | None = None
         # Woken once, when the request ends: the output arrives merged, one chunk per sample.
-        async with self._submit(prompt, params, cache_salt, wake_at_end=True) as stream:
+        async with await self._submit_async(prompt, params, cache_salt, wake_at_end=True) as stream:
             parts = [_SampleParts() for _ in range(stream.num_samples)]
             async for chunk in stream:
                 parts[chunk.index].add(chunk)
@@ -463,6 +583,9 @@ class Engine:
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """Render a conversation with the model's chat template, the assistant's turn opened.
 
+        Rendering and tokenizing run in the caller's thread (bounded by ``max_prompt_bytes``);
+        ``encode_chat`` is the twin that moves a long conversation to a worker thread.
+
         Args:
             messages: ``{"role": ..., "content": ...}`` mappings (content a str), oldest first.
 
@@ -470,13 +593,34 @@ class Engine:
             The prompt's token ids (``add_generation_prompt=True``).
 
         Raises:
-            ChatTemplateError: The model has no chat template, the messages are malformed, or the
-                template rejected them (an ``InvalidRequestError``).
+            ChatTemplateError: The model has no chat template, the messages are malformed (or
+                hold text that is not valid UTF-8), or the template rejected them (an
+                ``InvalidRequestError``).
+            PromptTooLongError: The messages hold more than ``max_prompt_bytes`` of text.
             EngineClosedError: The engine is not running.
             EngineDeadError: The engine died.
         """
         _, inputs = self._require_running()
-        return _render_chat(inputs.tokenizer, messages)
+        return inputs.render_chat(messages)
+
+    async def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """``apply_chat_template``, with a long conversation (8,192 characters or more) rendered and
+        tokenized in a worker thread, so the event loop keeps running meanwhile.
+
+        Args:
+            messages: As for ``apply_chat_template``.
+
+        Returns:
+            The prompt's token ids, as ``apply_chat_template`` returns them.
+
+        Raises:
+            ChatTemplateError: As for ``apply_chat_template``.
+            PromptTooLongError: As for ``apply_chat_template``.
+            EngineClosedError: The engine is not running.
+            EngineDeadError: The engine died.
+        """
+        _, inputs = self._require_running()
+        return await inputs.render_chat_async(messages)
 
     def chat_stream(
         self,
@@ -510,7 +654,8 @@ class Engine:
         *,
         cache_salt: str | None = None,
     ) -> Completion:
-        """Run a conversation's next assistant turn to the end (see ``chat_stream``).
+        """Run a conversation's next assistant turn to the end (see ``chat_stream``); a long
+        conversation is rendered in a worker thread (see ``encode_chat``).
 
         Args:
             messages: The conversation so far, oldest first.
@@ -526,7 +671,7 @@ class Engine:
             EngineClosedError: The engine is not running (or closed while the request ran).
             EngineDeadError: The engine died.
         """
-        return await self.generate(self.apply_chat_template(messages), params, cache_salt=cache_salt)
+        return await self.generate(await self.encode_chat(messages), params, cache_salt=cache_salt)
 
     # -- introspection ---------------------------------------------------------------------------
 
@@ -640,25 +785,6 @@ def _resolve_model(model: str | os.PathLike[str] | None) -> Path:
     from asyncllm.default_model import resolve_model_path
 
     return resolve_model_path(model)
-
-
-def _render_chat(tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-    apply = getattr(tokenizer, "apply_chat_template", None)
-    if apply is None or not getattr(tokenizer, "chat_template", None):
-        raise ChatTemplateError("this model's tokenizer has no chat template; send a plain prompt instead")
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
-        raise ChatTemplateError("messages must be a non-empty list of {'role': ..., 'content': ...} mappings")
-    for index, message in enumerate(messages):
-        if not isinstance(message, Mapping) or not all(isinstance(message.get(k), str) for k in ("role", "content")):
-            raise ChatTemplateError(f"messages[{index}] must be a mapping with str 'role' and 'content': {message!r}")
-    from jinja2 import TemplateError  # a dependency of transformers, whose tokenizers have chat templates
-
-    try:
-        encoded = apply([dict(m) for m in messages], add_generation_prompt=True, tokenize=True, return_dict=True)
-    except (TemplateError, ValueError, TypeError, KeyError) as exc:
-        # Templates refuse some conversations on purpose (``raise_exception``), e.g. roles that do not alternate.
-        raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from exc
-    return list(encoded["input_ids"])
 
 
 def _load_tokenizer(model_path: Path) -> Tokenizer:

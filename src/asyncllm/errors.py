@@ -18,7 +18,9 @@ AsyncLLMError(Exception)
 ```
 
 Every ``InvalidRequestError`` is also a ``ValueError``, so code that already catches ``ValueError``
-around parameter handling keeps working.
+around parameter handling keeps working. Its ``param`` names the request field at fault when one is
+(the HTTP app reports it as the OpenAI error's ``param``); a request beyond one of the engine's
+limits says which limit and which option raises it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,16 @@ class AsyncLLMError(Exception):
 
 
 class InvalidRequestError(AsyncLLMError, ValueError):
-    """A request was rejected before it was scheduled; the engine keeps serving."""
+    """A request was rejected before it was scheduled; the engine keeps serving.
+
+    Args:
+        message: What is wrong with the request.
+        param: The request field at fault (``"seed"``, ``"prompt"``, ``"cache_salt"``, ...), if one is.
+    """
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class InvalidSamplingParamsError(InvalidRequestError):

@@ -6,10 +6,51 @@ import math
 
 import msgspec
 
-from asyncllm.errors import InvalidSamplingParamsError
+from asyncllm.errors import InvalidRequestError, InvalidSamplingParamsError
 
 MAX_N = 64
 """The most samples one request may ask for."""
+
+MAX_SEED = 2**64 - 1
+"""The largest seed: torch's generators take unsigned 64-bit seeds (sample i of n uses ``seed + i``)."""
+
+GREEDY_BELOW_TEMPERATURE = 1e-5
+"""Temperatures below this sample greedily, as 0 does. A draw at such a temperature differs from the
+argmax only between logits closer than about 1e-4 (the odds against a token are ``exp(gap / T)``),
+and dividing float32 logits by a temperature below about 1e-37 overflows to inf, which would make
+every draw token 0. vLLM treats temperatures below the same value as greedy."""
+
+MIN_REPETITION_PENALTY = 1e-6
+"""The smallest ``repetition_penalty``: dividing float32 logits by a much smaller one overflows to inf."""
+
+
+def utf8_size(field: str, text: str, error: type[InvalidRequestError], *, param: str) -> int:
+    """The size of ``text`` in UTF-8 bytes.
+
+    Python strings may hold lone surrogates (``"\\ud800"``), which no UTF-8 text can: a tokenizer,
+    a hash or a JSON response would fail on them later, so they are refused here, at the call.
+
+    Args:
+        field: The field's name in the message (``"stop[2]"``).
+        text: The text.
+        error: The error to raise.
+        param: The request field at fault, for ``error.param``.
+
+    Raises:
+        InvalidRequestError: ``error``, when ``text`` holds a lone surrogate.
+    """
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise error(
+            f"{field} is not valid UTF-8 text: it holds the lone surrogate {text[exc.start]!r} at index {exc.start}",
+            param=param,
+        ) from None
+
+
+def _param(name: str) -> str:
+    # "allowed_token_ids[...]" and "logit_bias key" are about the field before the bracket or space.
+    return name.split("[", 1)[0].split(" ", 1)[0]
 
 
 def _check_int(name: str, value: object, *, minimum: int, allow_none: bool = False) -> None:
@@ -17,29 +58,29 @@ def _check_int(name: str, value: object, *, minimum: int, allow_none: bool = Fal
         return
     # bool is an int subclass; True as max_tokens is a bug, not a request for one token.
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidSamplingParamsError(f"{name} must be an int, got {value!r}")
+        raise InvalidSamplingParamsError(f"{name} must be an int, got {value!r}", param=_param(name))
     if value < minimum:
-        raise InvalidSamplingParamsError(f"{name} must be >= {minimum}, got {value}")
+        raise InvalidSamplingParamsError(f"{name} must be >= {minimum}, got {value}", param=_param(name))
 
 
 def _check_float(name: str, value: object, *, low: float, high: float, low_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidSamplingParamsError(f"{name} must be a number, got {value!r}")
+        raise InvalidSamplingParamsError(f"{name} must be a number, got {value!r}", param=name)
     below = value <= low if low_open else value < low
     if below or value > high or value != value:  # value != value catches NaN
         bracket = "(" if low_open else "["
-        raise InvalidSamplingParamsError(f"{name} must be in {bracket}{low}, {high}], got {value}")
+        raise InvalidSamplingParamsError(f"{name} must be in {bracket}{low}, {high}], got {value}", param=name)
 
 
 def _check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
-        raise InvalidSamplingParamsError(f"{name} must be a bool, got {value!r}")
+        raise InvalidSamplingParamsError(f"{name} must be a bool, got {value!r}", param=name)
 
 
 def _as_tuple(name: str, value: object, item: str) -> tuple[object, ...]:
     # Lists are accepted for convenience (and from JSON) but stored as tuples: the params are immutable.
     if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)):
-        raise InvalidSamplingParamsError(f"{name} must be a sequence of {item}, got {value!r}")
+        raise InvalidSamplingParamsError(f"{name} must be a sequence of {item}, got {value!r}", param=name)
     return tuple(value)
 
 
@@ -57,12 +98,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         max_tokens: The most tokens to generate (>= 1).
         min_tokens: Generate at least this many tokens before EOS or a ``stop_token_ids`` id may be
             sampled (they are masked out until then), and before ``stop`` strings are looked for.
-        temperature: 0 means greedy (argmax); higher flattens the distribution.
+        temperature: 0 means greedy (argmax), and so does any temperature below 1e-5
+            (``GREEDY_BELOW_TEMPERATURE``); higher flattens the distribution.
         top_k: Keep only the k most likely tokens; 0 or -1 disables the filter.
         top_p: Keep the smallest set of tokens whose probability reaches top_p (0 < top_p <= 1).
         min_p: Drop tokens whose probability is below ``min_p`` times the most likely token's (0 disables).
         repetition_penalty: As in HF transformers: the logit of every token already in the prompt or the
-            output is divided by it when positive and multiplied by it when negative (1 disables).
+            output is divided by it when positive and multiplied by it when negative (1 disables); in
+            [1e-6, 100].
         presence_penalty: As in the OpenAI API: subtracted once from the logit of every token already
             generated (prompt excluded); in [-2, 2].
         frequency_penalty: As in the OpenAI API: subtracted from a token's logit once per time it was
@@ -73,12 +116,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             masked out always, a longer one when the output so far ends with all but its last token.
         stop: Strings that end the request (finish_reason "stop", ``stop_reason`` the string); the text
             ends before the string unless ``include_stop_str_in_output``. While the end of the text could
-            still become one of them, it is held back from the stream.
+            still become one of them, it is held back from the stream. Stop strings and bad words must
+            be valid UTF-8 text (no lone surrogates).
         stop_token_ids: Token ids that end the request (finish_reason "stop"), besides EOS.
         include_stop_str_in_output: Keep the matched stop string at the end of the text.
         ignore_eos: Keep generating past the model's end-of-sequence token.
         seed: Seeds this request's own random generator, so its tokens do not depend on what else
-            is in the batch.
+            is in the batch; in [0, 2**64 - n] (sample i uses ``seed + i``, a 64-bit seed).
         logprobs: Return, for each generated token, its log-probability and rank, and the ``logprobs``
             most likely alternatives (0: the chosen token only; None: nothing).
         prompt_logprobs: The same for each prompt token after the first (None: nothing).
@@ -117,25 +161,28 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         _check_int("n", self.n, minimum=1)
         if self.n > MAX_N:
-            raise InvalidSamplingParamsError(f"n must be <= {MAX_N}, got {self.n}")
+            raise InvalidSamplingParamsError(f"n must be <= {MAX_N}, got {self.n}", param="n")
         _check_int("max_tokens", self.max_tokens, minimum=1)
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens > self.max_tokens:
             raise InvalidSamplingParamsError(
-                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} > max_tokens={self.max_tokens}"
+                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} > max_tokens={self.max_tokens}",
+                param="min_tokens",
             )
         _check_float("temperature", self.temperature, low=0.0, high=100.0)
         _check_int("top_k", self.top_k, minimum=-1)
         _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         _check_float("min_p", self.min_p, low=0.0, high=1.0)
-        _check_float("repetition_penalty", self.repetition_penalty, low=0.0, high=100.0, low_open=True)
+        _check_float("repetition_penalty", self.repetition_penalty, low=MIN_REPETITION_PENALTY, high=100.0)
         _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         self._check_logit_bias()
         if self.allowed_token_ids is not None:
             allowed = _as_tuple("allowed_token_ids", self.allowed_token_ids, "token ids")
             if not allowed:
-                raise InvalidSamplingParamsError("allowed_token_ids must not be empty (None allows every token)")
+                raise InvalidSamplingParamsError(
+                    "allowed_token_ids must not be empty (None allows every token)", param="allowed_token_ids"
+                )
             for token_id in allowed:
                 _check_int("allowed_token_ids[...]", token_id, minimum=0)
             msgspec.structs.force_setattr(self, "allowed_token_ids", allowed)
@@ -144,9 +191,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             if isinstance(value, str):  # stop="###" means one string, not three characters
                 value = (value,)
             strings = _as_tuple(name, value, "strings")
-            for string in strings:
+            for index, string in enumerate(strings):
                 if not isinstance(string, str) or not string:
-                    raise InvalidSamplingParamsError(f"{name} must hold non-empty strings, got {string!r}")
+                    raise InvalidSamplingParamsError(f"{name} must hold non-empty strings, got {string!r}", param=name)
+                utf8_size(f"{name}[{index}]", string, InvalidSamplingParamsError, param=name)
             msgspec.structs.force_setattr(self, name, strings)
         stop_ids = _as_tuple("stop_token_ids", self.stop_token_ids, "ints")
         for token_id in stop_ids:
@@ -156,6 +204,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             _check_bool(name, getattr(self, name))
         _check_bool("spaces_between_special_tokens", self.spaces_between_special_tokens)
         _check_int("seed", self.seed, minimum=0, allow_none=True)
+        if self.seed is not None and self.seed > MAX_SEED - (self.n - 1):
+            # Sample i uses seed + i, and every one must fit torch's 64-bit generator seed.
+            raise InvalidSamplingParamsError(
+                f"seed must be <= 2**64 - n = {MAX_SEED - (self.n - 1)} (a 64-bit seed; sample i of n uses seed + i), "
+                f"got {self.seed}",
+                param="seed",
+            )
         _check_int("logprobs", self.logprobs, minimum=0, allow_none=True)
         _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0, allow_none=True)
 
@@ -163,18 +218,25 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         if self.logit_bias is None:
             return
         if not isinstance(self.logit_bias, dict):
-            raise InvalidSamplingParamsError(f"logit_bias must be a dict of token id to bias, got {self.logit_bias!r}")
+            raise InvalidSamplingParamsError(
+                f"logit_bias must be a dict of token id to bias, got {self.logit_bias!r}", param="logit_bias"
+            )
         for token_id, bias in self.logit_bias.items():
             _check_int("logit_bias key", token_id, minimum=0)
             if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
-                raise InvalidSamplingParamsError(f"logit_bias[{token_id}] must be a finite number, got {bias!r}")
+                raise InvalidSamplingParamsError(
+                    f"logit_bias[{token_id}] must be a finite number, got {bias!r}", param="logit_bias"
+                )
             if not -100.0 <= bias <= 100.0:
-                raise InvalidSamplingParamsError(f"logit_bias[{token_id}] must be in [-100, 100], got {bias}")
+                raise InvalidSamplingParamsError(
+                    f"logit_bias[{token_id}] must be in [-100, 100], got {bias}", param="logit_bias"
+                )
 
     @property
     def greedy(self) -> bool:
-        """True when the request takes the argmax at every step."""
-        return self.temperature == 0.0 or self.top_k == 1
+        """True when the request takes the argmax at every step (``temperature`` below
+        ``GREEDY_BELOW_TEMPERATURE``, or ``top_k`` 1)."""
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:

@@ -28,7 +28,7 @@ import msgspec
 
 from asyncllm import errors
 from asyncllm.engine import Engine
-from asyncllm.errors import EngineClosedError, EngineDeadError, RequestFailedError
+from asyncllm.errors import EngineClosedError, EngineDeadError, InvalidRequestError, RequestFailedError
 from asyncllm.http.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from asyncllm.http.prometheus import render_metrics
 from asyncllm.http.protocol import ErrorBody, ErrorResponse, ModelCard, ModelList
@@ -50,6 +50,16 @@ DEFAULT_BODY_TIMEOUT = 30.0
 DEFAULT_MAX_CONCURRENT_REQUESTS = 512
 """Default limit on requests in flight (body being read, or being answered): below the common
 1024 file descriptors per process, with room for connections that are idle or sending headers."""
+
+DEFAULT_MAX_CHOICES = 256
+"""Default limit on prompts times ``n`` in one request: the engine's default ``max_num_seqs``, so one
+request can fill a batch but not queue work for many."""
+
+DEFAULT_MAX_COMPLETION_LOGPROBS = 5
+"""Default limit on ``/v1/completions``' ``logprobs``: OpenAI's."""
+
+DEFAULT_MAX_TOP_LOGPROBS = 20
+"""Default limit on ``/v1/chat/completions``' ``top_logprobs``: OpenAI's."""
 
 _JSON = b"application/json"
 _CLOSE = (b"connection", b"close")
@@ -114,7 +124,8 @@ def error_for(exc: BaseException) -> HTTPError:
     if isinstance(exc, msgspec.DecodeError):
         return HTTPError(400, f"the body is not valid JSON: {exc}", code="invalid_json")
     if isinstance(exc, ValueError):  # every InvalidRequestError, and SamplingParams' checks
-        return HTTPError(400, str(exc), param=_param_named_in(str(exc)), code="invalid_request")
+        param = exc.param if isinstance(exc, InvalidRequestError) and exc.param else _param_named_in(str(exc))
+        return HTTPError(400, str(exc), param=param, code="invalid_request")
     logger.error("unexpected error while serving a request", exc_info=exc)
     return HTTPError(500, f"internal error: {type(exc).__name__}", type="server_error", code="internal_error")
 
@@ -350,11 +361,25 @@ class OpenAIApp:
         body_timeout: float = DEFAULT_BODY_TIMEOUT,
         max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
         cors_origins: Sequence[str] | None = None,
+        max_choices: int = DEFAULT_MAX_CHOICES,
+        max_completion_logprobs: int = DEFAULT_MAX_COMPLETION_LOGPROBS,
+        max_top_logprobs: int = DEFAULT_MAX_TOP_LOGPROBS,
     ) -> None:
         from asyncllm.http.completions import CompletionHandlers
 
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+        if max_choices < 1:
+            raise ValueError(f"max_choices must be >= 1, got {max_choices}")
+        for name, value in (
+            ("max_completion_logprobs", max_completion_logprobs),
+            ("max_top_logprobs", max_top_logprobs),
+        ):
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        self.max_choices = max_choices
+        self.max_completion_logprobs = max_completion_logprobs
+        self.max_top_logprobs = max_top_logprobs
         if api_key is not None and not api_key:
             raise ValueError("api_key must be a non-empty string, or None for no authentication")
         if not body_timeout > 0:  # also refuses NaN
@@ -628,6 +653,9 @@ def create_app(
     body_timeout: float = DEFAULT_BODY_TIMEOUT,
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
     cors_origins: Sequence[str] | None = None,
+    max_choices: int = DEFAULT_MAX_CHOICES,
+    max_completion_logprobs: int = DEFAULT_MAX_COMPLETION_LOGPROBS,
+    max_top_logprobs: int = DEFAULT_MAX_TOP_LOGPROBS,
 ) -> OpenAIApp:
     """An OpenAI-compatible ASGI application over ``engine``.
 
@@ -663,13 +691,19 @@ def create_app(
         cors_origins: Origins (``"https://app.example.com"``, or ``"*"`` for any) whose web pages
             may call the API: their preflights are granted and responses to them carry
             ``Access-Control-Allow-Origin``. None (the default): no cross-origin access.
+        max_choices: The most choices one request may ask for: its prompts times ``n`` (a 400
+            beyond). The engine's own limits (``Engine.open``'s ``max_logprobs``,
+            ``max_prompt_bytes``, ``max_stop``, ...) apply as well.
+        max_completion_logprobs: The largest ``logprobs`` of ``/v1/completions`` (OpenAI's 5).
+        max_top_logprobs: The largest ``top_logprobs`` of ``/v1/chat/completions`` (OpenAI's 20).
 
     Returns:
         The ASGI application (a plain callable; no framework needed).
 
     Raises:
-        ValueError: ``max_body_bytes`` < 1, an empty ``api_key``, ``body_timeout`` <= 0,
-            ``max_concurrent_requests`` < 1, or a ``cors_origins`` entry that is not an origin.
+        ValueError: ``max_body_bytes`` or ``max_choices`` < 1, a negative logprobs limit, an empty
+            ``api_key``, ``body_timeout`` <= 0, ``max_concurrent_requests`` < 1, or a ``cors_origins``
+            entry that is not an origin.
     """
     return OpenAIApp(
         engine,
@@ -679,4 +713,7 @@ def create_app(
         body_timeout=body_timeout,
         max_concurrent_requests=max_concurrent_requests,
         cors_origins=cors_origins,
+        max_choices=max_choices,
+        max_completion_logprobs=max_completion_logprobs,
+        max_top_logprobs=max_top_logprobs,
     )

@@ -1,7 +1,10 @@
 """``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI bodies in, engine streams out.
 
-Every request is validated up to the engine's own checks (``engine.stream()`` raises at the call)
-before a byte of the response is sent, so a bad request is always a clean 4xx. Then the response
+Every request is validated up to the engine's own checks (``engine.open_stream()`` raises at the
+call) before a byte of the response is sent, so a bad request is always a clean 4xx. The app's own
+limits (``max_choices``, ``max_completion_logprobs``, ``max_top_logprobs``) are checked first, before
+any prompt is tokenized; prompts are admitted with ``open_stream`` and conversations rendered with
+``encode_chat``, which tokenize long ones in a worker thread, off the event loop. Then the response
 is either one JSON body or server-sent events; either way the engine streams are consumed under
 ``Exchange.until_disconnect``, so a client that goes away cancels the consumer, which closes the
 streams, which aborts the requests and frees their KV blocks at the next step.
@@ -69,6 +72,17 @@ _NEUTRAL: dict[str, Any] = {
 
 OnChunk = Callable[[int, StreamChunk], Awaitable[None]]
 _Item = tuple[int, StreamChunk | None, Exception | None]  # (stream index, chunk, or the error it ended with)
+
+
+def _over_limit(what: str, limit: str, value: int, param: str) -> HTTPError:
+    flag = limit.replace("_", "-")
+    return HTTPError(
+        400,
+        f"{what}, more than this server allows ({limit}={value}); "
+        f"raise the limit with create_app({limit}=...) or `asyncllm serve --{flag}`",
+        param=param,
+        code="invalid_request",
+    )
 
 
 def _unsupported(param: str, what: str | None = None) -> HTTPError:
@@ -292,13 +306,25 @@ class CompletionHandlers:
         self.app = app
         self.engine = app.engine
 
+    def _check_choices(self, num_prompts: int, n: int) -> None:
+        if num_prompts * n > self.app.max_choices:
+            what = f"n={n}" if num_prompts == 1 else f"{num_prompts} prompts times n={n}"
+            raise _over_limit(
+                f"this request asks for {num_prompts * n} choices ({what})",
+                "max_choices",
+                self.app.max_choices,
+                "n" if n > self.app.max_choices else "prompt",
+            )
+
     async def _open(
         self, prompts: Sequence[str | list[int]], params: SamplingParams, cache_salt: str | None
     ) -> list[RequestStream]:
+        # open_stream tokenizes long prompts in a worker thread and is a checkpoint, so admitting
+        # many prompts lets the other requests' streams run in between.
         streams: list[RequestStream] = []
         try:
             for prompt in prompts:
-                streams.append(self.engine.stream(prompt, params, cache_salt=cache_salt))
+                streams.append(await self.engine.open_stream(prompt, params, cache_salt=cache_salt))
         except BaseException:
             for stream in streams:
                 await stream.aclose()
@@ -320,6 +346,14 @@ class CompletionHandlers:
         if body.n < 1:
             raise HTTPError(400, f"n must be >= 1, got {body.n}", param="n")
         prompts = _prompts(body.prompt)
+        self._check_choices(len(prompts), body.n)
+        if body.logprobs is not None and body.logprobs > self.app.max_completion_logprobs:
+            raise _over_limit(
+                f"logprobs={body.logprobs} asks for more alternatives per token",
+                "max_completion_logprobs",
+                self.app.max_completion_logprobs,
+                "logprobs",
+            )
         max_tokens = _COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
         streams = await self._open(prompts, params, body.cache_salt)
@@ -365,7 +399,7 @@ class CompletionHandlers:
 
     # -- /v1/chat/completions --------------------------------------------------------------------
 
-    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+    async def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         if body.tools or body.functions:
             raise _unsupported("tools", "tool calling")
         if body.tool_choice not in (None, "none") or body.function_call is not None:
@@ -375,7 +409,7 @@ class CompletionHandlers:
         if not body.messages:
             raise HTTPError(400, "messages must not be empty", param="messages")
         messages: list[Mapping[str, str]] = [_message(i, m) for i, m in enumerate(body.messages)]
-        return self.engine.apply_chat_template(messages)
+        return await self.engine.encode_chat(messages)  # a long conversation is rendered in a worker thread
 
     async def chat_completions(self, exchange: Exchange) -> None:
         """``POST /v1/chat/completions``."""
@@ -385,14 +419,23 @@ class CompletionHandlers:
             raise HTTPError(400, f"n must be >= 1, got {body.n}", param="n")
         if body.top_logprobs is not None and not body.logprobs:
             raise HTTPError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        prompt_ids = self._chat_prompt(body)
+        if body.top_logprobs is not None and body.top_logprobs > self.app.max_top_logprobs:
+            raise _over_limit(
+                f"top_logprobs={body.top_logprobs} asks for more alternatives per token",
+                "max_top_logprobs",
+                self.app.max_top_logprobs,
+                "top_logprobs",
+            )
+        self._check_choices(1, body.n)
+        prompt_ids = await self._chat_prompt(body)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:  # OpenAI's default: as long as the context allows
             max_tokens = self.engine.max_model_len - len(prompt_ids)
             if max_tokens < 1:
                 raise PromptTooLongError(
                     f"messages of {len(prompt_ids)} tokens leave no room to reply within "
-                    f"max_model_len={self.engine.max_model_len}"
+                    f"max_model_len={self.engine.max_model_len}",
+                    param="messages",
                 )
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs)
