@@ -27,7 +27,7 @@ from asyncllm import (
     PromptTooLongError,
     SamplingParams,
 )
-from asyncllm.engine import DEFAULT_MAX_WAITING_REQUESTS
+from asyncllm.engine_options import DEFAULT_MAX_WAITING_REQUESTS
 from asyncllm.input_processor import THREAD_MIN_BAD_WORDS, THREAD_MIN_CHARS, InputProcessor, RequestLimits
 from asyncllm.testing import ByteTokenizer, ScriptedRunner
 

@@ -1,6 +1,7 @@
 """asyncllm: an LLM inference engine that runs inside your application's event loop."""
 
 from asyncllm.engine import Engine
+from asyncllm.engine_options import EngineOptions
 from asyncllm.errors import (
     AsyncLLMError,
     ChatTemplateError,
@@ -32,6 +33,7 @@ __all__ = [
     "Engine",
     "EngineClosedError",
     "EngineDeadError",
+    "EngineOptions",
     "EngineOverloadedError",
     "EngineStatistics",
     "InvalidPromptError",

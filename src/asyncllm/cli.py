@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import errno
-import inspect
 import logging
 import math
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from asyncllm.engine import Engine
+from asyncllm.engine_options import EngineOptions, option_doc
 from asyncllm.errors import AsyncLLMError, ChatTemplateError, InvalidRequestError
 from asyncllm.sampling_params import SamplingParams
 
@@ -44,39 +44,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger("asyncllm")
 
 _ENGINE_PREFIX = "engine__"  # argparse dest prefix of the engine options
-_NOT_FLAGS = frozenset({"model", "runner", "tokenizer"})  # --model is added by hand; the others are objects
-
-
-def _arg_docs(doc: str | None) -> dict[str, str]:
-    """The ``Args:`` section of a Google-style docstring, as {name: one-line description}."""
-    docs: dict[str, str] = {}
-    in_args, name = False, None
-    for line in (doc or "").splitlines():
-        stripped = line.strip()
-        if stripped == "Args:":
-            in_args = True
-            continue
-        if not in_args:
-            continue
-        if stripped.endswith(":") and " " not in stripped:  # the next section (Returns:, Raises:)
-            break
-        match = re.match(r"^(\w+): (.*)$", stripped)
-        if match and line.startswith(" " * 12) and not line.startswith(" " * 13):
-            name = match.group(1)
-            docs[name] = match.group(2)
-        elif name is not None and stripped:
-            docs[name] += " " + stripped
-    return docs
+_NOT_FLAGS = frozenset({"model"})  # added by hand, before the others
 
 
 def _engine_parameters() -> list[tuple[str, Any, Any]]:
-    """(name, type, default) of each keyword option of ``Engine.open`` that makes sense as a flag."""
-    hints = typing.get_type_hints(Engine.open)
-    result = []
-    for name, parameter in inspect.signature(Engine.open).parameters.items():
-        if parameter.kind is inspect.Parameter.KEYWORD_ONLY and name not in _NOT_FLAGS:
-            result.append((name, hints.get(name, str), parameter.default))
-    return result
+    """(name, type, default) of each ``EngineOptions`` field that makes sense as a flag."""
+    hints = typing.get_type_hints(EngineOptions)
+    return [(f.name, hints[f.name], f.default) for f in dataclasses.fields(EngineOptions) if f.name not in _NOT_FLAGS]
 
 
 def _scalar(kind: Any) -> Any:
@@ -97,15 +71,14 @@ def _int_or_float(text: str) -> int | float:
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine options (those of Engine.open)")
-    docs = _arg_docs(Engine.open.__doc__)
-    group.add_argument("--model", default=None, help=docs.get("model", "local HF-format model folder"))
+    group = parser.add_argument_group("engine options (those of Engine.open: asyncllm.EngineOptions)")
+    group.add_argument("--model", default=None, help=option_doc("model"))
     taken = {action.dest for action in parser._actions}
     for name, kind, default in _engine_parameters():
         flag = name.replace("_", "-")
         if name in taken:  # e.g. the sampling --seed: the engine's one becomes --engine-seed
             flag = f"engine-{flag}"
-        help_text = docs.get(name, "").replace("%", "%%")  # argparse formats help with %
+        help_text = option_doc(name).replace("%", "%%")  # argparse formats help with %
         scalar = _scalar(kind)
         dest = _ENGINE_PREFIX + name
         if scalar is bool:

@@ -12,7 +12,6 @@ lazily and nothing outlives the ``async with`` block.
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Mapping, Sequence
 from contextlib import AsyncExitStack
@@ -26,10 +25,10 @@ import anyio
 from asyncllm.core import EngineCore
 from asyncllm.detokenizer import Tokenizer
 from asyncllm.device import DeviceWorker
+from asyncllm.engine_options import EngineOptions
 from asyncllm.errors import EngineClosedError, EngineDeadError, EngineOverloadedError
-from asyncllm.input_processor import InputProcessor, RequestLimits
+from asyncllm.input_processor import InputProcessor
 from asyncllm.kv.manager import KVCacheManager
-from asyncllm.memory import check_kv_cache_memory
 from asyncllm.metrics import EngineMetrics
 from asyncllm.output_processor import OutputProcessor
 from asyncllm.outputs import Completion, EngineStatistics, FinishReason, Logprobs, Sample, StreamChunk
@@ -40,93 +39,6 @@ from asyncllm.scheduler import Scheduler
 from asyncllm.stream import RequestStream
 
 logger = logging.getLogger("asyncllm")
-
-DEFAULT_MAX_WAITING_REQUESTS = 4096
-"""``max_waiting_requests``' default: sixteen full batches at the default ``max_num_seqs``, so a
-burst queues rather than fails, while the queue (each entry holds its prompt's ids, at most
-``max_model_len`` of them) stays bounded; beyond it requests fail fast with ``EngineOverloadedError``."""
-
-
-DEFAULT_STEP_TIMEOUT = 300.0
-"""Seconds a model step may take before the device counts as hung: far above any real step (a full
-``max_num_batched_tokens`` prefill of a large model on a CPU takes a minute or two)."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineOptions:
-    """The options ``Engine.open`` was given, checked."""
-
-    model: str | os.PathLike[str] | None
-    device: str
-    dtype: str
-    block_size: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int | None
-    kv_cache_blocks: int | None
-    seed: int | None
-    enable_prefix_caching: bool = True
-    max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS
-    attention_backend: str = "auto"
-    enforce_eager: bool = False
-    async_scheduling: bool = True
-    kv_cache_memory: int | float | None = None
-    compile: bool = False
-    num_threads: int | None = None
-    step_timeout: float | None = DEFAULT_STEP_TIMEOUT
-    max_logprobs: int = 20
-    max_prompt_bytes: int | None = None
-    max_stop: int = 64
-    max_stop_bytes: int = 4096
-    max_bad_words: int = 256
-    max_bad_words_bytes: int = 8192
-
-    def __post_init__(self) -> None:
-        check_kv_cache_memory(self.kv_cache_memory)
-        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
-            raise ValueError(
-                f"attention_backend must be 'auto', 'torch', 'cpu' or 'triton', got {self.attention_backend!r}"
-            )
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"compile must be a bool, got {self.compile!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            _check_positive(name, getattr(self, name))
-        for name in ("max_model_len", "kv_cache_blocks", "max_waiting_requests", "num_threads", "max_prompt_bytes"):
-            if getattr(self, name) is not None:
-                _check_positive(name, getattr(self, name))
-        if self.step_timeout is not None and (
-            isinstance(self.step_timeout, bool)
-            or not isinstance(self.step_timeout, (int, float))
-            or not 0 < self.step_timeout < math.inf
-        ):
-            raise ValueError(f"step_timeout must be a positive number of seconds or None, got {self.step_timeout!r}")
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be 'auto', 'float32', 'float16' or 'bfloat16', got {self.dtype!r}")
-        for name in ("max_stop", "max_stop_bytes", "max_bad_words", "max_bad_words_bytes"):
-            _check_positive(name, getattr(self, name))
-        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64
-        ):
-            raise ValueError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
-
-    def request_limits(self) -> RequestLimits:
-        """The caps on one request these options set."""
-        return RequestLimits(
-            max_logprobs=self.max_logprobs,
-            max_prompt_bytes=self.max_prompt_bytes,
-            max_stop=self.max_stop,
-            max_stop_bytes=self.max_stop_bytes,
-            max_bad_words=self.max_bad_words,
-            max_bad_words_bytes=self.max_bad_words_bytes,
-        )
-
-
-def _check_positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
 
 class Engine:
     """An LLM inference engine running inside the caller's event loop (asyncio or trio).
@@ -152,134 +64,32 @@ class Engine:
         cls,
         model: str | os.PathLike[str] | None = None,
         *,
-        device: str = "auto",
-        dtype: str = "auto",
-        block_size: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        kv_cache_blocks: int | None = None,
-        seed: int | None = None,
-        enable_prefix_caching: bool = True,
-        max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
-        attention_backend: str = "auto",
-        enforce_eager: bool = False,
-        async_scheduling: bool = True,
-        kv_cache_memory: int | float | None = None,
-        compile: bool = False,
-        num_threads: int | None = None,
-        step_timeout: float | None = DEFAULT_STEP_TIMEOUT,
-        max_logprobs: int = 20,
-        max_prompt_bytes: int | None = None,
-        max_stop: int = 64,
-        max_stop_bytes: int = 4096,
-        max_bad_words: int = 256,
-        max_bad_words_bytes: int = 8192,
         runner: ModelRunner | None = None,
         tokenizer: Tokenizer | None = None,
+        **options: Any,
     ) -> Engine:
         """Configure an engine; ``async with`` it to load the model and start serving.
 
         Args:
             model: A local HF-format folder (config.json, *.safetensors, tokenizer files), or None
                 for the default model (SmolLM2-135M-Instruct, converted once into a local cache).
-            device: "auto" (CUDA if available, else CPU), "cpu", "cuda", "cuda:N".
-            dtype: "auto" (bfloat16 on CUDA, float32 on CPU), "float32", "float16", "bfloat16".
-            block_size: Tokens per KV cache block.
-            max_num_seqs: The most requests running at once.
-            max_num_batched_tokens: The most tokens computed in one step (longer prompts are
-                prefilled in chunks).
-            max_model_len: The longest prompt plus output; defaults to the model's context length
-                (capped by what the KV cache holds).
-            kv_cache_blocks: Number of KV blocks; None sizes the cache from memory.
-            seed: Seed of the generator that unseeded sampling requests share.
-            enable_prefix_caching: Reuse the KV cache of identical prompt prefixes (full blocks)
-                across requests; on by default.
-            max_waiting_requests: Bound of the queue of requests not yet running; beyond it
-                ``stream()`` raises ``EngineOverloadedError`` at once (HTTP 503). Default 4096
-                (sixteen batches of the default ``max_num_seqs``); None: unbounded.
-            attention_backend: "auto" (the Triton kernels on CUDA when triton is installed; on the
-                CPU the cpu kernel when it can run, else the torch reference), "torch", "cpu" (a C
-                decode kernel for float32 on the CPU, built once with the system C compiler), or
-                "triton" (on the CPU only under ``TRITON_INTERPRET=1``: slow, for tests). See
-                docs/gpu.md and docs/performance.md.
-            enforce_eager: Never use CUDA graphs. By default, on CUDA with the triton backend,
-                decode-only steps replay graphs captured at start-up for batch sizes up to
-                ``max_num_seqs`` (capture takes a few seconds, logged).
-            async_scheduling: Schedule step N+1 while step N still runs on the device (its sampled
-                tokens are filled in on the device thread), so the device never waits for the
-                event loop. False runs one step at a time; outputs are identical either way.
-            kv_cache_memory: With ``kv_cache_blocks=None``, the KV cache's size: bytes (an int)
-                or a fraction (a float in (0, 1]) of the memory left after the weights and the
-                measured activation peak of a ``max_num_batched_tokens`` step. None: a quarter of
-                that (at most 4 GiB) on the CPU, 90% on CUDA. The block count and the concurrency
-                it allows at ``max_model_len`` are logged.
-            compile: ``torch.compile`` the dense parts of every layer at start-up (norms, fused
-                matmuls, rotary, MLP; a progress line is logged). It costs tens of seconds at the
-                first start-up (seconds once inductor's on-disk cache has it) for a few percent
-                more throughput on the CPU when last measured (docs/performance.md), so it is off
-                by default: the fast CPU path does not need it. False keeps the eager forward.
-            num_threads: torch's intra-op threads for the forward on the CPU (set at start-up on
-                the device thread; torch's count is per process). None: ``OMP_NUM_THREADS`` if
-                set, else every usable core below 8 cores and all but one from 8 on (the spare
-                core runs the event loop). On a machine that other processes keep busy, fewer
-                threads avoid OpenMP stalls (docs/performance.md).
-            step_timeout: Seconds a model step may take, from its submission to the device thread,
-                before the device counts as hung: the engine then dies with
-                ``DeviceStepTimeoutError`` on every stream, ``check_health`` (``/health``) fails,
-                and leaving ``async with`` returns at once, leaving the stuck thread behind (logged).
-                None waits forever.
-            max_logprobs: The most alternatives a request's ``logprobs`` or ``prompt_logprobs``
-                may ask for (vLLM's default, 20); more is an ``InvalidSamplingParamsError``.
-            max_prompt_bytes: The largest text prompt (or chat conversation) in UTF-8 bytes,
-                checked before it is tokenized (a ``PromptTooLongError``); None: 16 bytes per
-                token of ``max_model_len``. It bounds the tokenizing ``stream()`` does in the
-                caller's thread; ``open_stream()`` and ``generate()`` tokenize long prompts in a
-                worker thread.
-            max_stop: The most ``stop`` strings a request may give.
-            max_stop_bytes: The most UTF-8 bytes of a request's ``stop`` strings together (they
-                are looked for in the new text of every step).
-            max_bad_words: The most ``bad_words`` a request may give.
-            max_bad_words_bytes: The most UTF-8 bytes of a request's ``bad_words`` together
-                (each is tokenized twice at the call and checked at every step).
             runner: A ``ModelRunner`` to use instead of the torch one (tests: ``asyncllm.testing``).
             tokenizer: The tokenizer to use with ``runner`` (by default loaded from ``model``).
+            **options: Fields of ``EngineOptions`` (``device``, ``max_num_seqs``,
+                ``kv_cache_blocks``, ``step_timeout``, ...): each one's meaning and default is
+                stated there once (``help(asyncllm.EngineOptions)``), and each is a CLI flag.
 
         Returns:
             The engine, not started yet.
 
         Raises:
+            TypeError: A keyword is not an engine option.
             ValueError: An option is out of range.
         """
-        options = EngineOptions(
-            model,
-            device,
-            dtype,
-            block_size,
-            max_num_seqs,
-            max_num_batched_tokens,
-            max_model_len,
-            kv_cache_blocks,
-            seed,
-            enable_prefix_caching,
-            max_waiting_requests,
-            attention_backend=attention_backend,
-            enforce_eager=enforce_eager,
-            async_scheduling=async_scheduling,
-            kv_cache_memory=kv_cache_memory,
-            compile=compile,
-            num_threads=num_threads,
-            step_timeout=step_timeout,
-            max_logprobs=max_logprobs,
-            max_prompt_bytes=max_prompt_bytes,
-            max_stop=max_stop,
-            max_stop_bytes=max_stop_bytes,
-            max_bad_words=max_bad_words,
-            max_bad_words_bytes=max_bad_words_bytes,
-        )
+        checked = EngineOptions.from_keywords(model=model, **options)
         if runner is not None and tokenizer is None:
             raise ValueError("a custom runner needs a tokenizer too")
-        return cls(options, runner, tokenizer)
+        return cls(checked, runner, tokenizer)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
