@@ -1,14 +1,19 @@
-"""The attention backend protocol: what the model and the runner call (``asyncllm.backends``)."""
+"""What an attention backend is: the calls the model and the runner make (``asyncllm.backends``)."""
 
 from __future__ import annotations
 
-from typing import Protocol, TypeVar
+import abc
+from typing import Generic, Protocol, TypeVar
 
 import torch
+from torch import Tensor
 
 from asyncllm.input_batch import StepInputs
 
-__all__ = ["AttentionBackend", "DecodeGraphInputs"]
+__all__ = ["AttentionBackend", "DecodeGraphInputs", "KVCache"]
+
+KVCache = tuple[Tensor, Tensor]
+"""A layer's (key cache, value cache), each [slots, kv_heads, head_dim]."""
 
 MetadataT = TypeVar("MetadataT")
 MetadataT_co = TypeVar("MetadataT_co", covariant=True)
@@ -30,83 +35,58 @@ class DecodeGraphInputs(Protocol[MetadataT_co]):
         ...
 
 
-class AttentionBackend(Protocol[MetadataT]):
+class AttentionBackend(abc.ABC, Generic[MetadataT]):
     """What the model and the runner call for attention; ``MetadataT`` is the backend's own metadata.
 
-    The capabilities say which optional hooks the model may call: ``rotary_`` where
-    ``rotates_in_kernel`` or ``fuses_norms``, ``rms_norm`` where ``fuses_norms``, and
-    ``graph_inputs`` where ``captures_graphs``; elsewhere they raise NotImplementedError.
+    Every backend builds metadata, writes the KV cache and attends. The capabilities say which
+    optional hooks the model may call besides; here they say none, and the hooks raise
+    NotImplementedError: ``rotary_`` where ``rotates_in_kernel`` or ``fuses_norms``, ``rms_norm``
+    where ``fuses_norms``, and ``graph_inputs`` where ``captures_graphs``.
     """
 
-    @property
-    def name(self) -> str:
-        """ "torch", "cpu" or "triton": the ``attention_backend`` option that picks it."""
-        ...
+    name: str = "abstract"
+    """"torch", "cpu" or "triton": the ``attention_backend`` option that picks it."""
+    rotates_in_kernel: bool = False
+    """Eager layers leave the rotation of q and k to ``rotary_`` (in place), not the projection's torch ops."""
+    fuses_norms: bool = False
+    """``rms_norm`` runs (one kernel per norm with the residual add fused in): the model's fused-norm path."""
+    runs_lean_forward: bool = False
+    """The model's lean forward (``models.lean_cpu``, the layer stack as direct C calls) reads this
+    backend's metadata, so the model may run it in place of its modules."""
+    captures_graphs: bool = False
+    """``graph_inputs`` runs: the runner may capture CUDA graphs of decode steps."""
 
-    @property
-    def rotates_in_kernel(self) -> bool:
-        """Eager layers leave the rotation of q and k to ``rotary_`` (in place), not the projection's torch ops."""
-        ...
-
-    @property
-    def fuses_norms(self) -> bool:
-        """``rms_norm`` runs (one kernel per norm with the residual add fused in): the model's fused-norm path."""
-        ...
-
-    @property
-    def runs_lean_forward(self) -> bool:
-        """The model's lean forward (``models.lean_cpu``, the layer stack as direct C calls) reads this
-        backend's metadata, so the model may run it in place of its modules."""
-        ...
-
-    @property
-    def captures_graphs(self) -> bool:
-        """``graph_inputs`` runs: the runner may capture CUDA graphs of decode steps."""
-        ...
-
+    @abc.abstractmethod
     def build_metadata(self, step: StepInputs) -> MetadataT:
         """The step's metadata, built once per step and shared by every layer."""
-        ...
 
-    def write_kv(
-        self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: MetadataT
-    ) -> None:
-        """Store the step's new keys and values ([tokens, kv_heads, head_dim]) at their cache slots."""
-        ...
+    @abc.abstractmethod
+    def write_kv(self, kv_cache: KVCache, k: Tensor, v: Tensor, meta: MetadataT) -> None:
+        """Store the step's new keys and values ([tokens, kv_heads, head_dim]) at their slots of the layer's cache."""
 
-    def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: MetadataT,
-        scale: float,
-    ) -> torch.Tensor:
-        """[tokens, heads, head_dim] attention of every query against its sequence's cache (written already).
+    @abc.abstractmethod
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache, meta: MetadataT, scale: float) -> Tensor:
+        """[tokens, heads, head_dim] attention of every query (rotated) against its sequence's cache.
 
-        ``k`` and ``v`` are the step's own keys and values (some backends read a fresh prompt's from there).
+        ``write_kv`` wrote the step's keys and values ``k`` and ``v`` already; some backends read a
+        fresh prompt's from ``k`` and ``v`` rather than the cache. ``scale`` is the softmax scale.
         """
-        ...
 
-    def rotary_(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def rotary_(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> None:
         """Rotate q and k ([tokens, heads, head_dim]) in place by cos/sin of [tokens, head_dim]."""
-        ...
+        raise NotImplementedError(f"the {self.name} attention backend has no in-place rotary kernel")
 
-    def rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
-    ) -> torch.Tensor:
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float, residual: Tensor | None) -> Tensor:
         """``weight * rmsnorm(x)`` as one kernel; with ``residual``, of ``x + residual``, which it is
         overwritten with (the sum rounded as ``residual + x`` would be)."""
-        ...
+        raise NotImplementedError(f"the {self.name} attention backend has no fused RMSNorm kernel")
 
     def kv_splits(self, num_seqs: int, max_seq_len: int) -> int:
-        """The parts a decode-only batch's context is split into (split-KV kernels); 1 for none."""
-        ...
+        """The parts a decode-only batch's context is split into (split-KV kernels); 1: none."""
+        return 1
 
     def graph_inputs(
         self, *, max_batch: int, max_blocks: int, block_size: int, device: torch.device
     ) -> DecodeGraphInputs[MetadataT]:
         """Static metadata buffers for decode batches of up to ``max_batch`` sequences, for CUDA graphs."""
-        ...
+        raise NotImplementedError(f"CUDA graphs need the triton attention backend, not {self.name}")

@@ -6,7 +6,9 @@ Importing it does not import triton; the kernels are imported on their first cal
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
+from asyncllm.backends.base import AttentionBackend, KVCache
 from asyncllm.input_batch import StepInputs
 from asyncllm.layers import attention_triton
 from asyncllm.layers.attention_triton import StaticDecodeMetadata, TritonAttentionMetadata
@@ -14,8 +16,8 @@ from asyncllm.layers.attention_triton import StaticDecodeMetadata, TritonAttenti
 __all__ = ["TritonAttentionBackend"]
 
 
-class TritonAttentionBackend:
-    """Four small integer tensors of metadata per step; KV write, attention, rotary and the fused
+class TritonAttentionBackend(AttentionBackend[TritonAttentionMetadata]):
+    """Four small integer tensors of metadata per step; KV write, attention, rotary and the
     residual-add RMSNorm as Triton kernels; static metadata for CUDA graphs.
 
     Args:
@@ -27,7 +29,6 @@ class TritonAttentionBackend:
     name = "triton"
     rotates_in_kernel = True
     fuses_norms = True
-    runs_lean_forward = False
     captures_graphs = True
 
     def __init__(self, *, device: torch.device, num_kv_heads: int, sliding_window: int | None = None) -> None:
@@ -41,38 +42,22 @@ class TritonAttentionBackend:
             step, num_kv_heads=self.num_kv_heads, device=self.device, sliding_window=self.sliding_window
         )
 
-    def write_kv(
-        self,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        meta: TritonAttentionMetadata,
-    ) -> None:
-        """The reshape-and-cache kernel (skips slot -1: the graphs' padding rows)."""
-        attention_triton.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    def write_kv(self, kv_cache: KVCache, k: Tensor, v: Tensor, meta: TritonAttentionMetadata) -> None:
+        """The reshape-and-cache kernel (it skips slot -1: the graphs' padding rows)."""
+        attention_triton.write_kv(*kv_cache, k, v, meta.slot_mapping)
 
     def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: TritonAttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        """The paged-attention kernel, or the split-KV kernels when the metadata asks for splits."""
-        return attention_triton.paged_attention(q, k_cache, v_cache, meta, scale)
+        self, q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache, meta: TritonAttentionMetadata, scale: float
+    ) -> Tensor:
+        """The paged-attention kernel, or the split-KV kernels where the metadata asks for splits."""
+        return attention_triton.paged_attention(q, *kv_cache, meta, scale)
 
-    def rotary_(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def rotary_(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> None:
         """The rotary kernel, in place."""
         attention_triton.apply_rotary_(q, k, cos, sin)
 
-    def rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
-    ) -> torch.Tensor:
-        """The RMSNorm kernel (``kernels.rms_norm``), with the residual add fused in."""
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float, residual: Tensor | None) -> Tensor:
+        """The RMSNorm kernel (``kernels.rms_norm``)."""
         from asyncllm.kernels import rms_norm  # triton: imported on first use
 
         return rms_norm.rms_norm(x, weight, eps, residual=residual)

@@ -143,11 +143,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Write this step's K/V to the cache and attend through ``backend`` (rotating q and k in place
         first unless ``rotated``); [tokens, heads * head_dim] (before o_proj)."""
-        k_cache, v_cache = kv_cache
         if not rotated:
             backend.rotary_(q, k, *cos_sin)
-        backend.write_kv(k_cache, v_cache, k, v, meta)
-        out = backend.attend(q, k, v, k_cache, v_cache, meta, self.scale)
+        backend.write_kv(kv_cache, k, v, meta)
+        out = backend.attend(q, k, v, kv_cache, meta, self.scale)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
 
