@@ -62,7 +62,7 @@ class DecodeGraphs:
     """Captured forward passes for decode-only batches, replayed with padded static inputs.
 
     Args:
-        model: The loaded model; its attention backend must ``capture_graphs`` (triton).
+        model: The loaded model; its attention backend must be one that ``captures_graphs`` (triton).
         kv_caches: The per-layer (key, value) caches.
         block_size: Tokens per KV block.
         max_seq_len: The longest sequence a step can hold (sizes the block tables).
