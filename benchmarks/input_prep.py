@@ -34,7 +34,7 @@ import torch
 from asyncllm.input_batch import InputBatch, StepInputs
 from asyncllm.layers import attention_cpu, attention_triton
 from asyncllm.layers.attention import AttentionMetadata, PrefillChunk
-from asyncllm.model_runner import _attention_metadata
+from asyncllm.layers.attention import build_metadata as torch_metadata
 from asyncllm.runner import SequenceInput
 from asyncllm.sampling_params import SamplingParams
 
@@ -139,7 +139,7 @@ def _legacy_cpu_prefill(
 def legacy_torch_metadata(
     sequences: Sequence[SequenceInput], slot_mapping: np.ndarray[Any, Any], block_size: int, sliding_window: int | None
 ) -> AttentionMetadata:
-    """``model_runner._attention_metadata`` (on the CPU)."""
+    """``layers.attention.build_metadata`` (on the CPU)."""
     decode_rows, decode_lens, tables, max_len, split_prefills = legacy_split(sequences, block_size)
     prefills: list[PrefillChunk] = []
     for offset, seq in split_prefills:
@@ -211,7 +211,7 @@ def persistent_step(batch: InputBatch, sequences: Sequence[SequenceInput], backe
     if backend == "cpu":
         meta: Any = attention_cpu.build_metadata(step, sliding_window=None)
     elif backend == "torch":
-        meta = _attention_metadata(step, None, CPU)
+        meta = torch_metadata(step, None, CPU)
     else:
         meta = attention_triton.build_metadata(step, num_kv_heads=1, device=CPU)
     return step, meta

@@ -2,15 +2,18 @@
 
 A decode step of a small model is a few hundred short kernels; launched one by one from Python the
 GPU idles between them. ``DecodeGraphs`` captures the model's forward pass (embeddings to final
-norm, triton attention backend) once per batch size at start-up and replays it: one launch per step.
+norm, on an attention backend that ``captures_graphs``: triton) once per batch size at start-up and
+replays it: one launch per step.
 
 A graph replays fixed addresses and shapes, so every input lives in static device buffers sized for
 the largest batch, and a step of ``n`` sequences runs the graph of the smallest captured size
 ``b >= n``. The ``b - n`` padding rows are one-token sequences at position 0 with slot -1, which
 the KV-write kernel skips; they attend to one (finite) cache slot and their outputs are dropped.
-All inputs of a step (token ids, positions, query offsets, sequence lengths, block tables, slots)
-are written into one pinned host buffer and copied with a single non-blocking copy before the
-replay. Block tables are as wide as the longest sequence the cache can hold.
+The token ids and positions live here; the attention metadata (query offsets, sequence lengths,
+block tables, slots) in buffers the model's own backend builds (``AttentionBackend.graph_inputs``),
+the same object that builds every eager step's metadata. Each is filled on the host (pinned) and
+copied with one non-blocking copy before the replay. Block tables are as wide as the longest
+sequence the cache can hold.
 
 Long contexts at small batch want the split-KV kernels (see ``kernels.split_kv_decode``), whose
 grid is fixed at capture: small batch sizes get a second graph captured with splits, used when the
@@ -30,7 +33,6 @@ import numpy as np
 import torch
 
 from asyncllm.input_batch import StepInputs
-from asyncllm.layers.attention_triton import TritonAttentionMetadata
 from asyncllm.models import DecoderForCausalLM
 
 logger = logging.getLogger("asyncllm")
@@ -60,7 +62,7 @@ class DecodeGraphs:
     """Captured forward passes for decode-only batches, replayed with padded static inputs.
 
     Args:
-        model: The loaded model (triton attention backend).
+        model: The loaded model; its attention backend must be one that ``captures_graphs`` (triton).
         kv_caches: The per-layer (key, value) caches.
         block_size: Tokens per KV block.
         max_seq_len: The longest sequence a step can hold (sizes the block tables).
@@ -92,52 +94,19 @@ class DecodeGraphs:
         self.device = device
         self.split_kv = dict(split_kv or {})
         self.use_graphs = use_graphs
-        b, mb = self.max_batch, self.max_blocks
-        # int32 layout: [query_start_loc (b+1) | seq_lens (b) | block_tables (b*mb) | slot_mapping (b)]
-        self._seq_lens_at = b + 1
-        self._tables_at = 2 * b + 1
-        self._slots_at = self._tables_at + b * mb
-        meta_len = self._slots_at + b
-        pin = device.type == "cuda"
-        self._host_meta = torch.zeros(meta_len, dtype=torch.int32, pin_memory=pin)
-        self._host_ids = torch.zeros(2 * b, dtype=torch.int64, pin_memory=pin)
-        self._meta = torch.zeros(meta_len, dtype=torch.int32, device=device)
+        b = self.max_batch
+        self._meta = model.backend.graph_inputs(
+            max_batch=b, max_blocks=self.max_blocks, block_size=block_size, device=device
+        )
+        self._host_ids = torch.zeros(2 * b, dtype=torch.int64, pin_memory=device.type == "cuda")
         self._ids = torch.zeros(2 * b, dtype=torch.int64, device=device)
-        self._fill_padding(0)
-        self._meta.copy_(self._host_meta)
         self._copied: torch.cuda.Event | None = None
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-
-    def _fill_padding(self, n: int) -> None:
-        """Host buffers: rows from ``n`` on are 1-token sequences at position 0 writing nowhere."""
-        b = self.max_batch
-        meta = self._host_meta.numpy()
-        meta[: b + 1] = np.arange(b + 1, dtype=np.int32)  # decode rows: one query each
-        meta[self._seq_lens_at + n : self._tables_at] = 1
-        meta[self._tables_at + n * self.max_blocks : self._slots_at] = 0
-        meta[self._slots_at + n :] = -1
-        ids = self._host_ids.numpy()
-        ids[n:b] = 0
-        ids[b + n :] = 0
-
-    def _metadata(self, size: int, splits: int) -> TritonAttentionMetadata:
-        meta = self._meta
-        return TritonAttentionMetadata(
-            slot_mapping=meta[self._slots_at : self._slots_at + size],
-            query_start_loc=meta[: size + 1],
-            seq_lens=meta[self._seq_lens_at : self._seq_lens_at + size],
-            block_tables=meta[self._tables_at : self._slots_at].view(self.max_batch, self.max_blocks)[:size],
-            block_size=self.block_size,
-            max_query_len=1,
-            max_seq_len=self.max_blocks * self.block_size,
-            num_kv_splits=splits,
-            sliding_window=self.model.spec.sliding_window,
-        )
 
     def _forward(self, size: int, splits: int) -> torch.Tensor:
         ids = self._ids[:size]
         positions = self._ids[self.max_batch : self.max_batch + size]
-        result: torch.Tensor = self.model(ids, positions, self.kv_caches, self._metadata(size, splits))
+        result: torch.Tensor = self.model(ids, positions, self.kv_caches, self._meta.metadata(size, splits))
         return result
 
     def _variants(self) -> list[tuple[int, int]]:
@@ -182,21 +151,15 @@ class DecodeGraphs:
         splits = self.split_kv.get(size, 1) if splits > 1 else 1
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has read the pinned buffers
-        self._fill_padding(n)
-        b, mb = self.max_batch, self.max_blocks
-        meta = self._host_meta.numpy()
-        meta[self._seq_lens_at : self._seq_lens_at + n] = step.seq_lens
-        tables = meta[self._tables_at : self._slots_at].reshape(b, mb)
-        # Only the columns the step's longest context uses; the kernels read no block past a row's length.
-        width = max(1, -(-step.max_seq_len // self.block_size))
-        tables[:n, :width] = step.tables(None, width)
-        tables[:n, width:] = 0
-        meta[self._slots_at : self._slots_at + n] = step.slot_mapping
+        self._meta.fill(step)
+        b = self.max_batch
         ids = self._host_ids.numpy()
         ids[:n] = step.input_ids
+        ids[n:b] = 0  # padding rows: token 0 at position 0
         ids[b : b + n] = step.positions
+        ids[b + n :] = 0
         non_blocking = self.device.type == "cuda"
-        self._meta.copy_(self._host_meta, non_blocking=non_blocking)
+        self._meta.upload(non_blocking)
         self._ids.copy_(self._host_ids, non_blocking=non_blocking)
         if non_blocking:
             self._copied = torch.cuda.Event()

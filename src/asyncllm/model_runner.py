@@ -11,18 +11,18 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
+from asyncllm.backends import AttentionBackend, create_backend, resolve_attention_backend
 from asyncllm.errors import DeviceOutOfMemoryError
 from asyncllm.graphs import DecodeGraphs, capture_sizes, to_device
 from asyncllm.input_batch import InputBatch, StepInputs
-from asyncllm.layers.attention import AttentionMetadata, PrefillChunk, split_step
-from asyncllm.layers.attention_cpu import CpuAttentionMetadata
-from asyncllm.layers.attention_cpu import build_metadata as build_cpu_metadata
-from asyncllm.layers.attention_triton import TritonAttentionMetadata
-from asyncllm.layers.attention_triton import build_metadata as build_triton_metadata
+
+# The torch backend's metadata builder, under the name tests and benchmarks have imported it by.
+from asyncllm.layers.attention import build_metadata as _attention_metadata  # noqa: F401
 from asyncllm.layers.linear import Linear, PackedFormat
 from asyncllm.layers.rotary import RotaryEmbedding
 from asyncllm.memory import (
@@ -59,39 +59,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
     return _DTYPES[dtype]
-
-
-def resolve_attention_backend(backend: str, device: torch.device, *, cpu_kernel: bool = False) -> str:
-    """``"auto"`` is triton on CUDA when triton is installed; on the CPU cpu if ``cpu_kernel``, else torch.
-
-    The runner asks for ``cpu_kernel`` and still falls back from cpu to torch where the kernel
-    cannot run (no C compiler, a dtype other than float32).
-
-    Raises:
-        ValueError: Unknown backend, or triton or cpu asked for where it cannot run.
-    """
-    from asyncllm.kernels import interpreting, triton_available
-
-    if backend == "auto":
-        if device.type == "cuda":
-            return "triton" if triton_available() else "torch"
-        return "cpu" if cpu_kernel else "torch"
-    if backend == "cpu":
-        if device.type != "cpu":
-            raise ValueError(f"attention_backend='cpu' runs on the CPU, not on {device.type}")
-        return backend
-    if backend == "triton":
-        if not triton_available():
-            raise ValueError("attention_backend='triton' needs triton installed (pip install 'asyncllm[gpu]')")
-        if device.type != "cuda" and not interpreting():
-            raise ValueError(
-                f"attention_backend='triton' runs on CUDA; on {device.type} only in triton's interpreter "
-                "(TRITON_INTERPRET=1, slow, for tests)"
-            )
-        return backend
-    if backend != "torch":
-        raise ValueError(f"attention_backend must be 'auto', 'torch', 'cpu' or 'triton', got {backend!r}")
-    return backend
 
 
 class TorchModelRunner:
@@ -190,6 +157,9 @@ class TorchModelRunner:
         self.num_threads = num_threads
         self.compile_seconds = 0.0
         self.graphs: DecodeGraphs | None = None
+        self.backend: AttentionBackend[Any] | None = None
+        """The attention backend object picked at load (``asyncllm.backends``), which the model calls and
+        the graphs build their metadata with; ``attention_backend`` is then its name."""
         self.model: DecoderForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler: Sampler | None = None
@@ -200,7 +170,7 @@ class TorchModelRunner:
         device = resolve_device(self.device_name)
         dtype = resolve_dtype(self.dtype_name, device)
         requested_backend = self.attention_backend
-        self.attention_backend = resolve_attention_backend(self.attention_backend, device, cpu_kernel=True)
+        backend_name = resolve_attention_backend(requested_backend, device, cpu_kernel=True)
         if device.type == "cpu":
             from asyncllm.compile import configure_cpu_threads
 
@@ -223,8 +193,17 @@ class TorchModelRunner:
         model.fused_norm = self.fused_norm  # before any CUDA graph is captured: graphs keep their path
         if self.fuse_projections:
             model.fuse_projections()
-        if self.attention_backend == "cpu":
-            self.attention_backend = _cpu_backend_or_torch(model.spec.head_dim, dtype, requested_backend == "cpu")
+        spec = model.spec
+        backend = self.backend = model.backend = create_backend(
+            backend_name,
+            device=device,
+            dtype=dtype,
+            head_dim=spec.head_dim,
+            num_kv_heads=spec.num_kv_heads,
+            sliding_window=spec.sliding_window,
+            requested=requested_backend == backend_name,
+        )
+        self.attention_backend = backend.name
         if self.packed_gemm and device.type == "cpu" and dtype == torch.float32:
             self.num_packed_layers = model.pack_weights(
                 None if self.packed_gemm is True else self.packed_gemm, greedy_head=self.greedy_head
@@ -237,7 +216,6 @@ class TorchModelRunner:
         eos_token_ids = load_eos_token_ids(self.model_path, config)
         self.sampler = Sampler(device, model.spec.vocab_size, eos_token_ids, self.seed)
         num_blocks = self.kv_cache_blocks or self._size_kv_cache(model, device, dtype)
-        spec = model.spec
         slots = num_blocks * self.block_size
         self.kv_caches = self._allocate_kv_cache(num_blocks)
         max_model_len = int(getattr(config, "max_position_embeddings", 2048))
@@ -250,7 +228,7 @@ class TorchModelRunner:
             from asyncllm.compile import compile_dense_parts
 
             self.compile_seconds = compile_dense_parts(model)
-        if device.type == "cuda" and self.attention_backend == "triton" and not self.enforce_eager:
+        if device.type == "cuda" and backend.captures_graphs and not self.enforce_eager:
             self.graphs = self._capture_graphs(model, min(max_model_len, self.max_model_len or max_model_len, slots))
         return RunnerInfo(
             num_kv_blocks=num_blocks,
@@ -265,13 +243,10 @@ class TorchModelRunner:
         )
 
     def _capture_graphs(self, model: DecoderForCausalLM, max_seq_len: int) -> DecodeGraphs:
-        from asyncllm.kernels.split_kv_decode import num_kv_splits
-
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        kv_heads = model.spec.num_kv_heads
+        assert self.backend is not None
         # Split graphs are captured for the batch sizes that leave the GPU idle at a 4k context.
         context = min(max_seq_len, 4096)
-        split_kv = {b: num_kv_splits(b, kv_heads, context, sms) for b in capture_sizes(self.max_num_seqs)}
+        split_kv = {b: self.backend.kv_splits(b, context) for b in capture_sizes(self.max_num_seqs)}
         graphs = DecodeGraphs(
             model,
             self.kv_caches,
@@ -427,20 +402,11 @@ class TorchModelRunner:
                 logprobs[row] = entry
         return token_ids, logprobs
 
-    def _metadata(self, step: StepInputs) -> AttentionMetadata | CpuAttentionMetadata | TritonAttentionMetadata:
-        assert self.model is not None
-        spec = self.model.spec
-        if self.attention_backend == "cpu":
-            return build_cpu_metadata(step, sliding_window=spec.sliding_window)
-        if self.attention_backend == "triton":
-            return build_triton_metadata(
-                step, num_kv_heads=spec.num_kv_heads, device=self.device, sliding_window=spec.sliding_window
-            )
-        return _attention_metadata(step, spec.sliding_window, self.device)
+    def _metadata(self, step: StepInputs) -> Any:
+        assert self.backend is not None
+        return self.backend.build_metadata(step)
 
-    def _forward(
-        self, step: StepInputs, meta: AttentionMetadata | CpuAttentionMetadata | TritonAttentionMetadata | None = None
-    ) -> torch.Tensor:
+    def _forward(self, step: StepInputs, meta: Any = None) -> torch.Tensor:
         assert self.model is not None
         if meta is None:
             meta = self._metadata(step)
@@ -451,16 +417,8 @@ class TorchModelRunner:
         return hidden
 
     def _replay(self, step: StepInputs) -> torch.Tensor:
-        from asyncllm.kernels.split_kv_decode import num_kv_splits
-
-        assert self.graphs is not None and self.model is not None
-        splits = num_kv_splits(
-            step.num_seqs,
-            self.model.spec.num_kv_heads,
-            step.max_seq_len,
-            torch.cuda.get_device_properties(self.device).multi_processor_count,
-        )
-        return self.graphs.run(step, splits)
+        assert self.graphs is not None and self.backend is not None
+        return self.graphs.run(step, self.backend.kv_splits(step.num_seqs, step.max_seq_len))
 
     def close(self) -> None:
         """Drop weights and KV tensors so their memory can be returned."""
@@ -506,46 +464,3 @@ class _StepClock:
         else:
             timings.forward += host[2] - host[1]
             timings.sample += host[3] - host[2]
-
-
-def _cpu_backend_or_torch(head_dim: int, dtype: torch.dtype, requested: bool) -> str:
-    # Asked for by name, a fallback is worth a warning; chosen by "auto", a note.
-    from asyncllm.layers.attention_cpu import native_decode_available
-
-    report = logger.warning if requested else logger.info
-    if dtype != torch.float32:
-        report("the cpu attention backend runs float32 only; using torch attention for %s", dtype)
-        return "torch"
-    if not native_decode_available(head_dim):
-        report("the cpu attention kernel is unavailable (no C compiler?); using torch attention")
-        return "torch"
-    return "cpu"
-
-
-def _attention_metadata(step: StepInputs, sliding_window: int | None, device: torch.device) -> AttentionMetadata:
-    """The ``torch`` backend's metadata: explicit slots and masks, per prefill chunk and for the decodes."""
-    split = split_step(step)
-    block_size = step.block_size
-    prefills: list[PrefillChunk] = []
-    for span in split.prefills:
-        kv_positions = np.arange(span.kv_len, dtype=np.int64)
-        kv_slots = span.block_table[kv_positions // block_size] * block_size + kv_positions % block_size
-        query_positions = np.arange(span.start_position, span.kv_len, dtype=np.int64)
-        mask = kv_positions[None, :] <= query_positions[:, None]
-        if sliding_window is not None:
-            mask &= kv_positions[None, :] > query_positions[:, None] - sliding_window
-        slots, allowed = torch.from_numpy(kv_slots).to(device), torch.from_numpy(mask).to(device)
-        prefills.append(PrefillChunk(span.query_start, span.query_end, slots, allowed))
-    kv_positions = np.arange(split.max_decode_len, dtype=np.int64)
-    decode_slots = split.decode_tables[:, kv_positions // block_size] * block_size + kv_positions % block_size
-    lens = split.decode_lens[:, None]
-    decode_mask = kv_positions[None, :] < lens
-    if sliding_window is not None:
-        decode_mask &= kv_positions[None, :] > lens - 1 - sliding_window
-    return AttentionMetadata(
-        slot_mapping=torch.from_numpy(step.slot_mapping).to(device),
-        decode_token_index=torch.from_numpy(split.decode_rows).to(device),
-        decode_kv_slots=torch.from_numpy(decode_slots).to(device),
-        decode_mask=torch.from_numpy(decode_mask[:, None, None, :].copy()).to(device),
-        prefills=tuple(prefills),
-    )

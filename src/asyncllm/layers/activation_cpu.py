@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncllm.layers import native
+from asyncllm.layers.native import I64, PTR
 
 __all__ = ["TORCH_GRAIN", "available", "silu_mul_", "silu_mul_into", "torch_piece"]
 
@@ -75,6 +76,12 @@ void asyncllm_silu_mul_f32(float *gate, const float *up, int64_t rows, int64_t n
 """
 
 
+_SIGNATURES: native.Signatures = {
+    "asyncllm_silu_mul_init": ([PTR], None),
+    "asyncllm_silu_mul_f32": ([PTR, PTR, I64, I64, I64, I64], None),
+}
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     if "avx512f" not in native.cpu_flags():
@@ -86,16 +93,12 @@ def _library() -> ctypes.CDLL | None:
         sleef_exp = ctypes.cast(torch_cpu.Sleef_expf16_u10, ctypes.c_void_p).value
     except AttributeError:
         return None
-    path = native.build("silu_mul", _SOURCE, ("-ffp-contract=off",))
-    if path is None or not sleef_exp:
+    if not sleef_exp:
         return None
-    library = ctypes.CDLL(str(path))
-    library.asyncllm_silu_mul_init.argtypes = [ctypes.c_void_p]
-    library.asyncllm_silu_mul_init.restype = None
+    library = native.load("silu_mul", _SOURCE, _SIGNATURES, ("-ffp-contract=off",))
+    if library is None:
+        return None
     library.asyncllm_silu_mul_init(sleef_exp)
-    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-    library.asyncllm_silu_mul_f32.argtypes = [pointer, pointer, i64, i64, i64, i64]
-    library.asyncllm_silu_mul_f32.restype = None
     return library
 
 

@@ -3,8 +3,8 @@
 The KV cache of a layer is two tensors of shape [num_blocks * block_size, kv_heads, head_dim]
 (flattened over blocks, so a slot index addresses one token). A step's flat batch mixes prefill
 chunks and single decode tokens: decode tokens are attended together as one padded batch, prefill
-chunks one sequence at a time. The runner builds ``AttentionMetadata`` once per step; every layer
-reuses it.
+chunks one sequence at a time. ``build_metadata`` makes a step's ``AttentionMetadata`` once per step;
+every layer reuses it. The backend object over these functions is ``asyncllm.backends.torch``.
 """
 
 from __future__ import annotations
@@ -139,3 +139,38 @@ def split_step(step: StepInputs) -> StepSplit:
         )
     ]
     return StepSplit(starts[decodes], decode_lens, tables, max_len, prefills)
+
+
+def build_metadata(step: StepInputs, sliding_window: int | None, device: torch.device) -> AttentionMetadata:
+    """The ``torch`` backend's metadata for a step: explicit slots and masks, per prefill chunk and for the decodes.
+
+    Args:
+        step: The step's arrays (``InputBatch.prepare``).
+        sliding_window: The model's sliding window, or None.
+        device: Where the model runs (the tensors are copied there).
+    """
+    split = split_step(step)
+    block_size = step.block_size
+    prefills: list[PrefillChunk] = []
+    for span in split.prefills:
+        kv_positions = np.arange(span.kv_len, dtype=np.int64)
+        kv_slots = span.block_table[kv_positions // block_size] * block_size + kv_positions % block_size
+        query_positions = np.arange(span.start_position, span.kv_len, dtype=np.int64)
+        mask = kv_positions[None, :] <= query_positions[:, None]
+        if sliding_window is not None:
+            mask &= kv_positions[None, :] > query_positions[:, None] - sliding_window
+        slots, allowed = torch.from_numpy(kv_slots).to(device), torch.from_numpy(mask).to(device)
+        prefills.append(PrefillChunk(span.query_start, span.query_end, slots, allowed))
+    kv_positions = np.arange(split.max_decode_len, dtype=np.int64)
+    decode_slots = split.decode_tables[:, kv_positions // block_size] * block_size + kv_positions % block_size
+    lens = split.decode_lens[:, None]
+    decode_mask = kv_positions[None, :] < lens
+    if sliding_window is not None:
+        decode_mask &= kv_positions[None, :] > lens - 1 - sliding_window
+    return AttentionMetadata(
+        slot_mapping=torch.from_numpy(step.slot_mapping).to(device),
+        decode_token_index=torch.from_numpy(split.decode_rows).to(device),
+        decode_kv_slots=torch.from_numpy(decode_slots).to(device),
+        decode_mask=torch.from_numpy(decode_mask[:, None, None, :].copy()).to(device),
+        prefills=tuple(prefills),
+    )

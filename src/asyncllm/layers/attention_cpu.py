@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from asyncllm.input_batch import StepInputs
 from asyncllm.layers import native
 from asyncllm.layers.attention import PrefillSpan, split_step
+from asyncllm.layers.native import F32, I32, I64, PTR
 
 __all__ = [
     "CpuAttentionMetadata",
@@ -609,6 +610,12 @@ def native_decode_available(head_dim: int) -> bool:
 _Kernel = Callable[..., int]
 
 
+_SIGNATURES: native.Signatures = {
+    "asyncllm_paged_decode_f32": ([PTR, I64, *[PTR] * 6, *[I64] * 6, F32], I32),
+    "asyncllm_causal_prefill_f32": ([PTR, I64, *[PTR] * 5, *[I64] * 5, F32], I32),
+}
+
+
 @functools.cache
 def _library(head_dim: int) -> ctypes.CDLL | None:
     if head_dim % 4:
@@ -616,16 +623,7 @@ def _library(head_dim: int) -> ctypes.CDLL | None:
     # -ffp-contract=fast lets the multiply-adds be fused (ISO C mode forbids it by default): fewer roundings
     # and instructions in the dot products.
     source = f"#define HEAD_DIM {head_dim}\n{_SOURCE}"
-    path = native.build(f"attention_hd{head_dim}", source, ("-ffp-contract=fast",))
-    if path is None:
-        return None
-    library = ctypes.CDLL(str(path))
-    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-    library.asyncllm_paged_decode_f32.argtypes = [pointer, i64, *[pointer] * 6, *[i64] * 6, ctypes.c_float]
-    library.asyncllm_paged_decode_f32.restype = ctypes.c_int
-    library.asyncllm_causal_prefill_f32.argtypes = [pointer, i64, *[pointer] * 5, *[i64] * 5, ctypes.c_float]
-    library.asyncllm_causal_prefill_f32.restype = ctypes.c_int
-    return library
+    return native.load(f"attention_hd{head_dim}", source, _SIGNATURES, ("-ffp-contract=fast",))
 
 
 def _function(head_dim: int, name: str) -> _Kernel | None:

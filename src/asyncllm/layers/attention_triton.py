@@ -6,9 +6,11 @@ plus ``apply_rotary_`` (rotary in place on q and k, one kernel). What differs is
 of per-sequence masks and gathered slot lists, ``TritonAttentionMetadata`` is four small integer
 tensors (query offsets, sequence lengths, block tables, slot mapping), built once per step by
 ``build_metadata`` and shared by every layer; the kernels derive causal and sliding-window masks and
-key slots from them on the device.
+key slots from them on the device. ``StaticDecodeMetadata`` holds the same integers in static buffers
+for the CUDA graphs (``asyncllm.graphs``). The backend object over these functions is
+``asyncllm.backends.triton``.
 
-Importing this module does not import triton (so ``models/`` can refer to it on a CPU-only
+Importing this module does not import triton (so the backends can refer to it on a CPU-only
 install); the kernels are imported on first use.
 """
 
@@ -22,7 +24,16 @@ import torch
 
 from asyncllm.input_batch import StepInputs
 
-__all__ = ["TritonAttentionMetadata", "apply_rotary_", "build_metadata", "paged_attention", "write_kv"]
+__all__ = [
+    "PackedLayout",
+    "StaticDecodeMetadata",
+    "TritonAttentionMetadata",
+    "apply_rotary_",
+    "build_metadata",
+    "decode_kv_splits",
+    "paged_attention",
+    "write_kv",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +63,70 @@ def _num_sms(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
+def decode_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """The split-KV parts for a decode-only batch: more than 1 only on CUDA, where the batch alone
+    would leave the GPU idle (``kernels.split_kv_decode.num_kv_splits``)."""
+    if device.type != "cuda":
+        return 1
+    from asyncllm.kernels.split_kv_decode import num_kv_splits as decide
+
+    return decide(num_seqs, num_kv_heads, max_seq_len, _num_sms(device))
+
+
+@dataclass(frozen=True, slots=True)
+class PackedLayout:
+    """Where the metadata's integers lie in one int32 buffer (one copy to the device moves them all):
+    ``[query_start_loc (capacity + 1) | seq_lens (capacity) | block_tables (capacity * max_blocks) |
+    slot_mapping (tokens)]``. A step's own buffer has ``capacity`` its sequences; the CUDA graphs'
+    static one the largest batch, and a smaller batch uses its first rows."""
+
+    capacity: int
+    max_blocks: int
+    tokens: int
+
+    @property
+    def seq_lens_at(self) -> int:
+        return self.capacity + 1
+
+    @property
+    def tables_at(self) -> int:
+        return 2 * self.capacity + 1
+
+    @property
+    def slots_at(self) -> int:
+        return self.tables_at + self.capacity * self.max_blocks
+
+    @property
+    def size(self) -> int:
+        return self.slots_at + self.tokens
+
+    def metadata(
+        self,
+        buffer: torch.Tensor,
+        num_seqs: int,
+        num_tokens: int,
+        *,
+        block_size: int,
+        max_query_len: int,
+        max_seq_len: int,
+        num_kv_splits: int,
+        sliding_window: int | None,
+    ) -> TritonAttentionMetadata:
+        """The metadata of the first ``num_seqs`` sequences and ``num_tokens`` tokens, as views into ``buffer``."""
+        slots_at, tables_at, seq_lens_at = self.slots_at, self.tables_at, self.seq_lens_at
+        return TritonAttentionMetadata(
+            slot_mapping=buffer[slots_at : slots_at + num_tokens],
+            query_start_loc=buffer[: num_seqs + 1],
+            seq_lens=buffer[seq_lens_at : seq_lens_at + num_seqs],
+            block_tables=buffer[tables_at:slots_at].view(self.capacity, self.max_blocks)[:num_seqs],
+            block_size=block_size,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            num_kv_splits=num_kv_splits,
+            sliding_window=sliding_window,
+        )
+
+
 def build_metadata(
     step: StepInputs,
     *,
@@ -77,10 +152,9 @@ def build_metadata(
     block_size = step.block_size
     max_query_len, max_seq_len = step.max_query_len, step.max_seq_len
     max_blocks = max(1, -(-max_seq_len // block_size))
-    # One int32 buffer: [query_start_loc | seq_lens | block_tables | slot_mapping].
-    table_at = 2 * num_seqs + 1
-    slots_at = table_at + num_seqs * max_blocks
-    packed = np.empty(slots_at + step.num_tokens, dtype=np.int32)
+    layout = PackedLayout(num_seqs, max_blocks, step.num_tokens)
+    table_at, slots_at = layout.tables_at, layout.slots_at
+    packed = np.empty(layout.size, dtype=np.int32)
     packed[: num_seqs + 1] = step.query_start_loc
     packed[num_seqs + 1 : table_at] = step.seq_lens
     packed[table_at:slots_at].reshape(num_seqs, max_blocks)[:] = step.tables(None, max_blocks)
@@ -88,22 +162,90 @@ def build_metadata(
     host = torch.from_numpy(packed)
     on_device = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
     if num_kv_splits is None:
-        num_kv_splits = 1
-        if device.type == "cuda" and max_query_len == 1:
-            from asyncllm.kernels.split_kv_decode import num_kv_splits as decide
-
-            num_kv_splits = decide(num_seqs, num_kv_heads, max_seq_len, _num_sms(device))
-    return TritonAttentionMetadata(
-        slot_mapping=on_device[slots_at:],
-        query_start_loc=on_device[: num_seqs + 1],
-        seq_lens=on_device[num_seqs + 1 : table_at],
-        block_tables=on_device[table_at:slots_at].view(num_seqs, max_blocks),
+        decode_only = max_query_len == 1
+        num_kv_splits = decode_kv_splits(num_seqs, num_kv_heads, max_seq_len, device) if decode_only else 1
+    return layout.metadata(
+        on_device,
+        num_seqs,
+        step.num_tokens,
         block_size=block_size,
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
         num_kv_splits=num_kv_splits,
         sliding_window=sliding_window,
     )
+
+
+class StaticDecodeMetadata:
+    """A decode batch's metadata in static device buffers, refilled before each CUDA-graph replay.
+
+    A graph replays fixed addresses, so its metadata are views into one int32 device buffer in
+    ``PackedLayout`` for ``max_batch`` sequences of one token, filled from a host twin (pinned on
+    CUDA) and copied in one go. Rows past a step's sequences are padding: one-token sequences at
+    position 0 with slot -1, which the KV-write kernel skips; they attend to one (finite) cache slot.
+    Block tables are ``max_blocks`` wide.
+
+    Args:
+        max_batch: The largest batch (the buffers' rows).
+        max_blocks: The block-table width: the longest sequence's blocks.
+        block_size: Tokens per KV block.
+        device: Where the graphs run.
+        sliding_window: The model's sliding window, if any.
+    """
+
+    def __init__(
+        self, *, max_batch: int, max_blocks: int, block_size: int, device: torch.device, sliding_window: int | None
+    ) -> None:
+        self.layout = PackedLayout(max_batch, max_blocks, max_batch)
+        self.block_size = block_size
+        self.sliding_window = sliding_window
+        self._host = torch.zeros(self.layout.size, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self._device = torch.zeros(self.layout.size, dtype=torch.int32, device=device)
+        self._pad_from(0)
+        self._device.copy_(self._host)
+
+    def _pad_from(self, n: int) -> None:
+        """Host buffer: rows from ``n`` on are 1-token sequences at position 0 writing nowhere."""
+        layout, b = self.layout, self.layout.capacity
+        meta = self._host.numpy()
+        meta[: b + 1] = np.arange(b + 1, dtype=np.int32)  # decode rows: one query each
+        meta[layout.seq_lens_at + n : layout.tables_at] = 1
+        meta[layout.tables_at + n * layout.max_blocks : layout.slots_at] = 0
+        meta[layout.slots_at + n :] = -1
+
+    def fill(self, step: StepInputs) -> None:
+        """Write a decode-only step (at most ``max_batch`` sequences) into the host buffer, padded.
+
+        The host buffer is reused: the previous ``upload`` must have been read (the caller waits for it).
+        """
+        n, layout = step.num_seqs, self.layout
+        self._pad_from(n)
+        meta = self._host.numpy()
+        meta[layout.seq_lens_at : layout.seq_lens_at + n] = step.seq_lens
+        tables = meta[layout.tables_at : layout.slots_at].reshape(layout.capacity, layout.max_blocks)
+        # Only the columns the step's longest context uses; the kernels read no block past a row's length.
+        width = max(1, -(-step.max_seq_len // self.block_size))
+        tables[:n, :width] = step.tables(None, width)
+        tables[:n, width:] = 0
+        meta[layout.slots_at : layout.slots_at + n] = step.slot_mapping
+
+    def upload(self, non_blocking: bool) -> None:
+        """Copy the host buffer to the device buffer the graphs read."""
+        self._device.copy_(self._host, non_blocking=non_blocking)
+
+    def metadata(self, size: int, splits: int) -> TritonAttentionMetadata:
+        """The metadata of a graph for ``size`` sequences with ``splits`` KV splits (views: stable addresses)."""
+        layout = self.layout
+        return layout.metadata(
+            self._device,
+            size,
+            size,
+            block_size=self.block_size,
+            max_query_len=1,
+            max_seq_len=layout.max_blocks * self.block_size,
+            num_kv_splits=splits,
+            sliding_window=self.sliding_window,
+        )
 
 
 def write_kv(

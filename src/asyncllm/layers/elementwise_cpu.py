@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 
 from asyncllm.layers import native
+from asyncllm.layers.native import F32, I32, I64, PTR
 
 __all__ = ["available", "check_slots", "kernel", "rms_norm", "rotary_", "write_kv"]
 
@@ -153,20 +154,16 @@ int asyncllm_write_kv_f32(float *k_cache, float *v_cache, const float *k, const 
 """
 
 
+_SIGNATURES: native.Signatures = {
+    "asyncllm_rms_norm_f32": ([PTR] * 4 + [I64] * 5 + [F32], None),
+    "asyncllm_rotary_f32": ([PTR] * 4 + [I64] * 9, None),
+    "asyncllm_write_kv_f32": ([PTR] * 5 + [I64] * 5, I32),
+}
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    path = native.build("elementwise", _SOURCE, ("-ffp-contract=off",))
-    if path is None:
-        return None
-    library = ctypes.CDLL(str(path))
-    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-    library.asyncllm_rms_norm_f32.argtypes = [pointer] * 4 + [i64] * 5 + [ctypes.c_float]
-    library.asyncllm_rms_norm_f32.restype = None
-    library.asyncllm_rotary_f32.argtypes = [pointer] * 4 + [i64] * 9
-    library.asyncllm_rotary_f32.restype = None
-    library.asyncllm_write_kv_f32.argtypes = [pointer] * 5 + [i64] * 5
-    library.asyncllm_write_kv_f32.restype = ctypes.c_int
-    return library
+    return native.load("elementwise", _SOURCE, _SIGNATURES, ("-ffp-contract=off",))
 
 
 def available() -> bool:

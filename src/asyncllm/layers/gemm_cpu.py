@@ -24,6 +24,9 @@ rounding only; greedy tokens match transformers', tests/test_parity.py).
 Use: decode-sized inputs. For prefill-sized ones the arithmetic decides and MKL blocks for the
 caches better, so ``layers.linear`` sends inputs of more than ``PANEL_MAX_ROWS`` rows to MKL's layout
 where it keeps both. The measurements: docs/performance-log.md, "Fifth round".
+
+Shared with MKL's packed layout (``layers.linear``): the packing source and input checks, and the
+tensor side of a packed matmul (``matmul_with``: one wrapper, two raw-address GEMMs).
 """
 
 from __future__ import annotations
@@ -31,17 +34,21 @@ from __future__ import annotations
 import ctypes
 import functools
 import platform
+from collections.abc import Callable
 
 import torch
 
 from asyncllm.layers import native
+from asyncllm.layers.native import I64, PTR
 from asyncllm.memory import mapped_tensor
 
 __all__ = [
     "PANEL_COLUMNS",
+    "MatmulInto",
     "PanelWeight",
     "available",
     "check_input",
+    "matmul_with",
     "packing_source",
     "panel_matmul",
     "panel_matmul_into",
@@ -149,20 +156,17 @@ def _has_avx512() -> bool:
     return "avx512f" in native.cpu_flags()
 
 
+_SIGNATURES: native.Signatures = {
+    "asyncllm_panel_pack": ([PTR, PTR, I64, I64], None),
+    "asyncllm_panel_matmul": ([PTR, I64, PTR, PTR, I64, I64, I64, I64], None),
+}
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     if not _has_avx512():
         return None
-    path = native.build("panel_gemm", _SOURCE)
-    if path is None:
-        return None
-    library = ctypes.CDLL(str(path))
-    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-    library.asyncllm_panel_pack.argtypes = [pointer, pointer, i64, i64]
-    library.asyncllm_panel_pack.restype = None
-    library.asyncllm_panel_matmul.argtypes = [pointer, i64, pointer, pointer, i64, i64, i64, i64]
-    library.asyncllm_panel_matmul.restype = None
-    return library
+    return native.load("panel_gemm", _SOURCE, _SIGNATURES)
 
 
 @functools.cache
@@ -216,8 +220,20 @@ class PanelWeight:
         return panel_matmul(x, self.buffer, bias, self.out_features)
 
 
-def panel_matmul(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` with ``weight`` packed by ``PanelWeight`` into ``panels`` (no checks)."""
+MatmulInto = Callable[[int, int, int, int, int, int, int, int], None]
+"""A packed GEMM on raw addresses, ``(x, x_stride, rows, weight, out, out_stride, out_features, in_features)``:
+``out[:rows, :out_features] = x[:rows, :in_features] @ weight.T`` (``panel_matmul_into``, and MKL's
+``linear.packed_matmul_into``)."""
+
+
+def matmul_with(
+    into: MatmulInto, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for ``x`` of [..., in_features], with ``weight`` packed for ``into`` (no checks).
+
+    The tensor side of every packed layout: rows made contiguous where they are not, a fresh output,
+    the bias added after the GEMM.
+    """
     in_features = x.shape[-1]
     rows = x.reshape(-1, in_features)
     if rows.stride(-1) != 1:
@@ -225,13 +241,18 @@ def panel_matmul(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
     count = rows.shape[0]
     out = torch.empty(count, out_features, dtype=torch.float32)
     if count:
-        panel_matmul_into(
-            rows.data_ptr(), rows.stride(0), count, panels.data_ptr(), out.data_ptr(), out_features,
+        into(
+            rows.data_ptr(), rows.stride(0), count, weight.data_ptr(), out.data_ptr(), out_features,
             out_features, in_features,
         )  # fmt: skip
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], out_features)
+
+
+def panel_matmul(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` with ``weight`` packed by ``PanelWeight`` into ``panels`` (no checks)."""
+    return matmul_with(panel_matmul_into, x, panels, bias, out_features)
 
 
 def panel_matmul_into(

@@ -48,6 +48,7 @@ import threading
 import torch
 
 from asyncllm.layers import gemm_cpu, native
+from asyncllm.layers.native import F32, I32, I64, PTR
 from asyncllm.memory import mapped_tensor
 
 logger = logging.getLogger("asyncllm")
@@ -333,28 +334,23 @@ def _has_amx() -> bool:
     return {"amx_tile", "amx_bf16", "avx512f"} <= flags
 
 
+_SIGNATURES: native.Signatures = {
+    "asyncllm_head_permit": ([], I32),
+    "asyncllm_head_pack": ([PTR, I64, I64, PTR, PTR, PTR], I32),
+    "asyncllm_head_scratch_bytes": ([], I64),
+    "asyncllm_head_argmax": (
+        [PTR, I64, I64, PTR, PTR, PTR, PTR, I64, I64, F32, F32, F32, PTR, I64, PTR, PTR, PTR],
+        I32,
+    ),
+}
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     if not _has_amx() or not gemm_cpu.available():
         return None
-    path = native.build("greedy_head", _SOURCE, ("-mamx-tile", "-mamx-bf16"))
-    if path is None:
-        return None
-    library = ctypes.CDLL(str(path))
-    pointer, i64 = ctypes.c_void_p, ctypes.c_int64
-    library.asyncllm_head_permit.argtypes = []
-    library.asyncllm_head_permit.restype = ctypes.c_int
-    library.asyncllm_head_pack.argtypes = [pointer, i64, i64, pointer, pointer, pointer]
-    library.asyncllm_head_pack.restype = ctypes.c_int
-    library.asyncllm_head_scratch_bytes.argtypes = []
-    library.asyncllm_head_scratch_bytes.restype = i64
-    single = ctypes.c_float
-    library.asyncllm_head_argmax.argtypes = [
-        pointer, i64, i64, pointer, pointer, pointer, pointer, i64, i64, single, single, single, pointer, i64, pointer,
-        pointer, pointer,
-    ]  # fmt: skip
-    library.asyncllm_head_argmax.restype = ctypes.c_int
-    if not library.asyncllm_head_permit():
+    library = native.load("greedy_head", _SOURCE, _SIGNATURES, ("-mamx-tile", "-mamx-bf16"))
+    if library is None or not library.asyncllm_head_permit():
         return None
     return library
 

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.layers import gemm_cpu, native
+from asyncllm.layers.native import F32, I32, PTR
 from asyncllm.memory import host_available_bytes, mapped_tensor
 
 logger = logging.getLogger("asyncllm")
@@ -62,27 +63,22 @@ _PACKED = 151
 _B_MATRIX = 162
 
 
+_MKL_SIGNATURES: native.Signatures = {
+    "cblas_sgemm_pack_get_size": ([I32] * 4, ctypes.c_size_t),
+    "cblas_sgemm_pack": ([I32] * 6 + [F32, PTR, I32, PTR], None),
+    "cblas_sgemm_compute": ([I32] * 6 + [PTR, I32, PTR, I32, F32, PTR, I32], None),
+}
+
+
 @functools.cache
 def _mkl() -> ctypes.CDLL | None:
     library = native.torch_cpu_library()
     if not torch.backends.mkl.is_available() or library is None:
         return None
     try:
-        get_size, pack, compute = (
-            library.cblas_sgemm_pack_get_size,
-            library.cblas_sgemm_pack,
-            library.cblas_sgemm_compute,
-        )
-    except AttributeError:
+        return native.declare(library, _MKL_SIGNATURES)
+    except AttributeError:  # a build without MKL's packed GEMM
         return None
-    i32, pointer = ctypes.c_int, ctypes.c_void_p
-    get_size.restype = ctypes.c_size_t
-    get_size.argtypes = [i32, i32, i32, i32]
-    pack.restype = None
-    pack.argtypes = [i32, i32, i32, i32, i32, i32, ctypes.c_float, pointer, i32, pointer]
-    compute.restype = None
-    compute.argtypes = [i32, i32, i32, i32, i32, i32, pointer, i32, pointer, i32, ctypes.c_float, pointer, i32]
-    return library
 
 
 class PackedWeight:
@@ -113,20 +109,7 @@ class PackedWeight:
 
 def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` with ``weight`` packed by ``PackedWeight`` into ``packed`` (no checks)."""
-    in_features = x.shape[-1]
-    rows = x.reshape(-1, in_features)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    count = rows.shape[0]
-    out = torch.empty(count, out_features, dtype=torch.float32)
-    if count:
-        packed_matmul_into(
-            rows.data_ptr(), rows.stride(0), count, packed.data_ptr(), out.data_ptr(), out_features,
-            out_features, in_features,
-        )  # fmt: skip
-    if bias is not None:
-        out += bias
-    return out.view(*x.shape[:-1], out_features)
+    return gemm_cpu.matmul_with(packed_matmul_into, x, packed, bias, out_features)
 
 
 def packed_matmul_into(

@@ -26,11 +26,27 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger("asyncllm")
 
-__all__ = ["STALE_AFTER_DAYS", "VECTOR_HELPERS", "build", "compiler", "cpu_flags", "torch_cpu_library"]
+__all__ = [
+    "F32",
+    "I32",
+    "I64",
+    "PTR",
+    "STALE_AFTER_DAYS",
+    "VECTOR_HELPERS",
+    "Signatures",
+    "build",
+    "compiler",
+    "cpu_flags",
+    "declare",
+    "load",
+    "torch_cpu_library",
+]
 
 STALE_AFTER_DAYS = 30
 """A built library not used for this many days is removed from the cache (rebuilt if ever needed)."""
@@ -55,6 +71,39 @@ static inline float hsum(vec v) {
     return v[0];
 }
 """
+
+
+PTR, I32, I64, F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+"""The ctypes types of the kernels' C signatures: a pointer, ``int``, ``int64_t``, ``float``."""
+
+Signatures = Mapping[str, tuple[Sequence[Any], Any]]
+"""C signatures by function name: (argument types, result type, None for void)."""
+
+
+def declare(library: ctypes.CDLL, signatures: Signatures) -> ctypes.CDLL:
+    """Give ``library``'s functions their C signatures and return it.
+
+    ctypes converts every argument by them (a Python int to a 64-bit integer, not a C ``int``),
+    and reads the result as declared.
+
+    Raises:
+        AttributeError: The library has no function of one of the names.
+    """
+    for name, (arguments, result) in signatures.items():
+        function = getattr(library, name)
+        function.argtypes = list(arguments)
+        function.restype = result
+    return library
+
+
+def load(name: str, source: str, signatures: Signatures, flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """``build`` ``source`` and load the library with its functions declared (``declare``).
+
+    Returns:
+        The library, or None when no compiler is found or the build fails (logged).
+    """
+    path = build(name, source, flags)
+    return None if path is None else declare(ctypes.CDLL(str(path)), signatures)
 
 
 @functools.cache

@@ -1,17 +1,15 @@
 """RMSNorm, computed in float32 as HF transformers does, so greedy outputs match token for token.
 
-``forward`` is the torch path (any device). ``forward_fused`` runs the same norm as one kernel,
-optionally with the residual add before it fused in: the Triton kernel ``asyncllm.kernels.rms_norm``
-on a GPU, the C kernel ``asyncllm.layers.elementwise_cpu.rms_norm`` on the CPU (float32). The model
-calls it on the triton and cpu attention backends. Importing this module does not import triton.
+``forward`` is the torch path (any device). The same norm as one kernel, with the residual add before
+it fused in, is the attention backend's (``AttentionBackend.rms_norm``: the Triton kernel
+``asyncllm.kernels.rms_norm``, the C kernel ``asyncllm.layers.elementwise_cpu.rms_norm``); the model
+calls it with this module's weight and eps.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-
-from asyncllm.layers import elementwise_cpu
 
 
 class RMSNorm(nn.Module):
@@ -36,23 +34,3 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
-
-    def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None = None, *, triton: bool) -> torch.Tensor:
-        """The norm as one kernel (Triton, or C on the CPU); with ``residual``, of ``x + residual``.
-
-        Args:
-            x: [tokens, size] input.
-            residual: [tokens, size] the running residual stream (x's dtype). Overwritten with
-                ``x + residual`` (rounded to the dtype, as ``residual + x`` would be), and that sum
-                is what gets normalised: the add and the norm read and write each tensor once.
-            triton: The Triton kernel (any device triton runs on, its interpreter included);
-                False: the C kernel (float32 on the CPU).
-
-        Returns:
-            ``weight * rmsnorm(x)`` (or of the sum), shaped and typed like ``x``.
-        """
-        if not triton:
-            return elementwise_cpu.rms_norm(x, self.weight, self.eps, residual=residual)
-        from asyncllm.kernels import rms_norm  # triton: imported on first use
-
-        return rms_norm.rms_norm(x, self.weight, self.eps, residual=residual)

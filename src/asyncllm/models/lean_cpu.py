@@ -19,8 +19,9 @@ order are the module path's (``DecoderLayer.forward_fused_norms``), so the resul
 the tests check bit for bit.
 
 It applies to every family the decoder covers (llama, mistral, qwen2, qwen3) once the projections
-are fused and every layer is packed, on the cpu attention backend with the fused norms on; anything
-else runs the modules (``DecoderForCausalLM.forward`` decides per step).
+are fused and every layer is packed, on the cpu attention backend (whose metadata it reads: the
+backend says so, ``runs_lean_forward``) with the fused norms on; anything else runs the modules
+(``DecoderForCausalLM.forward`` decides per step).
 """
 
 from __future__ import annotations

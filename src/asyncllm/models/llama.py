@@ -10,23 +10,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeGuard, cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncllm.layers import attention_cpu, attention_triton, elementwise_cpu, greedy_head_cpu
-from asyncllm.layers.attention import AttentionMetadata, paged_attention, write_kv
-from asyncllm.layers.attention_cpu import CpuAttentionMetadata
-from asyncllm.layers.attention_triton import TritonAttentionMetadata
+from asyncllm.backends import AttentionBackend, TorchAttentionBackend
+from asyncllm.layers import greedy_head_cpu
 from asyncllm.layers.linear import Linear, PackedFormat, best_packed_format
 from asyncllm.layers.norm import RMSNorm
 from asyncllm.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from asyncllm.models.lean_cpu import LeanCpuForward
-
-AnyAttentionMetadata = AttentionMetadata | CpuAttentionMetadata | TritonAttentionMetadata
-"""The metadata of one of the attention backends: it also picks the backend each layer calls."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,24 +137,16 @@ class Attention(nn.Module):
         v: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AnyAttentionMetadata,
+        meta: Any,
+        backend: AttentionBackend[Any],
         rotated: bool,
     ) -> torch.Tensor:
-        """Write this step's K/V to the cache and attend; [tokens, heads * head_dim] (before o_proj)."""
-        k_cache, v_cache = kv_cache
-        if isinstance(meta, TritonAttentionMetadata):
-            if not rotated:
-                attention_triton.apply_rotary_(q, k, *cos_sin)
-            attention_triton.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-            out = attention_triton.paged_attention(q, k_cache, v_cache, meta, self.scale)
-        elif isinstance(meta, CpuAttentionMetadata):
-            if not rotated:
-                elementwise_cpu.rotary_(q, k, *cos_sin)
-            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-            out = attention_cpu.paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-        else:
-            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-            out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+        """Write this step's K/V to the cache and attend through ``backend`` (rotating q and k in place
+        first unless ``rotated``); [tokens, heads * head_dim] (before o_proj)."""
+        if not rotated:
+            backend.rotary_(q, k, *cos_sin)
+        backend.write_kv(kv_cache, k, v, meta)
+        out = backend.attend(q, k, v, kv_cache, meta, self.scale)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
 
@@ -218,9 +205,10 @@ class DecoderLayer(nn.Module):
 
     The forward is three parts: ``pre_attention`` and ``post_attention`` are dense (norms, matmuls,
     rotary, activations: what ``torch.compile`` fuses well, see ``asyncllm.compile``), and the
-    attention between them reads and writes the paged KV cache through a backend. On the triton and
-    cpu backends an eager layer runs ``forward_fused_norms`` instead when ``DecoderForCausalLM.fused_norm``
-    is on (and, on the cpu backend, its C kernels could be built).
+    attention between them reads and writes the paged KV cache through the model's attention backend
+    (``asyncllm.backends``). On a backend with fused norms (triton, and cpu where its C kernels could
+    be built) an eager layer runs ``forward_fused_norms`` instead when ``DecoderForCausalLM.fused_norm``
+    is on.
     """
 
     def __init__(self, spec: DecoderSpec) -> None:
@@ -249,16 +237,17 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AnyAttentionMetadata,
+        meta: Any,
+        backend: AttentionBackend[Any],
     ) -> torch.Tensor:
         compiled = self.compiled
-        # The triton backend rotates q and k in place in its own kernel, unless a compiled
-        # pre_attention already fused the rotation into its kernels.
-        rotate = compiled is not None or not isinstance(meta, TritonAttentionMetadata)
+        # A backend may rotate q and k in place in its own kernel, unless a compiled pre_attention
+        # already fused the rotation into its kernels.
+        rotate = compiled is not None or not backend.rotates_in_kernel
         pre = compiled.pre_attention if compiled is not None else self.pre_attention
         post = compiled.post_attention if compiled is not None else self.post_attention
         q, k, v = pre(x, cos_sin[0], cos_sin[1], rotate)
-        attended = self.self_attn.attend(q, k, v, cos_sin, kv_cache, meta, rotated=rotate)
+        attended = self.self_attn.attend(q, k, v, cos_sin, kv_cache, meta, backend, rotated=rotate)
         return post(x, attended)
 
     def forward_fused_norms(
@@ -267,14 +256,15 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: TritonAttentionMetadata | CpuAttentionMetadata,
+        meta: Any,
+        backend: AttentionBackend[Any],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward`` on the triton or cpu backend (eager) with each residual add fused into the norm after it.
+        """``forward`` (eager) on a backend that ``fuses_norms``, each residual add fused into the norm after it.
 
         vLLM's layout: a layer passes on its MLP output and the residual stream separately, and the
-        next norm adds them (``RMSNorm.forward_fused``, one kernel that updates ``residual`` in
-        place). The sums are the unfused ones, rounded the same way; only the norms' reductions
-        run in another order. Rotary runs in place in one kernel too (in ``Attention.attend``).
+        next norm adds them (``backend.rms_norm``, one kernel that updates ``residual`` in place).
+        The sums are the unfused ones, rounded the same way; only the norms' reductions run in
+        another order. Rotary runs in place in one kernel too (``backend.rotary_``, in ``Attention.attend``).
 
         Args:
             x: The previous layer's MLP output, or the embeddings for the first layer.
@@ -284,15 +274,15 @@ class DecoderLayer(nn.Module):
         Returns:
             (this layer's MLP output, the residual stream up to its attention output).
         """
-        triton = isinstance(meta, TritonAttentionMetadata)
+        input_norm, post_norm = self.input_layernorm, self.post_attention_layernorm
         if residual is None:
-            residual, normed = x, self.input_layernorm.forward_fused(x, triton=triton)
+            residual, normed = x, backend.rms_norm(x, input_norm.weight, input_norm.eps, None)
         else:
-            normed = self.input_layernorm.forward_fused(x, residual, triton=triton)
+            normed = backend.rms_norm(x, input_norm.weight, input_norm.eps, residual)
         q, k, v = self.self_attn.project(normed, cos_sin[0], cos_sin[1], False)  # attend rotates, in place
-        attended = self.self_attn.attend(q, k, v, cos_sin, kv_cache, meta, rotated=False)
+        attended = self.self_attn.attend(q, k, v, cos_sin, kv_cache, meta, backend, rotated=False)
         attended = self.self_attn.o_proj(attended)
-        normed = self.post_attention_layernorm.forward_fused(attended, residual, triton=triton)
+        normed = backend.rms_norm(attended, post_norm.weight, post_norm.eps, residual)
         result: torch.Tensor = self.mlp(normed)
         return result, residual
 
@@ -305,13 +295,6 @@ def _greedy_head(lm_head: Linear) -> greedy_head_cpu.GreedyHead | None:
         return greedy_head_cpu.GreedyHead(lm_head.weight)
     except ValueError:  # non-finite or huge weights: the logits decide
         return None
-
-
-def _fusable(meta: AnyAttentionMetadata) -> TypeGuard[TritonAttentionMetadata | CpuAttentionMetadata]:
-    # The cpu backend runs float32 only; its fused kernels need the C compiler the backend needed too.
-    if isinstance(meta, CpuAttentionMetadata):
-        return elementwise_cpu.available()
-    return isinstance(meta, TritonAttentionMetadata)
 
 
 class DecoderModel(nn.Module):
@@ -335,10 +318,14 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.backend: AttentionBackend[Any] = TorchAttentionBackend(sliding_window=spec.sliding_window)
+        """The attention backend every layer calls (``asyncllm.backends``); the forward's metadata is
+        what its ``build_metadata`` made. The runner sets the one it picks at load; the torch
+        reference until then."""
         self.fused_norm = True
-        """On the triton and cpu backends with eager (not compiled) layers, fuse every residual add
-        into the RMSNorm after it (``DecoderLayer.forward_fused_norms``): per layer two kernels
-        (Triton on a GPU, C on the CPU, ``RMSNorm.forward_fused``) where the unfused path runs two
+        """On a backend that ``fuses_norms`` (triton; cpu) with eager (not compiled) layers, fuse every
+        residual add into the RMSNorm after it (``DecoderLayer.forward_fused_norms``): per layer two
+        kernels (Triton on a GPU, C on the CPU, ``backend.rms_norm``) where the unfused path runs two
         adds and two norms of several element-wise ops each; rotary is then one in-place kernel
         too. False runs the unfused torch ops there too, for A/B comparisons (``benchmarks/gpu.py``,
         ``benchmarks/forward.py``). The torch backend and compiled layers never fuse. Read on every
@@ -348,8 +335,9 @@ class DecoderForCausalLM(nn.Module):
         """The layer stack as direct kernel calls (``models.lean_cpu``), built by ``pack_weights``
         where it applies; None: the modules."""
         self.lean_forward = True
-        """With fused norms on the cpu backend, run ``lean`` (when built) instead of the modules: the
-        same bits, less Python per layer. False runs the modules (for A/B comparisons and tests)."""
+        """With fused norms on a backend that ``runs_lean_forward`` (cpu), run ``lean`` (when built)
+        instead of the modules: the same bits, less Python per layer. False runs the modules (for A/B
+        comparisons and tests)."""
         self.greedy_head: greedy_head_cpu.GreedyHead | None = None
         """Greedy tokens without the full logits (``layers.greedy_head_cpu``), built by ``pack_weights``
         where it applies; the same tokens as the argmax of ``logits``. None: the logits decide."""
@@ -359,22 +347,26 @@ class DecoderForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AnyAttentionMetadata,
+        meta: Any,
     ) -> torch.Tensor:
-        """Run the flat batch ([tokens] ids and positions); return normed hidden states [tokens, hidden]."""
+        """Run the flat batch ([tokens] ids and positions); return normed hidden states [tokens, hidden].
+
+        ``meta`` is the step's attention metadata, built by ``self.backend.build_metadata``.
+        """
+        backend = self.backend
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
         layers = cast("Sequence[DecoderLayer]", self.model.layers)
-        if self.fused_norm and _fusable(meta) and all(layer.compiled is None for layer in layers):
-            if self.lean is not None and self.lean_forward and isinstance(meta, CpuAttentionMetadata):
+        if self.fused_norm and backend.fuses_norms and all(layer.compiled is None for layer in layers):
+            if self.lean is not None and self.lean_forward and backend.runs_lean_forward:
                 return self.lean(x, cos_sin, kv_caches, meta)
             residual = None
             for layer, kv_cache in zip(layers, kv_caches):
-                x, residual = layer.forward_fused_norms(x, residual, cos_sin, kv_cache, meta)
-            final_triton = isinstance(meta, TritonAttentionMetadata)
-            return self.model.norm.forward_fused(x, residual, triton=final_triton)  # the last add, fused too
+                x, residual = layer.forward_fused_norms(x, residual, cos_sin, kv_cache, meta, backend)
+            final = self.model.norm
+            return backend.rms_norm(x, final.weight, final.eps, residual)  # the last add, fused too
         for layer, kv_cache in zip(layers, kv_caches):
-            x = layer(x, cos_sin, kv_cache, meta)
+            x = layer(x, cos_sin, kv_cache, meta, backend)
         result: torch.Tensor = self.model.norm(x)
         return result
 
