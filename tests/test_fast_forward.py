@@ -207,7 +207,7 @@ def test_eager_fast_path_matches_transformers(tiny_cache: Path, family: str) -> 
     model_dir = tiny_model_path(tiny_cache, family)
     runner = TorchModelRunner(model_dir, device="cpu", kv_cache_blocks=32)  # the defaults: eager, fast
     assert _greedy_with_runner(runner, PROMPTS) == _hf_greedy(model_dir)
-    assert runner.attention_backend == "cpu" and runner.fuse_projections and not runner.compile
+    assert runner.attention_backend == "cpu" and runner.switches.fuse_projections and not runner.options.compile
 
 
 def test_fused_projections_with_reference_attention_match_transformers(tiny_cache: Path) -> None:

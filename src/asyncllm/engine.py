@@ -169,24 +169,7 @@ class Engine:
     def _torch_runner(self, model_path: Path) -> ModelRunner:
         from asyncllm.model_runner import TorchModelRunner
 
-        o = self.options
-        return TorchModelRunner(
-            model_path,
-            device=o.device,
-            dtype=o.dtype,
-            block_size=o.block_size,
-            kv_cache_blocks=o.kv_cache_blocks,
-            max_tokens_in_cache=o.max_num_seqs * (o.max_model_len or 1 << 20),
-            kv_cache_memory=o.kv_cache_memory,
-            max_num_batched_tokens=o.max_num_batched_tokens,
-            seed=o.seed,
-            attention_backend=o.attention_backend,
-            enforce_eager=o.enforce_eager,
-            max_num_seqs=o.max_num_seqs,
-            max_model_len=o.max_model_len,
-            compile=o.compile,
-            num_threads=o.num_threads,
-        )
+        return TorchModelRunner(model_path, self.options)
 
     def _resolve_max_model_len(self, info: RunnerInfo) -> int:
         requested = self.options.max_model_len

@@ -8,8 +8,10 @@ on the whole mixed prefill/decode batch, computes logits only at the positions t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ import numpy as np
 import torch
 
 from asyncllm.backends import AttentionBackend, create_backend, resolve_attention_backend
+from asyncllm.engine_options import EngineOptions
 from asyncllm.errors import DeviceOutOfMemoryError
 from asyncllm.graphs import DecodeGraphs, capture_sizes, to_device
 from asyncllm.input_batch import InputBatch, StepInputs
@@ -61,31 +64,14 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-class TorchModelRunner:
-    """Runs one of ``asyncllm.models`` over a paged KV cache.
+@dataclass(frozen=True, slots=True)
+class ForwardSwitches:
+    """The CPU forward's fast paths, each on by default.
 
-    Args:
-        model_path: A local HF-format folder (config.json, *.safetensors).
-        device: "auto", "cpu", "cuda", "cuda:1", ...
-        dtype: "auto", "float32", "float16" or "bfloat16".
-        block_size: Tokens per KV block.
-        kv_cache_blocks: Number of KV blocks; None sizes the cache from memory.
-        max_tokens_in_cache: An upper bound on the tokens the cache need ever hold (it is not
-            sized beyond that).
-        kv_cache_memory: With ``kv_cache_blocks=None``: bytes, or a fraction of the memory left
-            after the weights and a measured activation peak (see ``asyncllm.memory``).
-        max_num_batched_tokens: The largest step; the activation peak is measured at this size.
-        seed: Seed of the generator unseeded requests share.
-        attention_backend: "auto" (triton on CUDA when it is installed; on the CPU cpu when it
-            can run, else torch), "torch" (the reference), "cpu" (a C kernel for decode tokens,
-            float32 on the CPU, built with the system C compiler; see ``layers.attention_cpu``) or
-            "triton" (on the CPU only under ``TRITON_INTERPRET=1``, for tests).
-        enforce_eager: Never use CUDA graphs (by default decode-only steps replay graphs captured
-            at load, on CUDA with the triton backend).
-        max_num_seqs: The largest decode batch (the largest captured graph).
-        max_model_len: The longest sequence (sizes the graphs' block tables); None: the model's.
-        compile: ``torch.compile`` the dense parts of every layer at load (once, cached on disk; see
-            ``asyncllm.compile``). False keeps the eager forward.
+    Not engine options: every user should run the defaults; benchmarks and tests turn one off to
+    measure or check it against the plain path.
+
+    Attributes:
         fuse_projections: Run q/k/v and gate/up as one matmul each (``fuse_projections()`` after
             loading). False keeps HF's separate projections (for comparisons).
         packed_gemm: On the CPU in float32, pack every linear weight once for a packed GEMM
@@ -98,55 +84,56 @@ class TorchModelRunner:
         fused_norm: On the triton and cpu backends with eager layers, fuse each residual add into
             the RMSNorm after it and rotate q/k in place, one kernel each
             (``DecoderForCausalLM.fused_norm``). False keeps torch's element-wise ops (for comparisons).
-        num_threads: torch's intra-op threads on the CPU, set at load on the device thread; None
-            decides (``asyncllm.compile.configure_cpu_threads``). Ignored on CUDA.
         greedy_head: With packed panels on a CPU with AMX, greedy rows take their token from
             ``layers.greedy_head_cpu`` (the argmax of the float32 logits, exactly, without computing
             them all); False computes every row's logits (for comparisons).
     """
 
+    fuse_projections: bool = True
+    packed_gemm: bool | PackedFormat = True
+    fused_norm: bool = True
+    greedy_head: bool = True
+
+
+class TorchModelRunner:
+    """Runs one of ``asyncllm.models`` over a paged KV cache.
+
+    Args:
+        model_path: A local HF-format folder (config.json, *.safetensors).
+        options: The engine's options (``EngineOptions``): the runner reads the device, dtype, KV
+            cache, batch, backend, graph, compile and thread options from them.
+        switches: The forward's fast paths (``ForwardSwitches``), all on unless a comparison turns
+            one off.
+        **option_overrides: ``EngineOptions`` fields that replace those of ``options`` (or build
+            them, with ``options`` None), and ``ForwardSwitches`` fields that replace those of
+            ``switches``: how tests and benchmarks construct runners.
+    """
+
     def __init__(
         self,
         model_path: Path,
+        options: EngineOptions | None = None,
         *,
-        device: str = "auto",
-        dtype: str = "auto",
-        block_size: int = 16,
-        kv_cache_blocks: int | None = None,
-        max_tokens_in_cache: int | None = None,
-        kv_cache_memory: int | float | None = None,
-        max_num_batched_tokens: int = 2048,
-        seed: int | None = None,
-        attention_backend: str = "auto",
-        enforce_eager: bool = False,
-        max_num_seqs: int = 256,
-        max_model_len: int | None = None,
-        compile: bool = False,
-        fuse_projections: bool = True,
-        packed_gemm: bool | PackedFormat = True,
-        fused_norm: bool = True,
-        num_threads: int | None = None,
-        greedy_head: bool = True,
+        switches: ForwardSwitches | None = None,
+        **option_overrides: Any,
     ) -> None:
+        switch_names = {f.name for f in dataclasses.fields(ForwardSwitches)}
+        switched = {k: option_overrides.pop(k) for k in list(option_overrides) if k in switch_names}
+        if options is None:
+            options = EngineOptions.from_keywords(**option_overrides)
+        elif option_overrides:
+            options = dataclasses.replace(options, **option_overrides)
+        self.options = options
+        self.switches = dataclasses.replace(switches if switches is not None else ForwardSwitches(), **switched)
         self.model_path = Path(model_path)
-        self.device_name = device
-        self.dtype_name = dtype
-        self.block_size = block_size
-        self.kv_cache_blocks = kv_cache_blocks
-        self.max_tokens_in_cache = max_tokens_in_cache
-        self.kv_cache_memory = kv_cache_memory
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.block_size = options.block_size
+        # The cache is never sized beyond what max_num_seqs sequences of max_model_len can hold.
+        self.max_tokens_in_cache = options.max_num_seqs * (options.max_model_len or 1 << 20)
         self.kv_sizing: KVCacheSizing | None = None
-        self.seed = seed
-        self.attention_backend = attention_backend
-        self.enforce_eager = enforce_eager
-        self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len
-        self.compile = compile
-        self.fuse_projections = fuse_projections
-        self.packed_gemm = packed_gemm
-        self.fused_norm = fused_norm
-        self.greedy_head = greedy_head
+        self.attention_backend = options.attention_backend
+        """The attention backend's name: the option, then what it resolved to at load."""
+        self.num_threads = options.num_threads
+        """torch's threads on the CPU: the option, then the count set at load."""
         self.num_packed_layers = 0
         """Linear layers running from packed weights (0: all on ``F.linear``)."""
         self.packed_format: PackedFormat | None = None
@@ -154,7 +141,6 @@ class TorchModelRunner:
         ``F.linear``."""
         self.timings = RunnerTimings()
         """Seconds spent preparing inputs, in the forward and sampling, over all steps."""
-        self.num_threads = num_threads
         self.compile_seconds = 0.0
         self.graphs: DecodeGraphs | None = None
         self.backend: AttentionBackend[Any] | None = None
@@ -163,18 +149,18 @@ class TorchModelRunner:
         self.model: DecoderForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler: Sampler | None = None
-        self.input_batch = InputBatch(block_size, max_num_seqs=max_num_seqs)
+        self.input_batch = InputBatch(options.block_size, max_num_seqs=options.max_num_seqs)
 
     def load(self) -> RunnerInfo:
         """Build the model, load its weights and allocate the KV cache (on the device thread)."""
-        device = resolve_device(self.device_name)
-        dtype = resolve_dtype(self.dtype_name, device)
+        device = resolve_device(self.options.device)
+        dtype = resolve_dtype(self.options.dtype, device)
         requested_backend = self.attention_backend
         backend_name = resolve_attention_backend(requested_backend, device, cpu_kernel=True)
         if device.type == "cpu":
             from asyncllm.compile import configure_cpu_threads
 
-            self.num_threads = configure_cpu_threads(self.num_threads)
+            self.num_threads = configure_cpu_threads(self.options.num_threads)
         if device.type == "cuda":
             # This runs on the device thread, and torch's current stream is per thread: every later
             # call of this runner (all on the same thread) issues its work to this one stream.
@@ -190,8 +176,8 @@ class TorchModelRunner:
             model.lm_head.weight = model.model.embed_tokens.weight
         model.rotary = RotaryEmbedding(model.spec.head_dim, model.spec.rope).to(device)
         model.eval()
-        model.fused_norm = self.fused_norm  # before any CUDA graph is captured: graphs keep their path
-        if self.fuse_projections:
+        model.fused_norm = self.switches.fused_norm  # before any CUDA graph is captured: graphs keep their path
+        if self.switches.fuse_projections:
             model.fuse_projections()
         spec = model.spec
         backend = self.backend = model.backend = create_backend(
@@ -204,9 +190,10 @@ class TorchModelRunner:
             requested=requested_backend == backend_name,
         )
         self.attention_backend = backend.name
-        if self.packed_gemm and device.type == "cpu" and dtype == torch.float32:
+        packed = self.switches.packed_gemm
+        if packed is not False and device.type == "cpu" and dtype == torch.float32:
             self.num_packed_layers = model.pack_weights(
-                None if self.packed_gemm is True else self.packed_gemm, greedy_head=self.greedy_head
+                None if packed is True else packed, greedy_head=self.switches.greedy_head
             )
             # The layers' format (the output projection keeps the panels alone beside a greedy head).
             formats = {m.packed_format for m in model.model.modules() if isinstance(m, Linear) and m.packed_format}
@@ -214,22 +201,23 @@ class TorchModelRunner:
         self.model = model
         self.device, self.dtype = device, dtype
         eos_token_ids = load_eos_token_ids(self.model_path, config)
-        self.sampler = Sampler(device, model.spec.vocab_size, eos_token_ids, self.seed)
-        num_blocks = self.kv_cache_blocks or self._size_kv_cache(model, device, dtype)
+        self.sampler = Sampler(device, model.spec.vocab_size, eos_token_ids, self.options.seed)
+        num_blocks = self.options.kv_cache_blocks or self._size_kv_cache(model, device, dtype)
         slots = num_blocks * self.block_size
         self.kv_caches = self._allocate_kv_cache(num_blocks)
         max_model_len = int(getattr(config, "max_position_embeddings", 2048))
         # Fresh rows (the sizing probe is gone), as wide as the longest table the cache can hold.
-        longest = min(max_model_len, self.max_model_len or max_model_len, slots)
+        longest = min(max_model_len, self.options.max_model_len or max_model_len, slots)
         self.input_batch = InputBatch(
-            self.block_size, max_num_seqs=self.max_num_seqs, max_blocks_per_seq=-(-longest // self.block_size)
+            self.block_size, max_num_seqs=self.options.max_num_seqs, max_blocks_per_seq=-(-longest // self.block_size)
         )
-        if self.compile:
+        if self.options.compile:
             from asyncllm.compile import compile_dense_parts
 
             self.compile_seconds = compile_dense_parts(model)
-        if device.type == "cuda" and backend.captures_graphs and not self.enforce_eager:
-            self.graphs = self._capture_graphs(model, min(max_model_len, self.max_model_len or max_model_len, slots))
+        if device.type == "cuda" and backend.captures_graphs and not self.options.enforce_eager:
+            longest = min(max_model_len, self.options.max_model_len or max_model_len, slots)
+            self.graphs = self._capture_graphs(model, longest)
         return RunnerInfo(
             num_kv_blocks=num_blocks,
             block_size=self.block_size,
@@ -237,7 +225,7 @@ class TorchModelRunner:
             max_model_len=int(getattr(config, "max_position_embeddings", 2048)),
             eos_token_ids=eos_token_ids,
             description=f"{spec.architecture} on {device} ({str(dtype).removeprefix('torch.')}, "
-            f"{self.attention_backend} attention, {'compiled' if self.compile else 'eager'}"
+            f"{self.attention_backend} attention, {'compiled' if self.options.compile else 'eager'}"
             f"{f', {self.packed_format} GEMM' if self.packed_format else ''}"
             f"{f', {self.num_threads} threads' if device.type == 'cpu' else ''})",
         )
@@ -246,13 +234,13 @@ class TorchModelRunner:
         assert self.backend is not None
         # Split graphs are captured for the batch sizes that leave the GPU idle at a 4k context.
         context = min(max_seq_len, 4096)
-        split_kv = {b: self.backend.kv_splits(b, context) for b in capture_sizes(self.max_num_seqs)}
+        split_kv = {b: self.backend.kv_splits(b, context) for b in capture_sizes(self.options.max_num_seqs)}
         graphs = DecodeGraphs(
             model,
             self.kv_caches,
             block_size=self.block_size,
             max_seq_len=max_seq_len,
-            max_batch=self.max_num_seqs,
+            max_batch=self.options.max_num_seqs,
             device=self.device,
             split_kv={b: s for b, s in split_kv.items() if s > 1},
         )
@@ -288,7 +276,7 @@ class TorchModelRunner:
         if self.max_tokens_in_cache is not None:
             max_blocks = -(-self.max_tokens_in_cache // self.block_size)
         sizing = self.kv_sizing = size_kv_cache(
-            self.kv_cache_memory,
+            self.options.kv_cache_memory,
             device_type=device.type,
             available_bytes=available,
             activation_peak_bytes=peak,
@@ -302,14 +290,14 @@ class TorchModelRunner:
             sizing.num_blocks * sizing.bytes_per_block / 2**20,
             sizing.available_bytes / 2**20,
             sizing.activation_peak_bytes / 2**20,
-            self.max_num_batched_tokens,
+            self.options.max_num_batched_tokens,
         )
         return sizing.num_blocks
 
     def _measure_activation_peak(self) -> int:
         """Extra memory of one forward at ``max_num_batched_tokens`` (a throwaway request)."""
         assert self.sampler is not None
-        tokens = self.max_num_batched_tokens
+        tokens = self.options.max_num_batched_tokens
         num_blocks = -(-tokens // self.block_size)
         self.kv_caches = self._allocate_kv_cache(num_blocks)
         probe = SequenceInput(
@@ -380,7 +368,7 @@ class TorchModelRunner:
         their logits); the sampler takes the rest, and any row the head could not decide, from logits.
         """
         assert self.sampler is not None
-        head = model.greedy_head if self.greedy_head else None
+        head = model.greedy_head if self.switches.greedy_head else None
         plain = self.sampler.plain_greedy_rows(sequences) if head is not None else []
         if head is None or not plain:
             sampled = self.sampler.sample(model.logits(rows), sequences)
