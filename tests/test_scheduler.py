@@ -400,7 +400,8 @@ def test_preemption_when_blocks_run_out_recomputes_the_latest_request() -> None:
     assert recompute.start == 0
     assert a.output_token_ids == [TOKEN] * 8 and a.finish_reason == "length"
     assert b.output_token_ids == [TOKEN] * 8 and b.finish_reason == "length"
-    assert sorted(finished_reported + scheduler.schedule().finished_request_ids) == [1, 2]
+    assert scheduler.schedule().finished_request_ids == []  # no step runs to carry them: they wait
+    assert sorted(finished_reported + scheduler.pending_finished_request_ids) == [1, 2]
     assert_all_blocks_free(scheduler)
 
 
@@ -588,7 +589,9 @@ def test_finish_on_max_total_tokens() -> None:
     assert_all_blocks_free(scheduler)
 
 
-def test_finished_request_ids_are_reported_once_in_the_next_schedule() -> None:
+def test_finished_request_ids_are_reported_once_by_the_next_step_that_runs() -> None:
+    # The scheduler alone keeps them: a schedule with nothing to run carries none, the next one
+    # that runs carries them all, once.
     scheduler = make_scheduler()
     a, b = make_request(1, 3, 1), make_request(2, 3, 2)
     scheduler.add(a)
@@ -600,8 +603,12 @@ def test_finished_request_ids_are_reported_once_in_the_next_schedule() -> None:
     assert out.finished_request_ids == [1]
     assert b.finished
     out = scheduler.schedule()
-    assert out.finished_request_ids == [2]
-    assert out.scheduled == []
+    assert out.scheduled == [] and out.finished_request_ids == []
+    assert scheduler.pending_finished_request_ids == [2]
+    scheduler.add(make_request(3, 3, 1))
+    out = scheduler.schedule()
+    assert out.finished_request_ids == [2] and [s.request.request_id for s in out.scheduled] == [3]
+    assert scheduler.pending_finished_request_ids == []
     assert scheduler.schedule().finished_request_ids == []
 
 
@@ -789,7 +796,8 @@ def test_random_workloads_terminate_with_exact_outputs(w: dict[str, object]) -> 
             assert (len(request.output_token_ids), request.num_computed_tokens) == before[index]
         step_index += 1
 
-    reported += scheduler.schedule().finished_request_ids
+    assert scheduler.schedule().finished_request_ids == []  # nothing runs: they wait for a step
+    reported += scheduler.pending_finished_request_ids
     assert sorted(reported) == list(range(len(requests))), "each finished id is reported exactly once"
     for index, request in enumerate(requests):
         assert request.finished

@@ -23,8 +23,9 @@ from anyio.abc import TaskStatus
 from asyncllm.device import DeviceCall, DeviceWorker
 from asyncllm.errors import DeviceStepTimeoutError, EngineDeadError, SchedulerStalledError
 from asyncllm.output_processor import Delivery, OutputProcessor
+from asyncllm.outputs import EngineStatistics
 from asyncllm.request import PLACEHOLDER, Request
-from asyncllm.runner import ModelRunner, SequenceInput, StepBatch, StepOutput
+from asyncllm.runner import ModelRunner, RunnerTimings, SequenceInput, StepBatch, StepOutput
 from asyncllm.scheduler import Scheduler, SchedulerOutput, TokenEvent
 from asyncllm.stream import RequestStream
 
@@ -105,7 +106,6 @@ class EngineCore:
         self.async_scheduling = async_scheduling
         self.step_timeout = step_timeout
         self.timings = LoopTimings()
-        self._finished_ids: list[int] = []  # ended requests the runner has not been told about
         self._lookahead = LookaheadExecutor(runner)
         self.requests: dict[int, Request] = {}
         """Every unfinished request (each sample of a group is one) by id."""
@@ -119,6 +119,45 @@ class EngineCore:
         self._stopping = False
         self._wakeup = anyio.Event()
         self._loop_thread = threading.get_ident()
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued and not running (held samples of a group not counted)."""
+        return len(self.scheduler.waiting)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (running requests keep their blocks); return how many were listed."""
+        return self.scheduler.kv_cache.reset_prefix_cache()
+
+    def statistics(self) -> EngineStatistics:
+        """A snapshot of the scheduler's, the KV cache's, the loop's and the device's counters."""
+        scheduler = self.scheduler
+        kv = scheduler.kv_cache
+        runner_timings = getattr(self.runner, "timings", None) or RunnerTimings()
+        return EngineStatistics(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            kv_blocks_total=kv.pool.num_blocks,
+            kv_blocks_free=kv.num_free_blocks,
+            kv_usage=1.0 - kv.num_free_blocks / kv.pool.num_blocks,
+            num_cached_blocks=kv.pool.num_cached_blocks,
+            prefix_cache_queries=kv.num_query_tokens,
+            prefix_cache_hits=kv.num_hit_tokens,
+            prefix_cache_hit_rate=kv.num_hit_tokens / kv.num_query_tokens if kv.num_query_tokens else 0.0,
+            time_schedule=self.timings.schedule,
+            time_prepare=self.timings.prepare,
+            time_output=self.timings.output,
+            device_busy=self.worker.busy_seconds,
+            device_idle=self.worker.idle_seconds,
+            device_prepare=runner_timings.prepare,
+            device_forward=runner_timings.forward,
+            device_sample=runner_timings.sample,
+            num_preemptions=scheduler.num_preemptions,
+            num_steps=self.num_steps,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generated_tokens=self.num_generated_tokens,
+            num_finished_requests=self.num_finished,
+        )
 
     def add(self, request: Request, stream: RequestStream) -> None:
         """Queue a validated request (with its other samples when n > 1); output goes to ``stream``."""
@@ -173,8 +212,6 @@ class EngineCore:
                 step = self.scheduler.schedule()
                 self.timings.schedule += time.perf_counter() - started
                 if not step.scheduled:
-                    # Nothing to run; the ids of requests that ended go with the next real step.
-                    self._finished_ids += step.finished_request_ids
                     step = None
             if step is None and in_flight is None:
                 if events:
@@ -221,7 +258,6 @@ class EngineCore:
         self.timings.output += time.perf_counter() - started
 
     def _batch(self, step: SchedulerOutput) -> StepBatch:
-        finished, self._finished_ids = self._finished_ids + step.finished_request_ids, []
         kv = self.scheduler.kv_cache
         sequences = [
             SequenceInput(
@@ -238,7 +274,7 @@ class EngineCore:
             )
             for s in step.scheduled
         ]
-        return StepBatch(sequences, finished)
+        return StepBatch(sequences, step.finished_request_ids)
 
     def _update(self, step: SchedulerOutput, sampled: StepOutput) -> list[TokenEvent]:
         self.num_steps += 1

@@ -33,7 +33,7 @@ from asyncllm.metrics import EngineMetrics
 from asyncllm.output_processor import OutputProcessor
 from asyncllm.outputs import Completion, EngineStatistics, FinishReason, Logprobs, Sample, StreamChunk
 from asyncllm.request import Request
-from asyncllm.runner import ModelRunner, RunnerInfo, RunnerTimings
+from asyncllm.runner import ModelRunner, RunnerInfo
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.scheduler import Scheduler
 from asyncllm.stream import RequestStream
@@ -270,7 +270,7 @@ class Engine:
 
     def _check_capacity(self, core: EngineCore) -> None:
         limit = self.options.max_waiting_requests
-        if limit is not None and len(core.scheduler.waiting) >= limit:
+        if limit is not None and core.num_waiting >= limit:
             raise EngineOverloadedError(f"{limit} requests are already waiting (max_waiting_requests); retry later")
 
     def _admit(self, core: EngineCore, request: Request, *, wake_at_end: bool) -> RequestStream:
@@ -371,7 +371,7 @@ class Engine:
             EngineClosedError: The engine is not running.
         """
         core, _ = self._require_running()
-        return core.scheduler.kv_cache.reset_prefix_cache()
+        return core.reset_prefix_cache()
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """Render a conversation with the model's chat template, the assistant's turn opened.
@@ -513,33 +513,7 @@ class Engine:
         core = self._core
         if core is None:
             raise EngineClosedError("the engine is not running")
-        scheduler = core.scheduler
-        kv = scheduler.kv_cache
-        runner_timings = getattr(core.runner, "timings", None) or RunnerTimings()
-        return EngineStatistics(
-            num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
-            kv_blocks_total=kv.pool.num_blocks,
-            kv_blocks_free=kv.num_free_blocks,
-            kv_usage=1.0 - kv.num_free_blocks / kv.pool.num_blocks,
-            num_cached_blocks=kv.pool.num_cached_blocks,
-            prefix_cache_queries=kv.num_query_tokens,
-            prefix_cache_hits=kv.num_hit_tokens,
-            prefix_cache_hit_rate=kv.num_hit_tokens / kv.num_query_tokens if kv.num_query_tokens else 0.0,
-            time_schedule=core.timings.schedule,
-            time_prepare=core.timings.prepare,
-            time_output=core.timings.output,
-            device_busy=core.worker.busy_seconds,
-            device_idle=core.worker.idle_seconds,
-            device_prepare=runner_timings.prepare,
-            device_forward=runner_timings.forward,
-            device_sample=runner_timings.sample,
-            num_preemptions=scheduler.num_preemptions,
-            num_steps=core.num_steps,
-            num_prompt_tokens=core.num_prompt_tokens,
-            num_generated_tokens=core.num_generated_tokens,
-            num_finished_requests=core.num_finished,
-        )
+        return core.statistics()
 
 
 @dataclass(slots=True)

@@ -39,7 +39,8 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest]
     finished_request_ids: list[int] = field(default_factory=list)
-    """Requests that ended since the previous step, so the runner can drop their state."""
+    """Requests that ended since the previous step that ran, so the runner can drop their state
+    (the scheduler keeps them until a step with work carries them)."""
 
     @property
     def num_batched_tokens(self) -> int:
@@ -81,6 +82,11 @@ class Scheduler:
     def add(self, request: Request) -> None:
         """Queue a new request for admission."""
         self.waiting.append(request)
+
+    @property
+    def pending_finished_request_ids(self) -> list[int]:
+        """Requests that ended and that no step has carried to the runner yet."""
+        return list(self._finished_ids)
 
     def has_work(self) -> bool:
         """True while any request waits or runs."""
@@ -130,6 +136,8 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+        if not scheduled:  # no step to carry them: they go with the next one that runs
+            return SchedulerOutput([])
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(scheduled, finished)
 
