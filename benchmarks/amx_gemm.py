@@ -31,7 +31,8 @@ import time
 
 import torch
 
-from asyncllm.layers import linear, native
+from asyncllm.backends.cpu import _native as native
+from asyncllm.models import _linear as linear
 
 _SOURCE = r"""
 #include <immintrin.h>

@@ -128,7 +128,6 @@ def synthetic_model_path() -> Path:
     """The synthetic benchmark model's folder, built once under ``cache_root()/"bench-models"``."""
     from asyncllm.default_model import cache_root
     from asyncllm.testing.tiny_models import tiny_model_path
-
     root = cache_root() / "bench-models"
     log(f"synthetic model: Llama, hidden 512, 8 layers, 8/4 heads, vocab 32000 (cached under {root})")
     return tiny_model_path(root, SYNTHETIC_FAMILY, **SYNTHETIC_MODEL)
@@ -139,7 +138,6 @@ def resolve_model(spec: str) -> Path:
     if spec == "synthetic":
         return synthetic_model_path()
     from asyncllm.default_model import resolve_model_path
-
     return resolve_model_path(None if spec == "default" else spec, progress=log)
 
 

@@ -8,12 +8,12 @@ runner variants, each adding one thing to the previous one:
 - ``eager``: HF's separate projections, the ``torch`` reference attention, torch's default threads;
 - ``+fused``: q/k/v and gate/up stacked into one matmul each (``fuse_projections``);
 - ``+attention``: the ``cpu`` attention backend (the C decode kernel, no gathered KV);
-- ``+packed``: linear weights packed once for a packed GEMM (``packed_gemm``, ``asyncllm.layers.linear``:
+- ``+packed``: linear weights packed once for a packed GEMM (``packed_gemm``, ``asyncllm.models._linear``:
   ``gemm_cpu``'s column panels with AVX-512, else MKL's packed layout);
 - ``+kernels``: each residual add fused into the RMSNorm after it, and rotary in place, as C kernels
-  (``fused_norm``, ``asyncllm.layers.elementwise_cpu``);
+  (``fused_norm``, ``asyncllm.backends.cpu._elementwise``);
 - ``+lean``: the layer stack as direct kernel calls into per-step scratch (``model.lean_forward``,
-  ``asyncllm.models.lean_cpu``; the variants before it run the modules);
+  ``asyncllm.backends.cpu._lean_forward``; the variants before it run the modules);
 - ``+compile``: ``torch.compile`` of every layer's dense parts (``compile=True``; the compiled graphs call
   the packed weights through the ``asyncllm::packed_linear`` operator, and inductor's
   own fused norms and rotary replace the C kernels and the lean forward);
@@ -129,9 +129,8 @@ def variant_lean(name: str) -> bool:
 
 def make_batch(scenario: Scenario, seed: int, vocab_size: int) -> Any:
     """The scenario's ``StepBatch``: disjoint, shuffled block tables; greedy sampling for every sequence."""
-    from asyncllm.runner import SequenceInput, StepBatch
+    from asyncllm.executor._runner import SequenceInput, StepBatch
     from asyncllm.sampling_params import SamplingParams
-
     rng = random.Random(seed)
     blocks_per_decode = -(-scenario.context // BLOCK_SIZE)
     prefill_blocks = -(-scenario.prefill // BLOCK_SIZE)
@@ -168,9 +167,8 @@ def gemm_table(path: Path, repeats: int, quick: bool) -> str:
 
     import torch
 
-    from asyncllm.layers import gemm_cpu
-    from asyncllm.layers.linear import PackedWeight, packed_gemm_available
-
+    from asyncllm.backends.cpu import _gemm as gemm_cpu
+    from asyncllm.models._linear import PackedWeight, packed_gemm_available
     if not packed_gemm_available():
         return "MKL's packed GEMM is unavailable in this torch build"
     panels_available = gemm_cpu.available()
@@ -244,9 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         print(gemm_table(path, args.repeats, args.quick))
         return 0
 
-    from asyncllm.compile import configure_cpu_threads
-    from asyncllm.model_runner import TorchModelRunner
-
+    from asyncllm.worker._compile import configure_cpu_threads
+    from asyncllm.worker._model_runner import TorchModelRunner
     scenarios = QUICK_SCENARIOS if args.quick else FULL_SCENARIOS
     variants = [v for v in VARIANTS if v in args.variants.split(",")]
     path = common.synthetic_model_path() if args.model == "synthetic" else common.resolve_model(args.model)

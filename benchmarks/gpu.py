@@ -95,10 +95,9 @@ def patch_random_weights(seed: int) -> None:
     """Make ``TorchModelRunner.load`` take random bf16 weights made on the GPU instead of reading files."""
     import torch
 
-    import asyncllm.model_runner as model_runner
+    import asyncllm.worker._model_runner as model_runner
     from asyncllm.models import build_model
-    from asyncllm.weights import load_config
-
+    from asyncllm.worker._weights import load_config
     def random_state(model_path: Path, tie_word_embeddings: bool) -> dict[str, torch.Tensor]:
         with torch.device("meta"):
             shapes = {name: t.shape for name, t in build_model(load_config(model_path)).state_dict().items()}
@@ -136,12 +135,11 @@ def measure_shape(batch: int, context: int) -> dict[str, Any]:
     """Time one layer's decode attention and KV write at (batch, context); bytes moved per call."""
     import torch
 
-    from asyncllm.input_batch import step_inputs
-    from asyncllm.kernels.reshape_and_cache import reshape_and_cache
-    from asyncllm.layers.attention_triton import build_metadata, paged_attention
-    from asyncllm.runner import SequenceInput
+    from asyncllm.backends.triton._kernels.reshape_and_cache import reshape_and_cache
+    from asyncllm.backends.triton._launchers import build_metadata, paged_attention
+    from asyncllm.executor._runner import SequenceInput
     from asyncllm.sampling_params import SamplingParams
-
+    from asyncllm.worker._input_batch import step_inputs
     heads, kv_heads, head_dim, block = 16, 8, 128, 16
     device = torch.device("cuda")
     blocks_per_seq = context // block
@@ -223,11 +221,10 @@ def fused_norm_ab(
     """
     import torch
 
-    from asyncllm.input_batch import step_inputs
-    from asyncllm.layers.attention_triton import build_metadata
-    from asyncllm.runner import SequenceInput
+    from asyncllm.backends.triton._launchers import build_metadata
+    from asyncllm.executor._runner import SequenceInput
     from asyncllm.sampling_params import SamplingParams
-
+    from asyncllm.worker._input_batch import step_inputs
     device = next(model.parameters()).device
     blocks = -(-context // block_size)
     rows = []
@@ -268,8 +265,7 @@ def fused_norm_level(folder: Path, quick: bool, results: dict[str, Any]) -> None
     """``fused_norm_ab`` on the benchmark model (its own runner, freed again before the engine run)."""
     import torch
 
-    from asyncllm.model_runner import TorchModelRunner
-
+    from asyncllm.worker._model_runner import TorchModelRunner
     batches, context, block = ((1, 64) if quick else (1, 64, 256)), 512, 16
     runner = TorchModelRunner(
         folder, device="cuda", dtype="bfloat16", attention_backend="triton", enforce_eager=True,
@@ -292,8 +288,7 @@ async def engine_level(args: argparse.Namespace, folder: Path, bandwidth: float,
     import torch
 
     from asyncllm import Engine, SamplingParams
-    from asyncllm.model_runner import TorchModelRunner
-
+    from asyncllm.worker._model_runner import TorchModelRunner
     requests = 64 if args.quick else args.requests
     rng = random.Random(args.seed)
     vocab = QWEN3_06B["vocab_size"]

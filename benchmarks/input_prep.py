@@ -31,12 +31,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncllm.input_batch import InputBatch, StepInputs
-from asyncllm.layers import attention_cpu, attention_triton
-from asyncllm.layers.attention import AttentionMetadata, PrefillChunk
-from asyncllm.layers.attention import build_metadata as torch_metadata
-from asyncllm.runner import SequenceInput
+from asyncllm.backends.cpu import _attention as attention_cpu
+from asyncllm.backends.torch._attention import AttentionMetadata, PrefillChunk
+from asyncllm.backends.torch._attention import build_metadata as torch_metadata
+from asyncllm.backends.triton import _launchers as attention_triton
+from asyncllm.executor._runner import SequenceInput
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.worker._input_batch import InputBatch, StepInputs
 
 BLOCK_SIZE = 16
 BACKENDS = ("cpu", "torch", "triton")
@@ -139,7 +140,7 @@ def _legacy_cpu_prefill(
 def legacy_torch_metadata(
     sequences: Sequence[SequenceInput], slot_mapping: np.ndarray[Any, Any], block_size: int, sliding_window: int | None
 ) -> AttentionMetadata:
-    """``layers.attention.build_metadata`` (on the CPU)."""
+    """``backends.torch._attention.build_metadata`` (on the CPU)."""
     decode_rows, decode_lens, tables, max_len, split_prefills = legacy_split(sequences, block_size)
     prefills: list[PrefillChunk] = []
     for offset, seq in split_prefills:

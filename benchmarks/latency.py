@@ -66,7 +66,6 @@ def _summary(start: float, stamps: list[tuple[float, int]]) -> dict[str, Any]:
 
 async def run_asyncllm(engine: Any, prompt: list[int], output_len: int) -> dict[str, Any]:
     from asyncllm import SamplingParams
-
     engine.reset_prefix_cache()
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     stamps: list[tuple[float, int]] = []
@@ -104,7 +103,6 @@ async def _measure(
     """Every system's repeats, interleaved: round r runs asyncllm, vLLM (``vllm``, a started
     ``common.VLLMWorker`` or None), HF generate(), HF CB, one repeat each."""
     from asyncllm import Engine, SamplingParams
-
     runs: dict[str, list[dict[str, Any]]] = {"asyncllm": [], **{p: [] for p in peers if p != common.VLLM}}
     common.log(f"loading asyncllm engine on {model_path}")
     async with Engine.open(model_path, **common.engine_options(args)) as engine:

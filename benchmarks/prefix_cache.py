@@ -43,7 +43,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 async def _mean_ttft(model: Path, prompts: list[list[int]], enable: bool, device: str) -> dict[str, Any]:
     from asyncllm import Engine, SamplingParams
-
     total = len(prompts[0]) + 8
     async with Engine.open(
         model, device=device, enable_prefix_caching=enable, max_model_len=total, kv_cache_blocks=4 * total // 16 + 8

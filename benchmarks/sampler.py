@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from asyncllm.runner import SequenceInput
-from asyncllm.sampler import Sampler
+from asyncllm.executor._runner import SequenceInput
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.worker._sampler import Sampler
 
 PROMPT_LEN = 128
 GENERATED = 64

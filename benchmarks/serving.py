@@ -131,7 +131,6 @@ async def run_asyncllm(engine: Any, workload: list[Any], arrivals: list[float], 
     import anyio
 
     from asyncllm import SamplingParams
-
     records: list[dict[str, Any]] = [{} for _ in workload]
 
     async def one(index: int, start: float, progress: Any) -> None:
@@ -216,7 +215,6 @@ async def _measure(
     args: argparse.Namespace, model_path: Path, workload: list[Any], arrivals: list[float], peers: list[str]
 ) -> dict[str, list[dict[str, Any]]]:
     from asyncllm import Engine, SamplingParams
-
     runs: dict[str, list[dict[str, Any]]] = {"asyncllm": [], **{p: [] for p in peers}}
     common.log(f"loading asyncllm engine on {model_path}")
     async with Engine.open(model_path, **common.engine_options(args)) as engine:

@@ -63,7 +63,6 @@ async def run_asyncllm(engine: Any, workload: list[Any], label: str) -> dict[str
     import anyio
 
     from asyncllm import SamplingParams
-
     outputs: list[list[int]] = [[] for _ in workload]
     reasons: list[str] = ["" for _ in workload]
 
@@ -103,7 +102,6 @@ async def _measure(
     """Every system's repeats, interleaved: round r runs asyncllm, vLLM (``vllm``, a started
     ``common.VLLMWorker`` or None), HF static, HF CB, one repeat each."""
     from asyncllm import Engine, SamplingParams
-
     runs: dict[str, list[dict[str, Any]]] = {"asyncllm": [], **{p: [] for p in peers if p != common.VLLM}}
     common.log(f"loading asyncllm engine on {model_path}")
     async with Engine.open(model_path, **common.engine_options(args)) as engine:

@@ -8,7 +8,7 @@ from types import ModuleType
 
 import torch
 
-# Triton kernels (tests/kernels, the triton attention backend) run in triton's CPU interpreter when
+# Triton kernels (tests/backends/triton, the triton attention backend) run in triton's CPU interpreter when
 # there is no GPU. The switch is read when triton is imported, and importing transformers' model
 # classes (below) already imports it through torch._dynamo, so it is set here, first.
 if not torch.cuda.is_available():

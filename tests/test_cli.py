@@ -150,7 +150,6 @@ def test_serve_transport_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cli, "_serve", fake_serve)
     assert cli.main(["serve"]) == 0
     from asyncllm.http import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENT_REQUESTS
-
     assert (seen["max_body_bytes"], seen["body_timeout"], seen["max_concurrent_requests"]) == (
         DEFAULT_MAX_BODY_BYTES,
         DEFAULT_BODY_TIMEOUT,

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from asyncllm import InvalidSamplingParamsError, SamplingParams
-from asyncllm.input_processor import InputProcessor
+from asyncllm.engine._input_processor import InputProcessor
 from asyncllm.testing import ByteTokenizer
 
 

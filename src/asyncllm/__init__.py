@@ -1,7 +1,8 @@
 """asyncllm: an LLM inference engine that runs inside your application's event loop."""
 
-from asyncllm.engine import Engine
-from asyncllm.engine_options import EngineOptions
+from asyncllm.engine._engine import Engine
+from asyncllm.engine._options import EngineOptions
+from asyncllm.engine._stream import RequestStream
 from asyncllm.errors import (
     AsyncLLMError,
     ChatTemplateError,
@@ -20,7 +21,6 @@ from asyncllm.errors import (
 )
 from asyncllm.outputs import Completion, EngineStatistics, Logprobs, Sample, StreamChunk, TokenLogprob
 from asyncllm.sampling_params import SamplingParams
-from asyncllm.stream import RequestStream
 
 __version__ = "0.1.0"
 

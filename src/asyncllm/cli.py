@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from asyncllm.engine import Engine
-from asyncllm.engine_options import EngineOptions, option_doc
+from asyncllm.engine._engine import Engine
+from asyncllm.engine._options import EngineOptions, option_doc
 from asyncllm.errors import AsyncLLMError, ChatTemplateError, InvalidRequestError
 from asyncllm.sampling_params import SamplingParams
 
@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from hypercorn.config import Config, Sockets
 
     from asyncllm.http import OpenAIApp
-
 logger = logging.getLogger("asyncllm")
 
 _ENGINE_PREFIX = "engine__"  # argparse dest prefix of the engine options
@@ -438,7 +437,6 @@ def _send_timeouts_expected() -> Iterator[None]:
 
 async def _serve(args: argparse.Namespace) -> None:
     from asyncllm.http import create_app
-
     host = f"[{args.host}]" if ":" in args.host else args.host
     config = _hypercorn_config(
         [f"{host}:{args.port}"],
@@ -593,7 +591,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bench(args)
     if args.command == "serve":  # the app's defaults (imported here: the other commands need no HTTP)
         from asyncllm.http import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONCURRENT_REQUESTS
-
         if args.max_body_bytes is None:
             args.max_body_bytes = DEFAULT_MAX_BODY_BYTES
         if args.body_timeout is None:

@@ -8,21 +8,21 @@ which is whatever its backend's ``build_metadata`` made. So a new backend is a n
 new branch in the model, and a test can hand the model one that records its calls.
 
 - ``torch`` (``TorchAttentionBackend``, the reference): explicit slots and masks, SDPA; any device.
-- ``cpu`` (``CpuAttentionBackend``): float32 on the CPU, the C kernels of ``layers.attention_cpu``
-  and ``layers.elementwise_cpu``; the model's lean forward (``models.lean_cpu``) reads its metadata.
-- ``triton`` (``TritonAttentionBackend``): the Triton kernels of ``asyncllm.kernels``; it alone
-  builds the static metadata CUDA graphs replay.
+- ``cpu`` (``CpuAttentionBackend``): float32 on the CPU, the C kernels of ``backends.cpu._attention``
+  and ``backends.cpu._elementwise``; the lean forward (``backends.cpu._lean_forward``) reads its metadata.
+- ``triton`` (``TritonAttentionBackend``): the Triton kernels of ``backends.triton._kernels``; it alone builds
+  the static metadata CUDA graphs replay.
 """
 
 from __future__ import annotations
 
 # No code here: the submodule ``torch`` is this package's attribute ``torch``, which would shadow the
 # library in this module's namespace.
-from asyncllm.backends.base import AttentionBackend, DecodeGraphInputs
-from asyncllm.backends.choice import create_backend, resolve_attention_backend
-from asyncllm.backends.cpu import CpuAttentionBackend
-from asyncllm.backends.torch import TorchAttentionBackend
-from asyncllm.backends.triton import TritonAttentionBackend
+from asyncllm.backends._base import AttentionBackend, DecodeGraphInputs
+from asyncllm.backends._choice import create_backend, resolve_attention_backend
+from asyncllm.backends.cpu._backend import CpuAttentionBackend
+from asyncllm.backends.torch._backend import TorchAttentionBackend
+from asyncllm.backends.triton._backend import TritonAttentionBackend
 
 __all__ = [
     "AttentionBackend",

@@ -1,7 +1,6 @@
 """``asyncllm.http``: an OpenAI-compatible ASGI application over one running ``Engine``.
 
     from asyncllm.http import create_app
-
     async with Engine.open(model) as engine:
         app = create_app(engine, api_key="secret")   # serve with hypercorn, or mount it
 
@@ -11,7 +10,7 @@ Starlette (``app.mount("/v1", create_app(engine))``). See docs/http.md.
 
 from __future__ import annotations
 
-from asyncllm.http.app import (
+from asyncllm.http._app import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONCURRENT_REQUESTS,
@@ -19,7 +18,7 @@ from asyncllm.http.app import (
     OpenAIApp,
     create_app,
 )
-from asyncllm.http.prometheus import render_metrics
+from asyncllm.http._prometheus import render_metrics
 
 __all__ = [
     "DEFAULT_BODY_TIMEOUT",

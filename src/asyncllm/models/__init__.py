@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncllm.models.llama import DecoderForCausalLM, DecoderSpec
+from asyncllm.models._llama import DecoderForCausalLM, DecoderSpec
 
 # Every family here is a Llama-shaped decoder; they differ in a few switches (see DecoderSpec).
 SUPPORTED_ARCHITECTURES = (

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from asyncllm.engine import Engine
+from asyncllm.engine._engine import Engine
 from asyncllm.testing.scripted import EOS_ID, ByteTokenizer, Script, ScriptedRunner
 
 DEFAULT_SCRIPT: tuple[int, ...] = (*b"Hello from the scripted engine!", EOS_ID)
@@ -66,7 +66,6 @@ def _engine_scope(fixture_name: str, config: pytest.Config) -> Any:
 def asyncllm_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random llama model folder (weights, tokenizer with a chat template), built once per session."""
     from asyncllm.testing.tiny_models import tiny_model_path  # imports torch: only when asked for
-
     return tiny_model_path(tmp_path_factory.mktemp("asyncllm-models"), "llama")
 
 

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from asyncllm.runner import RunnerInfo, SequenceInput, StepBatch, StepOutput
+from asyncllm.executor._runner import RunnerInfo, SequenceInput, StepBatch, StepOutput
 
 EOS_ID = 256
 """The ``ByteTokenizer``'s end-of-sequence id."""

@@ -1,0 +1,639 @@
+"""Attention against the paged KV cache on the CPU: the ``cpu`` backend (float32).
+
+The ``torch`` reference backend (``asyncllm.backends.torch._attention``) gathers, for every layer, the keys
+and values of every decode sequence into one batch padded to the longest context, then runs SDPA
+on it: a copy of every context per layer into freshly allocated memory, which dominates a decode
+step. This backend reads the cache in place:
+
+- Decode tokens (one query per sequence) go to a small C kernel, compiled once per head size with
+  the system C compiler at start-up (about half a second; cached under ``cache_root()/kernels``)
+  and called through ``ctypes`` (which releases the GIL). For each sequence it walks the block
+  table once, a block at a time, with an online softmax: the scores of every query head of a KV
+  head against the block's key rows where they lie, their exponentials (vectorized) against the
+  running maximum, and the weighted value rows, while the block is in the L1 cache. The cache is
+  read once, nothing is gathered or padded. Work is split over sequences (over sequences x KV heads when the batch is
+  small) with OpenMP; the library links to the ``libgomp`` torch already loaded, so it shares
+  torch's thread pool and thread count.
+- Prompt chunks that start at position 0 attend only to their own new keys and values, taken
+  straight from the projection: a second C kernel (flash-attention tiling: tiles of as many
+  queries as a vector has lanes walk the key tiles up to their diagonal with an online softmax
+  run across the tile's queries at once). A chunk with cached
+  history (chunked prefill, a prefix-cache hit) or a sliding window gathers its slots once and
+  runs SDPA, as the reference does.
+
+Same cache layout ([slots, kv_heads, head_dim]), and ``write_kv`` from the reference backend.
+``native_decode_available(head_dim)`` says whether the kernel could be built (a C compiler is
+needed); the runner picks this backend only then and only for float32.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import cast
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from asyncllm.backends.cpu import _native as native
+from asyncllm.backends.cpu._native import F32, I32, I64, PTR
+from asyncllm.backends.torch._attention import PrefillSpan, split_step
+from asyncllm.worker._input_batch import StepInputs
+
+__all__ = [
+    "CpuAttentionMetadata",
+    "CpuPrefillChunk",
+    "attend_into",
+    "build_metadata",
+    "native_decode_available",
+    "paged_attention",
+]
+
+# One query token per sequence against its paged context. HEAD_DIM is fixed at compile time so the
+# compiler unrolls and vectorizes the per-row dot products and updates.
+_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* Vectors as wide as divides the head size. */
+#if HEAD_DIM % 16 == 0
+#define W 16
+#elif HEAD_DIM % 8 == 0
+#define W 8
+#else
+#define W 4
+#endif
+""" + native.VECTOR_HELPERS + r"""
+
+/* Per lane: mask set (all ones) takes yes, else no. */
+static inline vec vselect(ivec mask, vec yes, vec no) {
+    ivec a, b;
+    memcpy(&a, &yes, sizeof a);
+    memcpy(&b, &no, sizeof b);
+    a = (a & mask) | (b & ~mask);
+    vec r;
+    memcpy(&r, &a, sizeof r);
+    return r;
+}
+
+static inline vec vmax(vec a, vec b) { return vselect(a > b, a, b); }
+
+/* exp(x) for x <= 0 (scores minus their running maximum), W lanes at once: 2^n * e^f with n = round(x / ln 2)
+   (the 1.5 * 2^23 shift rounds, and leaves n in the low bits) and |f| <= ln 2 / 2; e^f by its degree-6
+   Taylor polynomial (relative error under 2e-7, as libm's expf). x under -87 is clamped there: e^-87 is
+   1.6e-38, nothing beside the maximum's 1. */
+static inline vec vexp(vec x) {
+    /* Lanes whose result is discarded (masked keys, stale scratch) may hold anything: clamp to [-87, 0],
+       with vector compares: a lane-by-lane loop compiles to scalar code, which would cost more than the
+       rest of the exponential. */
+    x = vselect(x < splat(-87.0f), splat(-87.0f), x);
+    x = vselect(x > splat(0.0f), splat(0.0f), x);
+    const vec shift = splat(12582912.0f);
+    const vec t = x * splat(1.44269504f) + shift;
+    const vec n = t - shift;
+    const vec f = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
+    vec p = splat(1.0f / 720.0f);
+    p = p * f + splat(1.0f / 120.0f);
+    p = p * f + splat(1.0f / 24.0f);
+    p = p * f + splat(1.0f / 6.0f);
+    p = p * f + splat(0.5f);
+    p = p * f + splat(1.0f);
+    p = p * f + splat(1.0f);
+    ivec bits;
+    memcpy(&bits, &t, sizeof bits);
+    bits = (bits - 0x4B400000 + 127) << 23;
+    vec power;
+    memcpy(&power, &bits, sizeof power);
+    return p * power;
+}
+
+/* A sequence's blocks are scattered over the cache and the hardware prefetchers stop at page boundaries,
+   so the next block's rows are prefetched while this block is computed, into L2 (hint 2), spread out: per
+   row computed, that row of the next block, one KV head's keys and values beside that head's scores: fetches
+   in bursts (a whole block, or a whole row, at once) fill the line-fill buffers and stall the loads of the
+   block being computed. */
+static inline void prefetch_row(const float *row, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)row + b, 0, 2);
+}
+
+/* q: [tokens, q_heads, HEAD_DIM] with row stride q_stride (a view into the fused projection: no copy);
+   out: [tokens, q_heads, HEAD_DIM] contiguous; caches: [slots, kv_heads, HEAD_DIM]; rows: [n] the flat-batch row
+   of each decode query; tables: [n, max_blocks]; lens: [n] context length, the new token included;
+   window: 0 for none, else the sliding window. Returns 0, or -1 when scratch memory ran out.
+
+   One pass over the context, a block at a time, with an online softmax: every query head's score against
+   each key row of the block (rows in order), per head the exponentials against the running maximum
+   (rescaling what was accumulated when the maximum grows), then every head's update from each value row;
+   keys and values are read once, each while it is in the L1 cache. */
+int asyncllm_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                              float *out, const int64_t *rows, const int64_t *tables, const int64_t *lens,
+                              int64_t n, int64_t q_heads, int64_t kv_heads, int64_t block_size,
+                              int64_t max_blocks, int64_t window, float scale) {
+    const int64_t group = q_heads / kv_heads;
+    const int64_t row_size = kv_heads * HEAD_DIM;
+    int threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    /* Few sequences: one task per (sequence, KV head) so every thread has work; else whole sequences,
+       whose key and value rows are then read front to back. */
+    const int64_t splits = n >= 2 * threads ? 1 : kv_heads;
+    const int64_t heads_per_task = kv_heads / splits;
+    const int64_t width = heads_per_task * group;
+    const int64_t task_bytes = (int64_t)sizeof(float) * heads_per_task * HEAD_DIM;
+    const int64_t padded = (block_size + W - 1) / W * W;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *queries = (float *)malloc(sizeof(float) * (size_t)(width * HEAD_DIM));
+        float *acc = (float *)malloc(sizeof(float) * (size_t)(width * HEAD_DIM));
+        float *top = (float *)malloc(sizeof(float) * (size_t)width);
+        float *total = (float *)malloc(sizeof(float) * (size_t)width);
+        float *scores = (float *)calloc((size_t)(padded * width), sizeof(float));
+        int ok = queries && acc && top && total && scores;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < n * splits; ++task) {
+            if (!ok) continue;
+            const int64_t i = task / splits;
+            const int64_t h0 = (task % splits) * heads_per_task;
+            const int64_t len = lens[i];
+            const int64_t start = (window > 0 && len > window) ? len - window : 0;
+            const int64_t *table = tables + i * max_blocks;
+            const float *qi = q + rows[i] * q_stride + h0 * group * HEAD_DIM;
+            for (int64_t j = 0; j < width * HEAD_DIM; ++j) {
+                queries[j] = qi[j] * scale;
+                acc[j] = 0.0f;
+            }
+            for (int64_t h = 0; h < width; ++h) {
+                top[h] = -INFINITY;
+                total[h] = 0.0f;
+            }
+            const int64_t first = start / block_size, last = (len - 1) / block_size;
+            for (int64_t b = first; b <= last; ++b) {
+                const int64_t p0 = b == first ? start - b * block_size : 0;
+                const int64_t p1 = b == last ? len - b * block_size : block_size;
+                const float *keys = k_cache + (table[b] * block_size * row_size + h0 * HEAD_DIM);
+                const float *values = v_cache + (table[b] * block_size * row_size + h0 * HEAD_DIM);
+                /* Keys row by row, front to back through the block (the order the memory system
+                   streams best), every head's score against each row. */
+                const int64_t next = b < last ? table[b + 1] * block_size * row_size + h0 * HEAD_DIM : -1;
+                const float *next_keys = next >= 0 ? k_cache + next : 0;
+                const float *next_values = next >= 0 ? v_cache + next : 0;
+                /* The next block's rows that hold context: the last block's end is the sequence's. */
+                const int64_t next_rows = b + 1 == last ? len - last * block_size : block_size;
+                for (int64_t p = p0; p < p1; ++p) {
+                    const float *key = keys + p * row_size;
+                    const int ahead = next_keys && p < next_rows;
+                    for (int64_t g = 0; g < heads_per_task; ++g) {
+                        /* The next block's row p, a KV head's slice at a time: its keys now, its values after the
+                           first query head's score. */
+                        const int64_t slice = p * row_size + g * HEAD_DIM, slice_bytes = HEAD_DIM * sizeof(float);
+                        if (ahead) prefetch_row(next_keys + slice, slice_bytes);
+                        vec k[HEAD_DIM / W];
+                        for (int d = 0; d < HEAD_DIM / W; ++d) k[d] = load(key + g * HEAD_DIM + d * W);
+                        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+                            vec s = load(queries + h * HEAD_DIM) * k[0];
+                            for (int d = 1; d < HEAD_DIM / W; ++d) s += load(queries + h * HEAD_DIM + d * W) * k[d];
+                            scores[h * padded + p] = hsum(s);
+                            if (ahead && h == g * group) prefetch_row(next_values + slice, slice_bytes);
+                        }
+                    }
+                }
+                if (next_keys)
+                    for (int64_t p = 0; p < next_rows; ++p)
+                        if (p < p0 || p >= p1) {
+                            prefetch_row(next_keys + p * row_size, task_bytes);
+                            prefetch_row(next_values + p * row_size, task_bytes);
+                        }
+                for (int64_t h = 0; h < width; ++h) {
+                    float *sh = scores + h * padded;
+                    float block_top = -INFINITY;
+                    for (int64_t p = p0; p < p1; ++p) block_top = sh[p] > block_top ? sh[p] : block_top;
+                    const float new_top = block_top > top[h] ? block_top : top[h];
+                    const float rescale = expf(top[h] - new_top);
+                    top[h] = new_top;
+                    for (int64_t p = p0 - p0 % W; p < p1; p += W) store(sh + p, vexp(load(sh + p) - splat(new_top)));
+                    float sum = 0.0f;
+                    for (int64_t p = p0; p < p1; ++p) sum += sh[p];
+                    total[h] = total[h] * rescale + sum;
+                    for (int d = 0; d < HEAD_DIM / W; ++d)
+                        store(acc + h * HEAD_DIM + d * W, load(acc + h * HEAD_DIM + d * W) * splat(rescale));
+                }
+                /* Values row by row too; the accumulators live in L1. */
+                for (int64_t p = p0; p < p1; ++p) {
+                    const float *value = values + p * row_size;
+                    for (int64_t g = 0; g < heads_per_task; ++g) {
+                        vec v[HEAD_DIM / W];
+                        for (int d = 0; d < HEAD_DIM / W; ++d) v[d] = load(value + g * HEAD_DIM + d * W);
+                        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+                            const vec e = splat(scores[h * padded + p]);
+                            for (int d = 0; d < HEAD_DIM / W; ++d)
+                                store(acc + h * HEAD_DIM + d * W, load(acc + h * HEAD_DIM + d * W) + e * v[d]);
+                        }
+                    }
+                }
+            }
+            float *oi = out + (rows[i] * q_heads + h0 * group) * HEAD_DIM;
+            for (int64_t h = 0; h < width; ++h) {
+                const float inv = 1.0f / total[h];
+                for (int64_t d = 0; d < HEAD_DIM; ++d) oi[h * HEAD_DIM + d] = acc[h * HEAD_DIM + d] * inv;
+            }
+        }
+        free(queries);
+        free(acc);
+        free(top);
+        free(total);
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
+
+/* Causal attention of prompt chunks that start at position 0 over their own new keys and values (a flash-
+   attention tiling): q rows [tokens, q_heads, HEAD_DIM], k, v rows [tokens, kv_heads, HEAD_DIM], with row
+   strides q_stride, k_stride, v_stride (views into the fused projection); out rows [tokens, q_heads,
+   HEAD_DIM] contiguous; chunk c is rows
+   [starts[c], ends[c]). Work: (chunk, KV head, block of TILE queries), each walking the key tiles up to its
+   diagonal with an online softmax. The softmax runs across the tile's queries at once (lanes = queries):
+   the scores of every query against one key are one vector, so a tile's maxima, exponentials and sums are
+   whole-vector operations, not per-row maxima, sums and scalar exponentials across lanes. Returns 0, or -1
+   when scratch memory ran out. */
+#define TILE W
+/* The weighted values' register block: QB queries x DV vectors (HEAD_DIM / W) of accumulators, at most 16. */
+#define DV (HEAD_DIM / W)
+#define QB_FIT (16 / DV >= 16 ? 16 : 16 / DV >= 8 ? 8 : 16 / DV >= 4 ? 4 : 16 / DV >= 2 ? 2 : 1)
+#define QB (QB_FIT < TILE ? QB_FIT : TILE)
+int asyncllm_causal_prefill_f32(const float *q, int64_t q_stride, const float *k, const float *v, float *out,
+                                const int64_t *starts, const int64_t *ends, int64_t chunks, int64_t q_heads,
+                                int64_t kv_heads, int64_t k_stride, int64_t v_stride, float scale) {
+    const int64_t group = q_heads / kv_heads;
+    int64_t total = 0, tasks = 0;
+    for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t padded = (ends[c] - starts[c] + TILE - 1) / TILE * TILE;
+        total += padded;
+        tasks += padded / TILE * kv_heads;
+    }
+    /* keys_r[offset of chunk + (kv head * padded + key) * HEAD_DIM + d]: each chunk's keys per KV head,
+       contiguous and zero-padded to whole tiles, so a tile's rows sit at fixed offsets from one pointer. */
+    float *keys_r = (float *)calloc((size_t)(total * kv_heads * HEAD_DIM), sizeof(float));
+    int64_t *offsets = (int64_t *)malloc(sizeof(int64_t) * (size_t)(chunks + 1));
+    if (!keys_r || !offsets) {
+        free(keys_r);
+        free(offsets);
+        return -1;
+    }
+    offsets[0] = 0;
+    for (int64_t c = 0; c < chunks; ++c)
+        offsets[c + 1] = offsets[c] + (ends[c] - starts[c] + TILE - 1) / TILE * TILE * kv_heads * HEAD_DIM;
+    int failed = 0;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t ck = 0; ck < chunks * kv_heads; ++ck) {
+            const int64_t c = ck / kv_heads, g = ck % kv_heads, len = ends[c] - starts[c];
+            const int64_t padded = (len + TILE - 1) / TILE * TILE;
+            float *dst = keys_r + offsets[c] + g * padded * HEAD_DIM;
+            for (int64_t t = 0; t < len; ++t)
+                memcpy(dst + t * HEAD_DIM, k + (starts[c] + t) * k_stride + g * HEAD_DIM, sizeof(float) * HEAD_DIM);
+        }
+        /* queries_t[d * TILE + i]: the tile's queries (scaled), d-major, so a column is one vector (lanes =
+           queries); probs[j * TILE + i]: the tile's probabilities against key j. */
+        float *queries_t = (float *)malloc(sizeof(float) * TILE * HEAD_DIM);
+        float *acc = (float *)malloc(sizeof(float) * TILE * HEAD_DIM);
+        float *probs = (float *)malloc(sizeof(float) * TILE * TILE);
+        if (!queries_t || !acc || !probs) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        ivec lane;
+        for (int j = 0; j < W; ++j) lane[j] = j;
+        /* Tasks in order of chunk, then query tile from the last (the longest walks first), then KV head. */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; ++task) {
+            if (!queries_t || !acc || !probs) continue;
+            int64_t c = 0, rest = task;
+            while (rest >= (ends[c] - starts[c] + TILE - 1) / TILE * kv_heads) {
+                rest -= (ends[c] - starts[c] + TILE - 1) / TILE * kv_heads;
+                ++c;
+            }
+            const int64_t len = ends[c] - starts[c], padded = (len + TILE - 1) / TILE * TILE;
+            const int64_t tile = padded / TILE - 1 - rest / kv_heads, g = rest % kv_heads;
+            const int64_t first = tile * TILE, rows = len - first < TILE ? len - first : TILE;
+            const float *kr = keys_r + offsets[c] + g * padded * HEAD_DIM;
+            for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+                /* rows past the chunk's end stay zero: computed along, never written out */
+                memset(queries_t, 0, sizeof(float) * TILE * HEAD_DIM);
+                memset(acc, 0, sizeof(float) * TILE * HEAD_DIM);
+                for (int64_t i = 0; i < rows; ++i) {
+                    const float *qi = q + (starts[c] + first + i) * q_stride + h * HEAD_DIM;
+                    for (int64_t d = 0; d < HEAD_DIM; ++d) queries_t[d * TILE + i] = qi[d] * scale;
+                }
+                /* The online softmax runs across the tile's queries at once: lane i is query i. */
+                vec top = splat(-INFINITY), sum = splat(0.0f);
+                for (int64_t kb = 0; kb <= tile; ++kb) {
+                    const int64_t key0 = kb * TILE, keys = kb < tile ? TILE : rows; /* the diagonal tile: rows keys */
+                    const float *tile_keys = kr + key0 * HEAD_DIM;
+                    /* scores[j]: every query's score against key j; each query column loaded once. */
+                    vec scores[TILE];
+                    for (int j = 0; j < TILE; ++j) scores[j] = splat(0.0f);
+                    for (int64_t d = 0; d < HEAD_DIM; ++d) {
+                        const vec column = load(queries_t + d * TILE);
+                        for (int j = 0; j < TILE; ++j) scores[j] += column * tile_keys[j * HEAD_DIM + d];
+                    }
+                    /* On the diagonal tile key j is visible to queries i >= j only (causal). */
+                    if (kb == tile)
+                        for (int j = 0; j < TILE; ++j) scores[j] = vselect(lane >= j, scores[j], splat(-INFINITY));
+                    vec block_top = scores[0];
+                    for (int j = 1; j < TILE; ++j) block_top = vmax(block_top, scores[j]);
+                    const vec new_top = vmax(top, block_top);
+                    const vec rescale = vexp(top - new_top);
+                    top = new_top;
+                    vec block_sum = splat(0.0f);
+                    for (int j = 0; j < TILE; ++j) {
+                        vec p = vexp(scores[j] - new_top);
+                        if (kb == tile) p = vselect(lane >= j, p, splat(0.0f));
+                        block_sum += p;
+                        store(probs + j * TILE, p);
+                    }
+                    sum = sum * rescale + block_sum;
+                    /* Weighted values, lanes = dimensions: acc[i] (query i's accumulator row) += query i's
+                       probability against key j, broadcast, x value row j. QB queries at a time keep their
+                       rows in registers, rescaled as they are loaded, and share each value row's loads: per
+                       key DV loads feed QB x DV multiply-adds, where lanes = queries would need a load per
+                       multiply-add. */
+                    float rescales[TILE];
+                    store(rescales, rescale);
+                    const float *tile_values = v + (starts[c] + key0) * v_stride + g * HEAD_DIM;
+                    for (int i0 = 0; i0 < TILE; i0 += QB) {
+                        vec a[QB][DV];
+                        for (int i = 0; i < QB; ++i)
+                            for (int e = 0; e < DV; ++e)
+                                a[i][e] = load(acc + (i0 + i) * HEAD_DIM + e * W) * splat(rescales[i0 + i]);
+                        for (int64_t j = 0; j < keys; ++j) {
+                            vec value[DV];
+                            for (int e = 0; e < DV; ++e) value[e] = load(tile_values + j * v_stride + e * W);
+                            for (int i = 0; i < QB; ++i) {
+                                const vec p = splat(probs[j * TILE + i0 + i]);
+                                for (int e = 0; e < DV; ++e) a[i][e] += p * value[e];
+                            }
+                        }
+                        for (int i = 0; i < QB; ++i)
+                            for (int e = 0; e < DV; ++e) store(acc + (i0 + i) * HEAD_DIM + e * W, a[i][e]);
+                    }
+                }
+                for (int64_t i = 0; i < rows; ++i) {
+                    float *oi = out + ((starts[c] + first + i) * q_heads + h) * HEAD_DIM;
+                    const float inv = 1.0f / sum[i];
+                    for (int64_t d = 0; d < HEAD_DIM; ++d) oi[d] = acc[i * HEAD_DIM + d] * inv;
+                }
+            }
+        }
+        free(queries_t);
+        free(acc);
+        free(probs);
+    }
+    free(keys_r);
+    free(offsets);
+    return failed ? -1 : 0;
+}
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class CpuPrefillChunk:
+    """A sequence that feeds more than one token this step."""
+
+    query_start: int
+    query_end: int
+    kv_slots: torch.Tensor | None
+    """[kv_len] slots of the cached context, new tokens included; None when the chunk starts at
+    position 0 (it attends to its own new keys and values only)."""
+    mask: torch.Tensor | None
+    """[query_len, kv_len] True where a query may attend; None: plain causal."""
+
+
+@dataclass(frozen=True, slots=True)
+class CpuAttentionMetadata:
+    """A step's flat batch as the ``cpu`` backend reads it; built once per step, shared by every layer."""
+
+    slot_mapping: torch.Tensor
+    """[tokens] int64 the cache slot each new token's K/V is written to."""
+    decode_rows: torch.Tensor
+    """[decodes] int64 rows of the single-token queries in the flat batch."""
+    decode_block_tables: torch.Tensor
+    """[decodes, max_blocks] int64 block tables, zero-padded."""
+    decode_seq_lens: torch.Tensor
+    """[decodes] int64 context lengths, the new token included."""
+    block_size: int
+    sliding_window: int | None
+    prefills: tuple[CpuPrefillChunk, ...]
+
+
+def build_metadata(step: StepInputs, *, sliding_window: int | None) -> CpuAttentionMetadata:
+    """The ``cpu`` backend's metadata for a step (the CPU only: tensors share the step's arrays, no copies).
+
+    Args:
+        step: The step's arrays (``InputBatch.prepare``).
+        sliding_window: The model's sliding window, or None.
+    """
+    split = split_step(step)
+    block_size = step.block_size
+    return CpuAttentionMetadata(
+        slot_mapping=torch.from_numpy(np.ascontiguousarray(step.slot_mapping, dtype=np.int64)),
+        decode_rows=torch.from_numpy(split.decode_rows),
+        decode_block_tables=torch.from_numpy(split.decode_tables),
+        decode_seq_lens=torch.from_numpy(split.decode_lens),
+        block_size=block_size,
+        sliding_window=sliding_window,
+        prefills=tuple(_prefill_chunk(span, block_size, sliding_window) for span in split.prefills),
+    )
+
+
+def _prefill_chunk(span: PrefillSpan, block_size: int, sliding_window: int | None) -> CpuPrefillChunk:
+    start, kv_len = span.start_position, span.kv_len
+    windowed = sliding_window is not None and kv_len > sliding_window
+    if start == 0 and not windowed:
+        return CpuPrefillChunk(span.query_start, span.query_end, None, None)
+    kv_positions = np.arange(kv_len, dtype=np.int64)
+    query_positions = np.arange(start, kv_len, dtype=np.int64)
+    mask = kv_positions[None, :] <= query_positions[:, None]
+    if sliding_window is not None:
+        mask &= kv_positions[None, :] > query_positions[:, None] - sliding_window
+    if start == 0:
+        return CpuPrefillChunk(span.query_start, span.query_end, None, torch.from_numpy(mask))
+    slots = span.block_table[kv_positions // block_size] * block_size + kv_positions % block_size
+    return CpuPrefillChunk(span.query_start, span.query_end, torch.from_numpy(slots), torch.from_numpy(mask))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: CpuAttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of every query in the flat batch against its sequence's cached K/V.
+
+    Args:
+        q: [tokens, heads, head_dim] float32 queries (rotary applied).
+        k: [tokens, kv_heads, head_dim] this step's keys (rotary applied), already written to the cache.
+        v: [tokens, kv_heads, head_dim] this step's values, already written to the cache.
+        k_cache: [slots, kv_heads, head_dim] float32 contiguous key cache of the layer.
+        v_cache: Like ``k_cache``, for values.
+        meta: The step's metadata (``build_metadata``).
+        scale: Softmax scale.
+
+    Returns:
+        [tokens, heads, head_dim] attention outputs.
+
+    Raises:
+        ValueError: The tensors are not float32, do not agree in shape, or a cache is not contiguous.
+        RuntimeError: The decode kernel is unavailable, or a kernel could not allocate its scratch memory.
+    """
+    _check_inputs(q, k, v, k_cache, v_cache)
+    # The kernels take q's row stride (q is a view into the fused projection); the heads of a row
+    # must be packed.
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype)
+    attend_into(q, k, v, k_cache, v_cache, meta, scale, out)
+    return out
+
+
+def attend_into(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: CpuAttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """``paged_attention`` into ``out`` ([tokens, heads, head_dim], contiguous), without its checks.
+
+    For callers that own the layouts (``asyncllm.backends.cpu._lean_forward``): q with packed heads (row stride
+    free), everything float32 on the CPU, the caches contiguous. Raises RuntimeError as
+    ``paged_attention`` does.
+    """
+    num_decodes = meta.decode_rows.numel()
+    if num_decodes:
+        kernel = _kernel(q.shape[-1])
+        if kernel is None:
+            raise RuntimeError("the cpu attention backend needs its C kernel; see native_decode_available()")
+        status = kernel(
+            q.data_ptr(),
+            q.stride(0),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            out.data_ptr(),
+            meta.decode_rows.data_ptr(),
+            meta.decode_block_tables.data_ptr(),
+            meta.decode_seq_lens.data_ptr(),
+            num_decodes,
+            q.shape[1],
+            k_cache.shape[1],
+            meta.block_size,
+            meta.decode_block_tables.shape[1],
+            meta.sliding_window or 0,
+            scale,
+        )
+        if status != 0:
+            raise RuntimeError("the cpu decode attention kernel could not allocate its scratch memory")
+    fresh = [c for c in meta.prefills if c.kv_slots is None and c.mask is None]
+    prefill = _prefill_kernel(q.shape[-1]) if fresh else None
+    rest: tuple[CpuPrefillChunk, ...] | list[CpuPrefillChunk] = meta.prefills
+    if prefill is not None and k.stride(2) == 1 and v.stride(2) == 1 and k.stride(1) == v.stride(1) == k.shape[2]:
+        # Prompts from position 0 attend to their own new keys and values: the C kernel, all chunks at once.
+        bounds = torch.tensor([[c.query_start, c.query_end] for c in fresh], dtype=torch.int64).t().contiguous()
+        status = prefill(
+            q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), out.data_ptr(), bounds[0].data_ptr(),
+            bounds[1].data_ptr(), len(fresh), q.shape[1], k.shape[1], k.stride(0), v.stride(0), scale,
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError("the cpu prefill attention kernel could not allocate its scratch memory")
+        rest = [c for c in meta.prefills if c.kv_slots is not None or c.mask is not None]
+    for chunk in rest:
+        queries = q[chunk.query_start : chunk.query_end].transpose(0, 1).unsqueeze(0)
+        if chunk.kv_slots is None:
+            keys = k[chunk.query_start : chunk.query_end]
+            values = v[chunk.query_start : chunk.query_end]
+        else:
+            keys = k_cache.index_select(0, chunk.kv_slots)
+            values = v_cache.index_select(0, chunk.kv_slots)
+        attended = F.scaled_dot_product_attention(
+            queries,
+            keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0),
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[chunk.query_start : chunk.query_end] = attended.squeeze(0).transpose(0, 1)
+
+
+def _check_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> None:
+    # The kernels read raw pointers: what they cannot read must fail here, not as a wild read.
+    tensors = {"q": q, "k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache}
+    for name, tensor in tensors.items():
+        if tensor.dtype != torch.float32 or tensor.device.type != "cpu" or tensor.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D float32 CPU tensor, got {tensor.dtype} {tuple(tensor.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape):
+        raise ValueError("k_cache and v_cache must be contiguous and of one shape")
+    kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    if q.shape[2] != head_dim or q.shape[1] % kv_heads or k.shape != v.shape or k.shape[1:] != (kv_heads, head_dim):
+        got = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, caches {tuple(k_cache.shape)}"
+        raise ValueError(f"attention shapes do not agree: {got}")
+
+
+def native_decode_available(head_dim: int) -> bool:
+    """Whether the decode kernel for ``head_dim`` is built (building it now, once per process, if needed)."""
+    return _kernel(head_dim) is not None
+
+
+_Kernel = Callable[..., int]
+
+
+_SIGNATURES: native.Signatures = {
+    "asyncllm_paged_decode_f32": ([PTR, I64, *[PTR] * 6, *[I64] * 6, F32], I32),
+    "asyncllm_causal_prefill_f32": ([PTR, I64, *[PTR] * 5, *[I64] * 5, F32], I32),
+}
+
+
+@functools.cache
+def _library(head_dim: int) -> ctypes.CDLL | None:
+    if head_dim % 4:
+        return None  # the kernels' vectors are 4, 8 or 16 floats wide
+    # -ffp-contract=fast lets the multiply-adds be fused (ISO C mode forbids it by default): fewer roundings
+    # and instructions in the dot products.
+    source = f"#define HEAD_DIM {head_dim}\n{_SOURCE}"
+    return native.load(f"attention_hd{head_dim}", source, _SIGNATURES, ("-ffp-contract=fast",))
+
+
+def _function(head_dim: int, name: str) -> _Kernel | None:
+    library = _library(head_dim)
+    return None if library is None else cast(_Kernel, getattr(library, name))
+
+
+def _kernel(head_dim: int) -> _Kernel | None:
+    return _function(head_dim, "asyncllm_paged_decode_f32")
+
+
+def _prefill_kernel(head_dim: int) -> _Kernel | None:
+    return _function(head_dim, "asyncllm_causal_prefill_f32")

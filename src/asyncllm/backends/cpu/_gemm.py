@@ -1,0 +1,270 @@
+"""Float32 matmul against weights packed into column panels: a C kernel for x86 CPUs with AVX-512.
+
+A decode step multiplies a few to a few dozen rows by every weight of the model, and the weights
+do not stay in the cache between steps: each matmul streams its weight from memory. MKL's packed
+GEMM (``models._linear``) does not fetch the weight ahead of its arithmetic, so at those row counts
+it waits on memory; this kernel fetches the next panel while it computes.
+
+Layout: the [out_features, in_features] weight becomes panels of 48 output columns (three 16-float
+AVX-512 vectors), each panel ``in_features`` rows of 48 floats, the last panel zero-padded. One
+panel is 96 KB at 512 inputs: it stays in the core's L2 cache while every row block of the input
+passes over it.
+
+The micro-kernel computes 8 rows x 48 columns: 24 vector accumulators, per input column three
+weight vectors loaded and each of the 8 inputs broadcast once. While a thread works on panel p it
+prefetches panel p + 1 into L2, spread evenly over its row blocks' steps of the inner loop, so the next
+panel arrives during the arithmetic instead of stalling it. Inputs of more than
+256 rows are done 256 rows at a time, so that the input block stays in L2 as well. Threads (torch's
+OpenMP pool) split the panels.
+
+Numerics: each output is the float32 fused multiply-add chain over the inputs in order, one
+rounding per step (MKL sums in another order; both differ from the exact product by float32
+rounding only; greedy tokens match transformers', tests/models/test_parity.py).
+
+Use: decode-sized inputs. For prefill-sized ones the arithmetic decides and MKL blocks for the
+caches better, so ``models._linear`` sends inputs of more than ``PANEL_MAX_ROWS`` rows to MKL's layout
+where it keeps both. The measurements: docs/performance-log.md, "Fifth round".
+
+Shared with MKL's packed layout (``models._linear``): the packing source and input checks, and the
+tensor side of a packed matmul (``matmul_with``: one wrapper, two raw-address GEMMs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import platform
+from collections.abc import Callable
+
+import torch
+
+from asyncllm.backends.cpu import _native as native
+from asyncllm.backends.cpu._native import I64, PTR
+from asyncllm.worker._memory import mapped_tensor
+
+__all__ = [
+    "PANEL_COLUMNS",
+    "MatmulInto",
+    "PanelWeight",
+    "available",
+    "check_input",
+    "matmul_with",
+    "packing_source",
+    "panel_matmul",
+    "panel_matmul_into",
+]
+
+PANEL_COLUMNS = 48
+"""Output columns per panel: three AVX-512 vectors of 16 floats."""
+
+_SOURCE = r"""
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#define ROWS 8                     /* input rows per micro-kernel call */
+#define VECTORS 3                  /* 16-float vectors per panel row */
+#define COLUMNS (16 * VECTORS)     /* output columns per panel */
+#define ROW_BLOCK 256              /* input rows done per pass over the panels */
+#define LINE 64
+
+void asyncllm_panel_pack(const float *weight, float *panels, int64_t out_features, int64_t in_features) {
+    const int64_t count = (out_features + COLUMNS - 1) / COLUMNS;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < count; ++p)
+        for (int64_t j = 0; j < COLUMNS; ++j) {
+            const int64_t n = p * COLUMNS + j;
+            float *column = panels + p * in_features * COLUMNS + j;
+            for (int64_t k = 0; k < in_features; ++k)
+                column[k * COLUMNS] = n < out_features ? weight[n * in_features + k] : 0.0f;
+        }
+}
+
+/* out[r, 0:columns] = x[r, :] . panel for r < rows. While computing, prefetch `lines` cache lines from
+   `ahead` into L2, evenly: `rate` lines per `in_features` input columns, a running remainder carrying the
+   fractions, so the fetches neither bunch up nor leave the end of the block without any. */
+static inline __attribute__((always_inline)) void micro(const float *restrict x, int64_t x_stride,
+        const float *restrict panel, float *restrict out, int64_t out_stride, int64_t in_features, int64_t columns,
+        const int rows, const char *restrict ahead, int64_t lines, int64_t rate) {
+    __m512 acc[ROWS][VECTORS];
+    int64_t owed = in_features - 1; /* in units of 1 / in_features lines; the first line goes at once */
+    for (int r = 0; r < rows; ++r)
+        for (int v = 0; v < VECTORS; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < in_features; ++k) {
+        __m512 w[VECTORS];
+        for (int v = 0; v < VECTORS; ++v) w[v] = _mm512_loadu_ps(panel + k * COLUMNS + 16 * v);
+        if (lines > 0) {
+            for (owed += rate; owed >= in_features && lines > 0; owed -= in_features, --lines, ahead += LINE)
+                _mm_prefetch(ahead, _MM_HINT_T1);
+        }
+        for (int r = 0; r < rows; ++r) {
+            const __m512 a = _mm512_set1_ps(x[r * x_stride + k]);
+            for (int v = 0; v < VECTORS; ++v) acc[r][v] = _mm512_fmadd_ps(a, w[v], acc[r][v]);
+        }
+    }
+    for (int v = 0; v < VECTORS; ++v) {
+        const int64_t left = columns - 16 * v;
+        const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+        for (int r = 0; r < rows; ++r) _mm512_mask_storeu_ps(out + r * out_stride + 16 * v, mask, acc[r][v]);
+    }
+}
+
+/* A constant row count per call, so that the accumulators stay in registers. */
+#define MICRO(n) micro(xs, x_stride, panel, o, out_stride, in_features, columns, n, ahead, lines, lines_per_block)
+
+void asyncllm_panel_matmul(const float *x, int64_t x_stride, const float *panels, float *out, int64_t out_stride,
+                           int64_t rows, int64_t out_features, int64_t in_features) {
+    const int64_t count = (out_features + COLUMNS - 1) / COLUMNS;
+    const int64_t panel_lines = in_features * COLUMNS * 4 / LINE;
+    for (int64_t first = 0; first < rows; first += ROW_BLOCK) {
+        const int64_t last = rows - first < ROW_BLOCK ? rows : first + ROW_BLOCK;
+        const int64_t blocks = (last - first + ROWS - 1) / ROWS;
+        /* The next panel's lines, shared out over this panel's row blocks. */
+        const int64_t lines_per_block = (panel_lines + blocks - 1) / blocks;
+#pragma omp parallel for schedule(static)
+        for (int64_t p = 0; p < count; ++p) {
+            const float *panel = panels + p * in_features * COLUMNS;
+            const int64_t columns = (p + 1) * COLUMNS <= out_features ? COLUMNS : out_features - p * COLUMNS;
+            const int has_next = p + 1 < count;
+            for (int64_t r0 = first; r0 < last; r0 += ROWS) {
+                const int64_t block = (r0 - first) / ROWS, done = block * lines_per_block;
+                const int64_t lines = !has_next || done >= panel_lines ? 0
+                    : (lines_per_block < panel_lines - done ? lines_per_block : panel_lines - done);
+                const char *ahead = (const char *)(panel + in_features * COLUMNS) + LINE * done;
+                const float *xs = x + r0 * x_stride;
+                float *o = out + r0 * out_stride + p * COLUMNS;
+                switch (last - r0 < ROWS ? last - r0 : ROWS) {
+                case 1: MICRO(1); break;
+                case 2: MICRO(2); break;
+                case 3: MICRO(3); break;
+                case 4: MICRO(4); break;
+                case 5: MICRO(5); break;
+                case 6: MICRO(6); break;
+                case 7: MICRO(7); break;
+                default: MICRO(ROWS); break;
+                }
+            }
+        }
+    }
+}
+"""
+
+
+def _has_avx512() -> bool:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    return "avx512f" in native.cpu_flags()
+
+
+_SIGNATURES: native.Signatures = {
+    "asyncllm_panel_pack": ([PTR, PTR, I64, I64], None),
+    "asyncllm_panel_matmul": ([PTR, I64, PTR, PTR, I64, I64, I64, I64], None),
+}
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if not _has_avx512():
+        return None
+    return native.load("panel_gemm", _SOURCE, _SIGNATURES)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel runs here (x86 with AVX-512 and a C compiler) and agrees with ``F.linear``.
+
+    Checked once per process, building the kernel if needed.
+    """
+    if _library() is None:
+        return False
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(100, 37, generator=generator)  # a partial last panel, an odd input width
+    panels = PanelWeight(weight)
+    for rows in (1, 9, 300):
+        x = torch.randn(rows, 37, generator=generator)
+        if not torch.allclose(panels.linear(x), torch.nn.functional.linear(x, weight), rtol=1e-4, atol=1e-4):
+            return False
+    return True
+
+
+def packing_source(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` as the contiguous 2-D float32 CPU tensor a packer reads; ValueError for anything else."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        raise ValueError(f"packing needs a 2-D float32 CPU weight, not {weight.dtype} {tuple(weight.shape)}")
+    return weight.detach().contiguous()
+
+
+def check_input(x: torch.Tensor, in_features: int) -> None:
+    """ValueError unless ``x`` is a [..., in_features] float32 CPU tensor (the packed weights' input)."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != in_features:
+        raise ValueError(f"expected [..., {in_features}] float32 CPU input, got {x.dtype} {tuple(x.shape)}")
+
+
+class PanelWeight:
+    """A float32 [out_features, in_features] CPU weight packed into column panels for ``panel_matmul``."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        library = _library()
+        if library is None:
+            raise RuntimeError("the panel GEMM needs an x86 CPU with AVX-512 and a C compiler")
+        source = packing_source(weight)
+        self.out_features, self.in_features = (int(size) for size in weight.shape)
+        count = -(-self.out_features // PANEL_COLUMNS) * PANEL_COLUMNS * self.in_features
+        # Huge pages where the kernel gives them: every decode step streams every weight.
+        self.buffer = mapped_tensor(count, torch.float32)
+        library.asyncllm_panel_pack(source.data_ptr(), self.buffer.data_ptr(), self.out_features, self.in_features)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` from the panels; ``x`` is [..., in_features] float32."""
+        check_input(x, self.in_features)
+        return panel_matmul(x, self.buffer, bias, self.out_features)
+
+
+MatmulInto = Callable[[int, int, int, int, int, int, int, int], None]
+"""A packed GEMM on raw addresses, ``(x, x_stride, rows, weight, out, out_stride, out_features, in_features)``:
+``out[:rows, :out_features] = x[:rows, :in_features] @ weight.T`` (``panel_matmul_into``, and MKL's
+``linear.packed_matmul_into``)."""
+
+
+def matmul_with(
+    into: MatmulInto, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for ``x`` of [..., in_features], with ``weight`` packed for ``into`` (no checks).
+
+    The tensor side of every packed layout: rows made contiguous where they are not, a fresh output,
+    the bias added after the GEMM.
+    """
+    in_features = x.shape[-1]
+    rows = x.reshape(-1, in_features)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    count = rows.shape[0]
+    out = torch.empty(count, out_features, dtype=torch.float32)
+    if count:
+        into(
+            rows.data_ptr(), rows.stride(0), count, weight.data_ptr(), out.data_ptr(), out_features,
+            out_features, in_features,
+        )  # fmt: skip
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], out_features)
+
+
+def panel_matmul(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` with ``weight`` packed by ``PanelWeight`` into ``panels`` (no checks)."""
+    return matmul_with(panel_matmul_into, x, panels, bias, out_features)
+
+
+def panel_matmul_into(
+    x: int, x_stride: int, rows: int, panels: int, out: int, out_stride: int, out_features: int, in_features: int
+) -> None:
+    """The panel GEMM on raw addresses: ``out[:rows, :out_features] = x[:rows, :in_features] @ weight.T``.
+
+    ``panels`` is the address of a ``PanelWeight`` buffer of that weight; strides count floats. No
+    checks (``panel_matmul`` is the checked entry): for callers that own every layout they pass
+    (``asyncllm.backends.cpu._lean_forward``). ``rows`` must be positive.
+    """
+    library = _library()
+    if library is None:  # panels exist only where the kernel does
+        raise RuntimeError("the panel GEMM is unavailable here")
+    library.asyncllm_panel_matmul(x, x_stride, panels, out, out_stride, rows, out_features, in_features)

@@ -1,0 +1,176 @@
+"""Attention against the paged KV cache: the ``torch`` reference backend.
+
+The KV cache of a layer is two tensors of shape [num_blocks * block_size, kv_heads, head_dim]
+(flattened over blocks, so a slot index addresses one token). A step's flat batch mixes prefill
+chunks and single decode tokens: decode tokens are attended together as one padded batch, prefill
+chunks one sequence at a time. ``build_metadata`` makes a step's ``AttentionMetadata`` once per step;
+every layer reuses it. The backend object over these functions is ``asyncllm.backends.torch._backend``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from asyncllm.worker._input_batch import StepInputs
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    """A sequence that feeds more than one token this step."""
+
+    query_start: int
+    query_end: int
+    kv_slots: torch.Tensor
+    """[kv_len] slot of every cached token the chunk attends to, its own new tokens included."""
+    mask: torch.Tensor
+    """[query_len, kv_len] True where a query may attend (causal, sliding window)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """Where a step's tokens go in the cache and what each query attends to."""
+
+    slot_mapping: torch.Tensor
+    """[tokens] the cache slot each new token's K/V is written to."""
+    decode_token_index: torch.Tensor
+    """[decodes] positions in the flat batch of single-token queries."""
+    decode_kv_slots: torch.Tensor
+    """[decodes, max_kv_len] slots each decode query attends to, padded."""
+    decode_mask: torch.Tensor
+    """[decodes, 1, 1, max_kv_len] True on real (unpadded, in-window) slots."""
+    prefills: tuple[PrefillChunk, ...]
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Store a step's new keys and values ([tokens, kv_heads, head_dim]) at their slots."""
+    k_cache.index_copy_(0, slots, k)
+    v_cache.index_copy_(0, slots, v)
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Attention of every query in the flat batch against its sequence's cached K/V.
+
+    Args:
+        q: [tokens, heads, head_dim] queries (rotary already applied).
+        k_cache: [slots, kv_heads, head_dim] the layer's key cache, this step's keys written.
+        v_cache: Like ``k_cache``, for values.
+        meta: The step's attention metadata.
+        scale: Softmax scale (usually head_dim ** -0.5).
+
+    Returns:
+        [tokens, heads, head_dim] attention outputs.
+    """
+    out = torch.empty_like(q)
+    if meta.decode_token_index.numel():
+        queries = q[meta.decode_token_index].unsqueeze(2)  # [decodes, heads, 1, head_dim]
+        keys = k_cache[meta.decode_kv_slots].transpose(1, 2)  # [decodes, kv_heads, kv_len, head_dim]
+        values = v_cache[meta.decode_kv_slots].transpose(1, 2)
+        attended = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+        )
+        out[meta.decode_token_index] = attended.squeeze(2)
+    for chunk in meta.prefills:
+        queries = q[chunk.query_start : chunk.query_end].transpose(0, 1).unsqueeze(0)
+        keys = k_cache[chunk.kv_slots].transpose(0, 1).unsqueeze(0)
+        values = v_cache[chunk.kv_slots].transpose(0, 1).unsqueeze(0)
+        attended = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=chunk.mask, scale=scale, enable_gqa=True
+        )
+        out[chunk.query_start : chunk.query_end] = attended.squeeze(0).transpose(0, 1)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSpan:
+    """A sequence that feeds more than one token this step."""
+
+    query_start: int
+    query_end: int
+    start_position: int
+    """Position of its first new token: the tokens cached before it."""
+    block_table: np.ndarray[Any, Any]
+    """int64 its blocks (possibly followed by zeros): a row of ``StepInputs.block_tables``."""
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens it attends to, its own new ones included."""
+        return self.start_position + self.query_end - self.query_start
+
+
+@dataclass(frozen=True, slots=True)
+class StepSplit:
+    """A step's sequences split the way every attention backend needs them: single-token queries
+    (decodes, attended as one padded batch) and longer chunks (prefills, one at a time)."""
+
+    decode_rows: np.ndarray[Any, Any]
+    """[decodes] int64 flat-batch row of each decode query."""
+    decode_lens: np.ndarray[Any, Any]
+    """[decodes] int64 context length of each decode (its new token included)."""
+    decode_tables: np.ndarray[Any, Any]
+    """[decodes, max_blocks] int64 block tables, zero-padded (at least one column)."""
+    max_decode_len: int
+    prefills: list[PrefillSpan]
+
+
+def split_step(step: StepInputs) -> StepSplit:
+    """Split a step into decodes and prefill chunks, with padded decode block tables (gathered, no loop
+    over decodes; the loop is over prefill chunks, a few per step)."""
+    decodes = step.decode_index
+    decode_lens = step.seq_lens[decodes]
+    max_len = int(decode_lens.max(initial=0))
+    tables = step.tables(decodes, max(1, -(-max_len // step.block_size)))
+    starts, chunks = step.query_start_loc, step.prefill_index
+    prefills = [
+        PrefillSpan(begin, end, position, step.block_tables[row])
+        for begin, end, position, row in zip(
+            starts[chunks].tolist(),
+            starts[chunks + 1].tolist(),
+            step.positions[starts[chunks]].tolist(),
+            step.rows[chunks].tolist(),
+        )
+    ]
+    return StepSplit(starts[decodes], decode_lens, tables, max_len, prefills)
+
+
+def build_metadata(step: StepInputs, sliding_window: int | None, device: torch.device) -> AttentionMetadata:
+    """The ``torch`` backend's metadata for a step: explicit slots and masks, per prefill chunk and for the decodes.
+
+    Args:
+        step: The step's arrays (``InputBatch.prepare``).
+        sliding_window: The model's sliding window, or None.
+        device: Where the model runs (the tensors are copied there).
+    """
+    split = split_step(step)
+    block_size = step.block_size
+    prefills: list[PrefillChunk] = []
+    for span in split.prefills:
+        kv_positions = np.arange(span.kv_len, dtype=np.int64)
+        kv_slots = span.block_table[kv_positions // block_size] * block_size + kv_positions % block_size
+        query_positions = np.arange(span.start_position, span.kv_len, dtype=np.int64)
+        mask = kv_positions[None, :] <= query_positions[:, None]
+        if sliding_window is not None:
+            mask &= kv_positions[None, :] > query_positions[:, None] - sliding_window
+        slots, allowed = torch.from_numpy(kv_slots).to(device), torch.from_numpy(mask).to(device)
+        prefills.append(PrefillChunk(span.query_start, span.query_end, slots, allowed))
+    kv_positions = np.arange(split.max_decode_len, dtype=np.int64)
+    decode_slots = split.decode_tables[:, kv_positions // block_size] * block_size + kv_positions % block_size
+    lens = split.decode_lens[:, None]
+    decode_mask = kv_positions[None, :] < lens
+    if sliding_window is not None:
+        decode_mask &= kv_positions[None, :] > lens - 1 - sliding_window
+    return AttentionMetadata(
+        slot_mapping=torch.from_numpy(step.slot_mapping).to(device),
+        decode_token_index=torch.from_numpy(split.decode_rows).to(device),
+        decode_kv_slots=torch.from_numpy(decode_slots).to(device),
+        decode_mask=torch.from_numpy(decode_mask[:, None, None, :].copy()).to(device),
+        prefills=tuple(prefills),
+    )

@@ -1,0 +1,78 @@
+"""The ``triton`` attention backend: the Triton kernels (``_kernels``) through their launchers (``_launchers``).
+
+Importing it does not import triton; the kernels are imported on their first call.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from asyncllm.backends._base import AttentionBackend, KVCache
+from asyncllm.backends.triton import _launchers as attention_triton
+from asyncllm.backends.triton._launchers import StaticDecodeMetadata, TritonAttentionMetadata
+from asyncllm.worker._input_batch import StepInputs
+
+__all__ = ["TritonAttentionBackend"]
+
+
+class TritonAttentionBackend(AttentionBackend[TritonAttentionMetadata]):
+    """Four small integer tensors of metadata per step; KV write, attention, rotary and the
+    residual-add RMSNorm as Triton kernels; static metadata for CUDA graphs.
+
+    Args:
+        device: Where the kernels run (CUDA; the CPU only in triton's interpreter).
+        num_kv_heads: The model's KV heads (the split-KV decision).
+        sliding_window: The model's sliding window, or None.
+    """
+
+    name = "triton"
+    rotates_in_kernel = True
+    fuses_norms = True
+    captures_graphs = True
+
+    def __init__(self, *, device: torch.device, num_kv_heads: int, sliding_window: int | None = None) -> None:
+        self.device = device
+        self.num_kv_heads = num_kv_heads
+        self.sliding_window = sliding_window
+
+    def build_metadata(self, step: StepInputs) -> TritonAttentionMetadata:
+        """The step's metadata, copied to the device without waiting (``backends.triton._launchers.build_metadata``)."""
+        return attention_triton.build_metadata(
+            step, num_kv_heads=self.num_kv_heads, device=self.device, sliding_window=self.sliding_window
+        )
+
+    def write_kv(self, kv_cache: KVCache, k: Tensor, v: Tensor, meta: TritonAttentionMetadata) -> None:
+        """The reshape-and-cache kernel (it skips slot -1: the graphs' padding rows)."""
+        attention_triton.write_kv(*kv_cache, k, v, meta.slot_mapping)
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache, meta: TritonAttentionMetadata, scale: float
+    ) -> Tensor:
+        """The paged-attention kernel, or the split-KV kernels where the metadata asks for splits."""
+        return attention_triton.paged_attention(q, *kv_cache, meta, scale)
+
+    def rotary_(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> None:
+        """The rotary kernel, in place."""
+        attention_triton.apply_rotary_(q, k, cos, sin)
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float, residual: Tensor | None) -> Tensor:
+        """The RMSNorm kernel (``kernels.rms_norm``)."""
+        from asyncllm.backends.triton._kernels import rms_norm  # triton: imported on first use
+        return rms_norm.rms_norm(x, weight, eps, residual=residual)
+
+    def kv_splits(self, num_seqs: int, max_seq_len: int) -> int:
+        """Split only where the batch alone would leave the GPU idle (never off CUDA)."""
+        return attention_triton.decode_kv_splits(num_seqs, self.num_kv_heads, max_seq_len, self.device)
+
+    def graph_inputs(
+        self, *, max_batch: int, max_blocks: int, block_size: int, device: torch.device
+    ) -> StaticDecodeMetadata:
+        """Static metadata buffers for the CUDA graphs (``backends.triton._launchers.StaticDecodeMetadata``)."""
+        return StaticDecodeMetadata(
+            max_batch=max_batch,
+            max_blocks=max_blocks,
+            block_size=block_size,
+            device=device,
+            sliding_window=self.sliding_window,
+        )

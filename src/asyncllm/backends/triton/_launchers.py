@@ -1,0 +1,297 @@
+"""Attention against the paged KV cache: the ``triton`` backend (kernels in ``asyncllm.backends.triton._kernels``).
+
+Same cache layout and the same call shapes as the ``torch`` backend (``asyncllm.backends.torch._attention``):
+``write_kv(k_cache, v_cache, k, v, slots)`` and ``paged_attention(q, k_cache, v_cache, meta, scale)``,
+plus ``apply_rotary_`` (rotary in place on q and k, one kernel). What differs is the metadata: instead
+of per-sequence masks and gathered slot lists, ``TritonAttentionMetadata`` is four small integer
+tensors (query offsets, sequence lengths, block tables, slot mapping), built once per step by
+``build_metadata`` and shared by every layer; the kernels derive causal and sliding-window masks and
+key slots from them on the device. ``StaticDecodeMetadata`` holds the same integers in static buffers
+for the CUDA graphs (``asyncllm.worker._graphs``). The backend object over these functions is
+``asyncllm.backends.triton._backend``.
+
+Importing this module does not import triton (so the backends can refer to it on a CPU-only
+install); the kernels are imported on first use.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from asyncllm.worker._input_batch import StepInputs
+
+__all__ = [
+    "PackedLayout",
+    "StaticDecodeMetadata",
+    "TritonAttentionMetadata",
+    "apply_rotary_",
+    "build_metadata",
+    "decode_kv_splits",
+    "paged_attention",
+    "write_kv",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class TritonAttentionMetadata:
+    """What the triton kernels need to know about a step's flat batch (see ``kernels.paged_attention``)."""
+
+    slot_mapping: torch.Tensor
+    """[tokens] int32 the cache slot each new token's K/V is written to."""
+    query_start_loc: torch.Tensor
+    """[num_seqs + 1] int32 where each sequence's tokens start in the flat batch."""
+    seq_lens: torch.Tensor
+    """[num_seqs] int32 tokens cached per sequence once this step's are written."""
+    block_tables: torch.Tensor
+    """[num_seqs, max_blocks] int32 each sequence's physical blocks (zero-padded)."""
+    block_size: int
+    max_query_len: int
+    """Host copy of the longest query (picks the kernel's tile shape; no device read)."""
+    max_seq_len: int
+    """Host copy of the longest context."""
+    num_kv_splits: int
+    """1: one program walks a sequence's whole context; more: the split-KV (flash-decoding) kernels."""
+    sliding_window: int | None = None
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def decode_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """The split-KV parts for a decode-only batch: more than 1 only on CUDA, where the batch alone
+    would leave the GPU idle (``kernels.split_kv_decode.num_kv_splits``)."""
+    if device.type != "cuda":
+        return 1
+    from asyncllm.backends.triton._kernels.split_kv_decode import num_kv_splits as decide
+    return decide(num_seqs, num_kv_heads, max_seq_len, _num_sms(device))
+
+
+@dataclass(frozen=True, slots=True)
+class PackedLayout:
+    """Where the metadata's integers lie in one int32 buffer (one copy to the device moves them all):
+    ``[query_start_loc (capacity + 1) | seq_lens (capacity) | block_tables (capacity * max_blocks) |
+    slot_mapping (tokens)]``. A step's own buffer has ``capacity`` its sequences; the CUDA graphs'
+    static one the largest batch, and a smaller batch uses its first rows."""
+
+    capacity: int
+    max_blocks: int
+    tokens: int
+
+    @property
+    def seq_lens_at(self) -> int:
+        return self.capacity + 1
+
+    @property
+    def tables_at(self) -> int:
+        return 2 * self.capacity + 1
+
+    @property
+    def slots_at(self) -> int:
+        return self.tables_at + self.capacity * self.max_blocks
+
+    @property
+    def size(self) -> int:
+        return self.slots_at + self.tokens
+
+    def metadata(
+        self,
+        buffer: torch.Tensor,
+        num_seqs: int,
+        num_tokens: int,
+        *,
+        block_size: int,
+        max_query_len: int,
+        max_seq_len: int,
+        num_kv_splits: int,
+        sliding_window: int | None,
+    ) -> TritonAttentionMetadata:
+        """The metadata of the first ``num_seqs`` sequences and ``num_tokens`` tokens, as views into ``buffer``."""
+        slots_at, tables_at, seq_lens_at = self.slots_at, self.tables_at, self.seq_lens_at
+        return TritonAttentionMetadata(
+            slot_mapping=buffer[slots_at : slots_at + num_tokens],
+            query_start_loc=buffer[: num_seqs + 1],
+            seq_lens=buffer[seq_lens_at : seq_lens_at + num_seqs],
+            block_tables=buffer[tables_at:slots_at].view(self.capacity, self.max_blocks)[:num_seqs],
+            block_size=block_size,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            num_kv_splits=num_kv_splits,
+            sliding_window=sliding_window,
+        )
+
+
+def build_metadata(
+    step: StepInputs,
+    *,
+    num_kv_heads: int,
+    device: torch.device,
+    sliding_window: int | None = None,
+    num_kv_splits: int | None = None,
+) -> TritonAttentionMetadata:
+    """Build a step's metadata on the host and move it to the device in one copy.
+
+    On CUDA the integers are packed into one pinned host buffer and copied with ``non_blocking=True``,
+    so building the metadata never waits for the device.
+
+    Args:
+        step: The step's arrays (``InputBatch.prepare``).
+        num_kv_heads: The model's KV heads (sizes the split-KV decision).
+        device: Where the kernels run.
+        sliding_window: The model's sliding window, if any.
+        num_kv_splits: Force the number of KV splits; None decides: split only decode-only steps
+            whose batch is too small to fill the GPU (never on the CPU).
+    """
+    num_seqs = step.num_seqs
+    block_size = step.block_size
+    max_query_len, max_seq_len = step.max_query_len, step.max_seq_len
+    max_blocks = max(1, -(-max_seq_len // block_size))
+    layout = PackedLayout(num_seqs, max_blocks, step.num_tokens)
+    table_at, slots_at = layout.tables_at, layout.slots_at
+    packed = np.empty(layout.size, dtype=np.int32)
+    packed[: num_seqs + 1] = step.query_start_loc
+    packed[num_seqs + 1 : table_at] = step.seq_lens
+    packed[table_at:slots_at].reshape(num_seqs, max_blocks)[:] = step.tables(None, max_blocks)
+    packed[slots_at:] = step.slot_mapping
+    host = torch.from_numpy(packed)
+    on_device = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+    if num_kv_splits is None:
+        decode_only = max_query_len == 1
+        num_kv_splits = decode_kv_splits(num_seqs, num_kv_heads, max_seq_len, device) if decode_only else 1
+    return layout.metadata(
+        on_device,
+        num_seqs,
+        step.num_tokens,
+        block_size=block_size,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        num_kv_splits=num_kv_splits,
+        sliding_window=sliding_window,
+    )
+
+
+class StaticDecodeMetadata:
+    """A decode batch's metadata in static device buffers, refilled before each CUDA-graph replay.
+
+    A graph replays fixed addresses, so its metadata are views into one int32 device buffer in
+    ``PackedLayout`` for ``max_batch`` sequences of one token, filled from a host twin (pinned on
+    CUDA) and copied in one go. Rows past a step's sequences are padding: one-token sequences at
+    position 0 with slot -1, which the KV-write kernel skips; they attend to one (finite) cache slot.
+    Block tables are ``max_blocks`` wide.
+
+    Args:
+        max_batch: The largest batch (the buffers' rows).
+        max_blocks: The block-table width: the longest sequence's blocks.
+        block_size: Tokens per KV block.
+        device: Where the graphs run.
+        sliding_window: The model's sliding window, if any.
+    """
+
+    def __init__(
+        self, *, max_batch: int, max_blocks: int, block_size: int, device: torch.device, sliding_window: int | None
+    ) -> None:
+        self.layout = PackedLayout(max_batch, max_blocks, max_batch)
+        self.block_size = block_size
+        self.sliding_window = sliding_window
+        self._host = torch.zeros(self.layout.size, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self._device = torch.zeros(self.layout.size, dtype=torch.int32, device=device)
+        self._pad_from(0)
+        self._device.copy_(self._host)
+
+    def _pad_from(self, n: int) -> None:
+        """Host buffer: rows from ``n`` on are 1-token sequences at position 0 writing nowhere."""
+        layout, b = self.layout, self.layout.capacity
+        meta = self._host.numpy()
+        meta[: b + 1] = np.arange(b + 1, dtype=np.int32)  # decode rows: one query each
+        meta[layout.seq_lens_at + n : layout.tables_at] = 1
+        meta[layout.tables_at + n * layout.max_blocks : layout.slots_at] = 0
+        meta[layout.slots_at + n :] = -1
+
+    def fill(self, step: StepInputs) -> None:
+        """Write a decode-only step (at most ``max_batch`` sequences) into the host buffer, padded.
+
+        The host buffer is reused: the previous ``upload`` must have been read (the caller waits for it).
+        """
+        n, layout = step.num_seqs, self.layout
+        self._pad_from(n)
+        meta = self._host.numpy()
+        meta[layout.seq_lens_at : layout.seq_lens_at + n] = step.seq_lens
+        tables = meta[layout.tables_at : layout.slots_at].reshape(layout.capacity, layout.max_blocks)
+        # Only the columns the step's longest context uses; the kernels read no block past a row's length.
+        width = max(1, -(-step.max_seq_len // self.block_size))
+        tables[:n, :width] = step.tables(None, width)
+        tables[:n, width:] = 0
+        meta[layout.slots_at : layout.slots_at + n] = step.slot_mapping
+
+    def upload(self, non_blocking: bool) -> None:
+        """Copy the host buffer to the device buffer the graphs read."""
+        self._device.copy_(self._host, non_blocking=non_blocking)
+
+    def metadata(self, size: int, splits: int) -> TritonAttentionMetadata:
+        """The metadata of a graph for ``size`` sequences with ``splits`` KV splits (views: stable addresses)."""
+        layout = self.layout
+        return layout.metadata(
+            self._device,
+            size,
+            size,
+            block_size=self.block_size,
+            max_query_len=1,
+            max_seq_len=layout.max_blocks * self.block_size,
+            num_kv_splits=splits,
+            sliding_window=self.sliding_window,
+        )
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Store a step's new keys and values ([tokens, kv_heads, head_dim]) at their slots."""
+    from asyncllm.backends.triton._kernels.reshape_and_cache import reshape_and_cache
+    reshape_and_cache(k, v, k_cache, v_cache, slots)
+
+
+def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate q and k ([tokens, heads, head_dim]) in place by cos/sin of [tokens, head_dim]."""
+    from asyncllm.backends.triton._kernels.rotary import rotary_embedding_
+    rotary_embedding_(q, k, cos, sin)
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TritonAttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Attention of every query in the flat batch against its sequence's cached K/V.
+
+    Args:
+        q: [tokens, heads, head_dim] queries (rotary already applied).
+        k_cache: [slots, kv_heads, head_dim] the layer's key cache, this step's keys written.
+        v_cache: Like ``k_cache``, for values.
+        meta: The step's metadata.
+        scale: Softmax scale.
+
+    Returns:
+        [tokens, heads, head_dim] attention outputs.
+    """
+    args = (q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables)
+    if meta.num_kv_splits > 1:
+        from asyncllm.backends.triton._kernels.split_kv_decode import split_kv_attention
+        return split_kv_attention(
+            *args,
+            block_size=meta.block_size,
+            max_query_len=meta.max_query_len,
+            scale=scale,
+            num_splits=meta.num_kv_splits,
+            sliding_window=meta.sliding_window,
+        )
+    from asyncllm.backends.triton._kernels.paged_attention import paged_attention as kernel
+    return kernel(
+        *args,
+        block_size=meta.block_size,
+        max_query_len=meta.max_query_len,
+        scale=scale,
+        sliding_window=meta.sliding_window,
+    )

@@ -1,0 +1,327 @@
+"""``EngineCore``: the step loop that keeps the device busy.
+
+One iteration: apply aborts; schedule step N+1 and hand it to the device thread while step N may
+still be running there (async scheduling: N's sampled tokens are placeholders the device thread
+fills in); deliver the tokens of the last finished step (detokenize, stop strings, emit) while the
+device computes; then await step N and fold its sampled ids into the scheduler. The loop never
+awaits a consumer; when there is no work it sleeps on an event.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import anyio
+from anyio.abc import TaskStatus
+
+from asyncllm.core._request import Request
+from asyncllm.core._scheduler import Scheduler, SchedulerOutput, TokenEvent
+from asyncllm.engine._output_processor import Delivery, OutputProcessor
+from asyncllm.engine._stream import RequestStream
+from asyncllm.errors import DeviceStepTimeoutError, EngineDeadError, SchedulerStalledError
+from asyncllm.executor._device import DeviceCall, DeviceWorker
+from asyncllm.executor._lookahead import LookaheadExecutor
+from asyncllm.executor._runner import ModelRunner, RunnerTimings, SequenceInput, StepBatch, StepOutput
+from asyncllm.outputs import EngineStatistics
+
+logger = logging.getLogger("asyncllm")
+
+
+@dataclass(slots=True)
+class LoopTimings:
+    """Seconds the step loop spent in each of its phases, summed over all steps."""
+
+    schedule: float = 0.0
+    prepare: float = 0.0
+    """Building the step's batch (token ids, positions, block tables) for the device thread."""
+    output: float = 0.0
+    """Detokenizing, stop strings, pushing to streams."""
+
+
+class EngineCore:
+    """Owns the scheduler, the output processor and the step loop.
+
+    Args:
+        scheduler: Decides each step.
+        worker: The device thread.
+        runner: Runs steps (called on the device thread only).
+        outputs: Routes tokens to streams.
+        async_scheduling: Schedule step N+1 while step N runs (one token of lookahead).
+        step_timeout: Seconds a step may take from submission before the engine counts the device
+            as hung and dies (``DeviceStepTimeoutError``); None waits forever.
+    """
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        worker: DeviceWorker,
+        runner: ModelRunner,
+        outputs: OutputProcessor,
+        *,
+        async_scheduling: bool = True,
+        step_timeout: float | None = None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.worker = worker
+        self.runner = runner
+        self.outputs = outputs
+        self.async_scheduling = async_scheduling
+        self.step_timeout = step_timeout
+        self.timings = LoopTimings()
+        self._lookahead = LookaheadExecutor(runner)
+        self.requests: dict[int, Request] = {}
+        """Every unfinished request (each sample of a group is one) by id."""
+        self._groups: dict[int, list[Request]] = {}  # n > 1: stream id -> samples, until all have ended
+        self.num_steps = 0
+        self.num_prompt_tokens = 0
+        self.num_generated_tokens = 0
+        self.num_finished = 0
+        self.dead: EngineDeadError | None = None
+        self._aborts: deque[int] = deque()  # appended from any thread (a stream's __del__ may run anywhere)
+        self._stopping = False
+        self._wakeup = anyio.Event()
+        self._loop_thread = threading.get_ident()
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued and not running (held samples of a group not counted)."""
+        return len(self.scheduler.waiting)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (running requests keep their blocks); return how many were listed."""
+        return self.scheduler.kv_cache.reset_prefix_cache()
+
+    def statistics(self) -> EngineStatistics:
+        """A snapshot of the scheduler's, the KV cache's, the loop's and the device's counters."""
+        scheduler = self.scheduler
+        kv = scheduler.kv_cache
+        runner_timings = getattr(self.runner, "timings", None) or RunnerTimings()
+        return EngineStatistics(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            kv_blocks_total=kv.pool.num_blocks,
+            kv_blocks_free=kv.num_free_blocks,
+            kv_usage=1.0 - kv.num_free_blocks / kv.pool.num_blocks,
+            num_cached_blocks=kv.pool.num_cached_blocks,
+            prefix_cache_queries=kv.num_query_tokens,
+            prefix_cache_hits=kv.num_hit_tokens,
+            prefix_cache_hit_rate=kv.num_hit_tokens / kv.num_query_tokens if kv.num_query_tokens else 0.0,
+            time_schedule=self.timings.schedule,
+            time_prepare=self.timings.prepare,
+            time_output=self.timings.output,
+            device_busy=self.worker.busy_seconds,
+            device_idle=self.worker.idle_seconds,
+            device_prepare=runner_timings.prepare,
+            device_forward=runner_timings.forward,
+            device_sample=runner_timings.sample,
+            num_preemptions=scheduler.num_preemptions,
+            num_steps=self.num_steps,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generated_tokens=self.num_generated_tokens,
+            num_finished_requests=self.num_finished,
+        )
+
+    def add(self, request: Request, stream: RequestStream) -> None:
+        """Queue a validated request (with its other samples when n > 1); output goes to ``stream``."""
+        for sample in request.group or [request]:
+            self.requests[sample.request_id] = sample
+            self.outputs.register(sample.request_id, stream, sample.sample_index)
+        if request.group:
+            self._groups[request.request_id] = request.group
+        self.scheduler.add(request)
+        self._wake()
+
+    def abort_nowait(self, request_id: int) -> None:
+        """Ask the loop to end a request with finish_reason "abort" before its next step. Never blocks."""
+        self._aborts.append(request_id)
+        if threading.get_ident() == self._loop_thread:
+            self._wake()
+
+    def stop_nowait(self) -> None:
+        """Abort every request and end the loop after the step in flight."""
+        self._stopping = True
+        self._aborts.extend(self.requests)
+        self._wake()
+
+    def _wake(self) -> None:
+        self._wakeup.set()
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """The step loop; returns once stopped (or dead, after failing every stream)."""
+        task_status.started()
+        try:
+            await self._loop()
+        except Exception as exc:
+            self._die(exc)
+
+    async def _loop(self) -> None:
+        events: list[TokenEvent] = []  # the last finished step's, not yet delivered
+        in_flight: tuple[SchedulerOutput, DeviceCall[StepOutput]] | None = None
+        idle_with_work = 0  # schedules in a row that found nothing to run while requests were open
+        while True:
+            events += self._apply_aborts()
+            if self._stopping:
+                if in_flight is not None:
+                    await self._wait(in_flight[1])
+                self._end_delivered(self.outputs.process(events))
+                return
+            step = None
+            # With async scheduling the next step is scheduled while the previous one still runs
+            # (its sampled tokens are placeholders the device thread fills in): the device never
+            # waits for the loop. Without it, one step at a time.
+            if self.scheduler.has_work() and (in_flight is None or self.async_scheduling):
+                started = time.perf_counter()
+                step = self.scheduler.schedule()
+                self.timings.schedule += time.perf_counter() - started
+                if not step.scheduled:
+                    step = None
+            if step is None and in_flight is None:
+                if events:
+                    self._deliver(events)
+                    events = []
+                    continue
+                if self.requests:
+                    # Unfinished requests, yet nothing could be scheduled and nothing runs. One
+                    # empty schedule is normal right after a preemption (admission waits a step);
+                    # a second one means no step will ever come: fail them instead of waiting.
+                    idle_with_work += 1
+                    if idle_with_work < 2:
+                        continue
+                    self._fail_stalled()
+                idle_with_work = 0
+                await self._wakeup.wait()
+                self._wakeup = anyio.Event()
+                continue
+            call = None
+            if step is not None:
+                started = time.perf_counter()
+                batch = self._batch(step)
+                self.timings.prepare += time.perf_counter() - started
+                call = self.worker.submit(functools.partial(self._lookahead.execute, batch))
+            # The overlap: the previous step's tokens reach their streams while the device computes.
+            self._deliver(events)
+            events = []
+            idle_with_work = 0
+            if in_flight is not None:
+                result = await self._wait(in_flight[1])
+                events = self._update(in_flight[0], result)
+            in_flight = None if step is None or call is None else (step, call)
+
+    async def _wait(self, call: DeviceCall[StepOutput]) -> StepOutput:
+        try:
+            return await call.wait(self.step_timeout)
+        except DeviceStepTimeoutError:
+            self.worker.abandon()
+            raise
+
+    def _deliver(self, events: list[TokenEvent]) -> None:
+        started = time.perf_counter()
+        self._end_delivered(self.outputs.process(events))
+        self.timings.output += time.perf_counter() - started
+
+    def _batch(self, step: SchedulerOutput) -> StepBatch:
+        kv = self.scheduler.kv_cache
+        sequences = [
+            SequenceInput(
+                request_id=s.request.request_id,
+                token_ids=s.request.token_ids(s.start, s.start + s.num_new_tokens),
+                start_position=s.start,
+                block_table=list(kv.block_table(s.request.request_id)),
+                sample=s.sample,
+                params=s.request.params,
+                num_generated=len(s.request.output_token_ids) + s.request.num_pending_tokens - s.sample,
+                prompt_token_ids=s.request.prompt_token_ids,
+                bad_words_token_ids=s.request.bad_words_token_ids,
+                epoch=s.epoch,
+            )
+            for s in step.scheduled
+        ]
+        return StepBatch(sequences, step.finished_request_ids)
+
+    def _update(self, step: SchedulerOutput, sampled: StepOutput) -> list[TokenEvent]:
+        self.num_steps += 1
+        for item in step.scheduled:
+            prompt_len = len(item.request.prompt_token_ids)
+            self.num_prompt_tokens += max(0, min(item.start + item.num_new_tokens, prompt_len) - item.start)
+        events = self.scheduler.update(step, sampled)
+        self.num_generated_tokens += len(events)
+        for event in events:
+            if event.finish_reason is not None:
+                self._forget(event.request)
+        return events
+
+    def _apply_aborts(self) -> list[TokenEvent]:
+        events = []
+        while self._aborts:
+            request_id = self._aborts.popleft()
+            # A stream is one request id (its first sample's); with n > 1 aborting it ends every
+            # sample, also once the first one has ended.
+            group = self._groups.get(request_id)
+            if group is None:
+                aborted = self.requests.get(request_id)
+                group = [] if aborted is None else [aborted]
+            for request in group:
+                if not request.finished:
+                    self.scheduler.finish(request, "abort")
+                    self._forget(request)
+                    events.append(TokenEvent(request, [], "abort"))
+        return events
+
+    def _end_delivered(self, delivery: Delivery) -> None:
+        """End in the scheduler what delivery ended: failed requests' groups, and stop-string matches.
+
+        Requests a stop string ended are finished at once. Their blocks may still be written by a
+        step in flight, but any new owner's steps run after it on the same device thread.
+        """
+        for failed in delivery.failed:
+            for request in failed.group or [failed]:
+                self.outputs.discard(request.request_id)
+                if not request.finished:
+                    self.scheduler.finish(request, "abort")
+                    self._forget(request)
+        for request in delivery.stopped:
+            if not request.finished:
+                self.scheduler.finish(request, "stop")
+                self._forget(request)
+
+    def _fail_stalled(self) -> None:
+        stuck = list(self.requests.values())
+        logger.error(
+            "asyncllm scheduler stalled: %d open requests (%d waiting, %d running), none schedulable, "
+            "%d of %d KV blocks free; failing them",
+            len(stuck),
+            len(self.scheduler.waiting),
+            len(self.scheduler.running),
+            self.scheduler.kv_cache.num_free_blocks,
+            self.scheduler.kv_cache.pool.num_blocks,
+        )
+        error = SchedulerStalledError(
+            "the engine could not schedule this request although nothing else was running (an engine bug; see the log)"
+        )
+        for request in stuck:
+            self.scheduler.finish(request, "abort")
+            self._forget(request)
+            self.outputs.fail_one(request.request_id, error)
+
+    def _forget(self, request: Request) -> None:
+        self.requests.pop(request.request_id, None)
+        self.num_finished += 1
+        if request.group and all(sample.finished for sample in request.group):
+            self._groups.pop(request.group[0].request_id, None)
+
+    def _die(self, cause: BaseException) -> None:
+        error = cause if isinstance(cause, EngineDeadError) else EngineDeadError(f"a model step failed: {cause!r}")
+        if error is not cause:
+            error.__cause__ = cause
+        logger.error("asyncllm engine died: %r", cause)
+        self.dead = error
+        self.outputs.fail_all(error)
+        for request in list(self.requests.values()):
+            self.scheduler.finish(request, "abort")
+        self.requests.clear()
+        self._groups.clear()

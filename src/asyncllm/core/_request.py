@@ -1,0 +1,105 @@
+"""The engine's record of one request: its tokens, progress and fate. No torch here."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from asyncllm.executor._lookahead import PLACEHOLDER
+from asyncllm.outputs import FinishReason
+from asyncllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """One generation request as the scheduler sees it.
+
+    ``num_computed_tokens`` chases ``num_tokens`` (prompt plus output so far): prefill, chunked
+    prefill, decode and recompute after preemption are all the same motion.
+    """
+
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stop_token_ids: frozenset[int]
+    """EOS ids (unless ignore_eos) together with ``params.stop_token_ids``."""
+    max_total_tokens: int
+    """The request finishes with "length" when prompt plus output reaches this."""
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None
+    """Keeps this request's prefix-cache entries apart from requests with another salt."""
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Chained hashes of the request's full blocks, extended as blocks fill."""
+    num_cached_blocks: int = 0
+    """Leading blocks of the table already listed in the prefix cache."""
+    first_scheduled_time: float | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    """``params.bad_words`` tokenized (by the input processor, which has the tokenizer)."""
+    stop_reason: int | str | None = None
+    """The ``stop_token_ids`` id or stop string that finished the request, if one did."""
+    num_pending_tokens: int = 0
+    """Tokens sampled by steps still in flight (their ids are not known yet)."""
+    num_confirmed_tokens: int = 0
+    """Tokens whose KV finished steps have written (``num_computed_tokens`` counts scheduled ones)."""
+    epoch: int = 0
+    """Bumped by each preemption, so results of steps scheduled before it are recognised."""
+    sample_index: int = 0
+    """Which of its group's ``n`` samples this request is."""
+    group: list[Request] = field(default_factory=list)
+    """Every sample of the same prompt (this one included), in index order; empty when n == 1."""
+    forks: list[Request] = field(default_factory=list)
+    """The other samples, held back until this one (sample 0) has computed the prompt."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt tokens plus tokens generated so far."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        """True once the request has ended, for any reason."""
+        return self.status is RequestStatus.FINISHED
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """The request's tokens in ``[start, end)``, across the prompt/output boundary.
+
+        Positions of tokens still in flight (sampled by a step whose result has not arrived) read
+        as ``PLACEHOLDER``; the device thread fills them in before the step runs.
+        """
+        known = self.num_tokens
+        if end > known:
+            return self.token_ids(start, known) + [PLACEHOLDER] * (end - max(start, known))
+        prompt_len = len(self.prompt_token_ids)
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len : end - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
+
+    def append_token(self, token_id: int) -> FinishReason | None:
+        """Record a sampled token; return why the request must now stop, if it must."""
+        self.output_token_ids.append(token_id)
+        # Before min_tokens the sampler masks stop ids out; a runner that emits one anyway goes on.
+        if token_id in self.stop_token_ids and len(self.output_token_ids) > self.params.min_tokens:
+            if token_id in self.params.stop_token_ids:
+                self.stop_reason = token_id
+            return "stop"
+        if len(self.output_token_ids) >= self.params.max_tokens:
+            return "length"
+        if self.num_tokens >= self.max_total_tokens:
+            return "length"
+        return None

@@ -1,0 +1,256 @@
+"""``Scheduler``: token-budget continuous batching with chunked prefill and recompute preemption.
+
+There are no prefill or decode phases. Every request has ``num_computed_tokens`` catching up with
+``num_tokens``; each step hands out at most ``max_num_batched_tokens`` tokens, running requests
+first (in arrival order), then waiting ones. A long prompt simply takes several steps (chunked
+prefill). When the cache runs out of blocks, the latest-arrived running request is preempted: its
+blocks are freed and it goes back to the front of the queue to be recomputed later.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from asyncllm.core._request import Request, RequestStatus
+from asyncllm.core.kv._manager import CacheHit, KVCacheManager
+from asyncllm.executor._runner import PositionLogprobs, StepOutput
+from asyncllm.outputs import FinishReason
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step."""
+
+    request: Request
+    start: int
+    """``num_computed_tokens`` when scheduled: the position of the first token fed."""
+    num_new_tokens: int
+    sample: bool
+    """True when this chunk reaches the end of the request's tokens, so a token is sampled."""
+    epoch: int = 0
+    """The request's preemption epoch when scheduled."""
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one step computes."""
+
+    scheduled: list[ScheduledRequest]
+    finished_request_ids: list[int] = field(default_factory=list)
+    """Requests that ended since the previous step that ran, so the runner can drop their state
+    (the scheduler keeps them until a step with work carries them)."""
+
+    @property
+    def num_batched_tokens(self) -> int:
+        """Tokens fed to the model in this step."""
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """A request got a token, or ended, in a step."""
+
+    request: Request
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None
+    logprobs: list[PositionLogprobs | None] | None = None
+    """Aligned with ``new_token_ids`` when the request asked for logprobs."""
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    """The whole prompt's logprobs, on the event of the step that completed the prompt."""
+
+
+class Scheduler:
+    """Decides which tokens of which requests each step computes.
+
+    Args:
+        kv_cache: The block tables the scheduler allocates into.
+        max_num_seqs: The most requests running at once.
+        max_num_batched_tokens: The most tokens fed to the model in one step.
+    """
+
+    def __init__(self, kv_cache: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._finished_ids: list[int] = []
+
+    def add(self, request: Request) -> None:
+        """Queue a new request for admission."""
+        self.waiting.append(request)
+
+    @property
+    def pending_finished_request_ids(self) -> list[int]:
+        """Requests that ended and that no step has carried to the runner yet."""
+        return list(self._finished_ids)
+
+    def has_work(self) -> bool:
+        """True while any request waits or runs."""
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's tokens, allocating their KV slots and preempting when blocks run out."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            if self._fully_scheduled(request):
+                index += 1
+                continue
+            num_new = min(request.num_tokens + request.num_pending_tokens - request.num_computed_tokens, budget)
+            while self.kv_cache.allocate_slots(request, request.num_computed_tokens + num_new) is None:
+                preempted = True
+                victim = self.running.pop()
+                self._preempt(victim)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+            index += 1
+        # Admitting new work right after a preemption would only thrash the cache.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            # Waiting requests hold no blocks. A sample shares its first sample's computed prompt
+            # blocks while that one runs; every other request (or sample) asks the prefix cache.
+            shared = self._shared_prompt(request)
+            hit = shared if shared is not None else self.kv_cache.find_cached_prefix(request)
+            start = hit.num_tokens
+            num_new = min(request.num_tokens + request.num_pending_tokens - start, budget)
+            if self.kv_cache.allocate_slots(request, start + num_new, hit) is None:
+                break
+            if shared is None:
+                self.kv_cache.record_lookup(request, hit)
+            request.num_computed_tokens = start
+            self.waiting.popleft()
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+        if not scheduled:  # no step to carry them: they go with the next one that runs
+            return SchedulerOutput([])
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(scheduled, finished)
+
+    def _fully_scheduled(self, request: Request) -> bool:
+        # Every token it may still produce is already in flight (it will finish with "length"):
+        # one more step would only compute a token to throw away.
+        in_hand = len(request.output_token_ids) + request.num_pending_tokens
+        return (
+            in_hand >= request.params.max_tokens
+            or request.num_tokens + request.num_pending_tokens >= request.max_total_tokens
+            or request.num_tokens + request.num_pending_tokens <= request.num_computed_tokens
+        )
+
+    def update(self, output: SchedulerOutput, step_output: StepOutput) -> list[TokenEvent]:
+        """Advance the scheduled requests by a finished step.
+
+        Args:
+            output: The step's schedule, as ``schedule()`` returned it.
+            step_output: What the runner returned: one token per scheduled request with
+                ``sample=True``, in order.
+
+        Returns:
+            One event per request that got a token; finished requests have freed their blocks.
+        """
+        events: list[TokenEvent] = []
+        samples = iter(step_output.sampled_token_ids)
+        logprobs = iter(step_output.logprobs or ())
+        prompt_logprobs = step_output.prompt_logprobs or {}
+        for item in output.scheduled:
+            request = item.request
+            if item.sample:
+                token_id = next(samples)
+                token_logprobs = next(logprobs, None)
+            if request.finished:  # ended while the step ran (abort, stop): its token is discarded
+                continue
+            if item.epoch == request.epoch:  # not preempted since: its KV really is there
+                request.num_confirmed_tokens = max(request.num_confirmed_tokens, item.start + item.num_new_tokens)
+                self.kv_cache.cache_computed_blocks(request)
+                if request.forks and request.num_confirmed_tokens >= len(request.prompt_token_ids):
+                    self._release_samples(request)
+            if not item.sample:
+                continue
+            request.num_pending_tokens -= 1
+            finish_reason = request.append_token(token_id)
+            if finish_reason is not None:
+                self.finish(request, finish_reason)
+            events.append(
+                TokenEvent(
+                    request,
+                    [token_id],
+                    finish_reason,
+                    None if token_logprobs is None else [token_logprobs],
+                    prompt_logprobs.get(request.request_id),
+                )
+            )
+        return events
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """End a request (finished or aborted) and free its blocks; idempotent."""
+        if request.finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        # else: a sample held until its first sample computes the prompt; it holds nothing yet.
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.kv_cache.free(request)
+        self._finished_ids.append(request.request_id)
+        if request.forks:
+            # It ended before its prompt was computed (a preempted step's token can finish it):
+            # the samples it held back must not wait for it any longer.
+            self._release_samples(request)
+
+    def _release_samples(self, first: Request) -> None:
+        # The other samples queue up at the front, holding no blocks: at admission each one shares
+        # the prompt blocks of ``first`` if it still runs with them computed (``_shared_prompt``).
+        for sample in reversed(first.forks):
+            if not sample.finished:
+                self.waiting.appendleft(sample)
+        first.forks = []
+
+    def _shared_prompt(self, request: Request) -> CacheHit | None:
+        """The full prompt blocks a sample can share with its group's first sample, if it can now.
+
+        Each sample computes at least the partial last block itself (at least one token, to have
+        logits of its own), where its continuation will be written.
+        """
+        if request.sample_index == 0 or not request.group:
+            return None
+        first = request.group[0]
+        num_blocks = (len(request.prompt_token_ids) - 1) // self.kv_cache.block_size
+        num_tokens = num_blocks * self.kv_cache.block_size
+        if first.status is not RequestStatus.RUNNING or first.num_confirmed_tokens < num_tokens:
+            return None
+        return CacheHit(self.kv_cache.block_table(first.request_id)[:num_blocks], num_tokens)
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        # Optimistic: the tokens count as computed from now on, so the next step can be scheduled
+        # before this one's result arrives; a sampled token is pending until update() sees it.
+        start = request.num_computed_tokens
+        sample = start + num_new == request.num_tokens + request.num_pending_tokens
+        request.num_computed_tokens += num_new
+        if sample:
+            request.num_pending_tokens += 1
+        return ScheduledRequest(request, start, num_new, sample, request.epoch)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = request.num_confirmed_tokens = 0
+        request.epoch += 1
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)

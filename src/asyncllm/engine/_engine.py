@@ -1,0 +1,559 @@
+"""``Engine``: the public face. An async context manager that owns one task group.
+
+    async with Engine.open("path/to/model") as engine:
+        async for chunk in engine.stream("Once upon a time", SamplingParams(max_tokens=64)):
+            print(chunk.text, end="")
+
+Entering it loads the model on the device thread and starts the step loop; leaving it aborts every
+request, stops the loop, frees weights and KV cache and joins the device thread. Nothing starts
+lazily and nothing outlives the ``async with`` block.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import anyio
+
+from asyncllm.core._engine_core import EngineCore
+from asyncllm.core._request import Request
+from asyncllm.core._scheduler import Scheduler
+from asyncllm.core.kv._manager import KVCacheManager
+from asyncllm.engine._detokenizer import Tokenizer
+from asyncllm.engine._input_processor import InputProcessor
+from asyncllm.engine._metrics import EngineMetrics
+from asyncllm.engine._options import EngineOptions
+from asyncllm.engine._output_processor import OutputProcessor
+from asyncllm.engine._stream import RequestStream
+from asyncllm.errors import EngineClosedError, EngineDeadError, EngineOverloadedError
+from asyncllm.executor._device import DeviceWorker
+from asyncllm.executor._runner import ModelRunner, RunnerInfo
+from asyncllm.outputs import Completion, EngineStatistics, FinishReason, Logprobs, Sample, StreamChunk
+from asyncllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("asyncllm")
+
+class Engine:
+    """An LLM inference engine running inside the caller's event loop (asyncio or trio).
+
+    Build one with ``Engine.open(...)`` and enter it with ``async with``.
+    """
+
+    def __init__(
+        self, options: EngineOptions, runner: ModelRunner | None = None, tokenizer: Tokenizer | None = None
+    ) -> None:
+        self.options = options
+        self._runner = runner
+        self._tokenizer = tokenizer
+        self._stack: AsyncExitStack | None = None
+        self._core: EngineCore | None = None
+        self._inputs: InputProcessor | None = None
+        self._info: RunnerInfo | None = None
+        self._max_model_len = 0
+        self._closed = False
+
+    @classmethod
+    def open(
+        cls,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        runner: ModelRunner | None = None,
+        tokenizer: Tokenizer | None = None,
+        **options: Any,
+    ) -> Engine:
+        """Configure an engine; ``async with`` it to load the model and start serving.
+
+        Args:
+            model: A local HF-format folder (config.json, *.safetensors, tokenizer files), or None
+                for the default model (SmolLM2-135M-Instruct, converted once into a local cache).
+            runner: A ``ModelRunner`` to use instead of the torch one (tests: ``asyncllm.testing``).
+            tokenizer: The tokenizer to use with ``runner`` (by default loaded from ``model``).
+            **options: Fields of ``EngineOptions`` (``device``, ``max_num_seqs``,
+                ``kv_cache_blocks``, ``step_timeout``, ...): each one's meaning and default is
+                stated there once (``help(asyncllm.EngineOptions)``), and each is a CLI flag.
+
+        Returns:
+            The engine, not started yet.
+
+        Raises:
+            TypeError: A keyword is not an engine option.
+            ValueError: An option is out of range.
+        """
+        checked = EngineOptions.from_keywords(model=model, **options)
+        if runner is not None and tokenizer is None:
+            raise ValueError("a custom runner needs a tokenizer too")
+        return cls(checked, runner, tokenizer)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Engine:
+        if self._stack is not None or self._closed:
+            raise RuntimeError("an Engine can be entered only once; call Engine.open() again")
+        self._stack = stack = AsyncExitStack()
+        await stack.__aenter__()
+        try:
+            await self._start(stack)
+        except BaseException:
+            self._closed = True
+            await self._teardown()
+            raise
+        return self
+
+    async def _teardown(self) -> None:
+        # The exception that ends the block is not passed down: the task groups inside would wrap
+        # it in an ExceptionGroup. Stopping is orderly (abort, finish the step in flight, free,
+        # join) and bounded by one step; the device calls inside are shielded, so a cancelled
+        # caller still frees the device and joins its thread.
+        if self._core is not None:
+            self._core.stop_nowait()
+        if self._stack is not None:
+            await self._stack.aclose()
+
+    async def _start(self, stack: AsyncExitStack) -> None:
+        runner, tokenizer = self._runner, self._tokenizer
+        if runner is None or tokenizer is None:
+            model_path = await anyio.to_thread.run_sync(_resolve_model, self.options.model)
+            if tokenizer is None:
+                tokenizer = await anyio.to_thread.run_sync(_load_tokenizer, model_path)
+            if runner is None:
+                runner = self._torch_runner(model_path)
+        worker = DeviceWorker()
+        stack.push_async_callback(worker.stop)
+        info = await worker.run(runner.load)
+        stack.push_async_callback(_close_runner, worker, runner)
+        self._info = info
+        self._max_model_len = self._resolve_max_model_len(info)
+        kv_cache = KVCacheManager(
+            info.num_kv_blocks, info.block_size, enable_prefix_caching=self.options.enable_prefix_caching
+        )
+        scheduler = Scheduler(
+            kv_cache, max_num_seqs=self.options.max_num_seqs, max_num_batched_tokens=self.options.max_num_batched_tokens
+        )
+        outputs = OutputProcessor(tokenizer)
+        self._core = core = EngineCore(
+            scheduler,
+            worker,
+            runner,
+            outputs,
+            async_scheduling=self.options.async_scheduling,
+            step_timeout=self.options.step_timeout,
+        )
+        # Streams still open when the engine goes away end with an error instead of hanging.
+        stack.callback(lambda: outputs.fail_all(EngineClosedError("the engine was closed")))
+        self._inputs = InputProcessor(
+            tokenizer,
+            vocab_size=info.vocab_size,
+            max_model_len=self._max_model_len,
+            eos_token_ids=info.eos_token_ids,
+            limits=self.options.request_limits(),
+        )
+        task_group = await stack.enter_async_context(anyio.create_task_group())
+        await task_group.start(core.run)
+        logger.info(
+            "asyncllm engine ready: %s, %d KV blocks of %d tokens, max_model_len %d "
+            "(max concurrency at max_model_len: %.1f requests)",
+            info.description,
+            info.num_kv_blocks,
+            info.block_size,
+            self._max_model_len,
+            info.num_kv_blocks * info.block_size / self._max_model_len,
+        )
+
+    def _torch_runner(self, model_path: Path) -> ModelRunner:
+        from asyncllm.worker._model_runner import TorchModelRunner
+        return TorchModelRunner(model_path, self.options)
+
+    def _resolve_max_model_len(self, info: RunnerInfo) -> int:
+        requested = self.options.max_model_len
+        capacity = info.num_kv_blocks * info.block_size
+        if requested is not None:
+            if requested > capacity:
+                raise ValueError(
+                    f"max_model_len={requested} does not fit the KV cache ({info.num_kv_blocks} blocks of "
+                    f"{info.block_size} tokens = {capacity} tokens); lower it or give more kv_cache_blocks"
+                )
+            return requested
+        if info.max_model_len > capacity:
+            logger.warning("max_model_len capped at %d tokens, what the KV cache holds", capacity)
+        return min(info.max_model_len, capacity)
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._stack is None or self._closed:
+            return
+        self._closed = True
+        await self._teardown()
+        if exc_type is None and self._core is not None and self._core.dead is not None:
+            raise self._core.dead
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def _require_running(self) -> tuple[EngineCore, InputProcessor]:
+        core, inputs = self._core, self._inputs
+        if core is None or inputs is None or self._closed:
+            raise EngineClosedError("the engine is not running; use `async with Engine.open(...) as engine:`")
+        if core.dead is not None:
+            raise EngineDeadError("the engine died earlier") from core.dead
+        return core, inputs
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | Mapping[str, Any] | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        """Submit a request and return its live output.
+
+        Validation happens here, at the call: nothing is scheduled for a bad request. A text
+        prompt is tokenized here too, in the caller's thread (bounded by ``max_prompt_bytes``);
+        async code serving many users should prefer ``open_stream``, which tokenizes long
+        prompts in a worker thread.
+
+        Args:
+            prompt: Text (tokenized with the model's tokenizer) or a sequence of token ids.
+            params: How to sample: a ``SamplingParams`` or a mapping of its fields (unknown keys
+                are rejected); defaults to ``SamplingParams()``.
+            cache_salt: Requests share prefix-cache entries only when their salts are equal: give
+                each tenant that must not share cached KV (or timing) its own salt.
+
+        Returns:
+            A ``RequestStream``: iterate it for ``StreamChunk`` deltas. Leaving it early (break,
+            cancellation, timeout, ``aclose()``) aborts the request.
+
+        Raises:
+            InvalidRequestError: The prompt or parameters are invalid (a ``ValueError``).
+            EngineOverloadedError: ``max_waiting_requests`` requests are already waiting.
+            EngineClosedError: The engine is not running.
+            EngineDeadError: The engine died.
+        """
+        return self._submit(prompt, params, cache_salt, wake_at_end=False)
+
+    def _submit(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | Mapping[str, Any] | None,
+        cache_salt: str | None,
+        *,
+        wake_at_end: bool,
+    ) -> RequestStream:
+        core, inputs = self._require_running()
+        self._check_capacity(core)
+        request = inputs.process(prompt, params if params is not None else SamplingParams(), cache_salt=cache_salt)
+        return self._admit(core, request, wake_at_end=wake_at_end)
+
+    async def _submit_async(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | Mapping[str, Any] | None,
+        cache_salt: str | None,
+        *,
+        wake_at_end: bool,
+    ) -> RequestStream:
+        core, inputs = self._require_running()
+        self._check_capacity(core)  # an overloaded engine refuses before any tokenizing
+        request = await inputs.process_async(
+            prompt, params if params is not None else SamplingParams(), cache_salt=cache_salt
+        )
+        core, _ = self._require_running()  # it may have closed or died while the prompt was tokenized
+        self._check_capacity(core)
+        return self._admit(core, request, wake_at_end=wake_at_end)
+
+    def _check_capacity(self, core: EngineCore) -> None:
+        limit = self.options.max_waiting_requests
+        if limit is not None and core.num_waiting >= limit:
+            raise EngineOverloadedError(f"{limit} requests are already waiting (max_waiting_requests); retry later")
+
+    def _admit(self, core: EngineCore, request: Request, *, wake_at_end: bool) -> RequestStream:
+        stream = RequestStream(
+            request.request_id,
+            request.prompt_token_ids,
+            core.abort_nowait,
+            num_samples=len(request.group) or 1,
+            wake_at_end=wake_at_end,
+        )
+        core.add(request, stream)
+        return stream
+
+    async def open_stream(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | Mapping[str, Any] | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        """Submit a request and return its live output, as ``stream`` does, without holding the event loop.
+
+        ``stream`` tokenizes in the caller's thread, which is the event loop's: a long prompt then
+        holds up every other stream while it is tokenized (``max_prompt_bytes`` bounds how long).
+        This twin checks everything cheap in place, then tokenizes a long text prompt (8,192
+        characters or more) or many bad words in a worker thread. Servers that take prompts from
+        many users should use it (the HTTP app does); ``generate`` and ``chat`` do.
+
+        Args:
+            prompt: Text or token ids, as for ``stream``.
+            params: How to sample, as for ``stream``.
+            cache_salt: As for ``stream``.
+
+        Returns:
+            A ``RequestStream``, as ``stream`` returns.
+
+        Raises:
+            InvalidRequestError: As for ``stream``.
+            EngineOverloadedError: As for ``stream``.
+            EngineClosedError: The engine is not running (or was closed while the prompt was tokenized).
+            EngineDeadError: The engine died.
+        """
+        return await self._submit_async(prompt, params, cache_salt, wake_at_end=False)
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | Mapping[str, Any] | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> Completion:
+        """Run a request to the end and return its whole output (a long prompt is tokenized in a
+        worker thread, as ``open_stream`` does).
+
+        Args:
+            prompt: Text or token ids, as for ``stream``.
+            params: How to sample.
+            cache_salt: As for ``stream``.
+
+        Returns:
+            The ``Completion``. Cancelling the call aborts the request.
+
+        Raises:
+            InvalidRequestError: As for ``stream``.
+            EngineOverloadedError: As for ``stream``.
+            EngineClosedError: The engine is not running (or closed while the request ran).
+            EngineDeadError: The engine died.
+        """
+        parts: list[_SampleParts] = []
+        prompt_logprobs: tuple[Logprobs | None, ...] | None = None
+        # Woken once, when the request ends: the output arrives merged, one chunk per sample.
+        async with await self._submit_async(prompt, params, cache_salt, wake_at_end=True) as stream:
+            parts = [_SampleParts() for _ in range(stream.num_samples)]
+            async for chunk in stream:
+                parts[chunk.index].add(chunk)
+                if chunk.prompt_logprobs is not None:
+                    prompt_logprobs = chunk.prompt_logprobs
+        samples = tuple(part.sample(index) for index, part in enumerate(parts))
+        first = samples[0]
+        return Completion(
+            first.text,
+            first.token_ids,
+            tuple(stream.prompt_token_ids),
+            first.finish_reason,
+            logprobs=first.logprobs,
+            prompt_logprobs=prompt_logprobs,
+            stop_reason=first.stop_reason,
+            samples=samples,
+        )
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (running requests keep their blocks).
+
+        Returns:
+            How many cached blocks were forgotten.
+
+        Raises:
+            EngineClosedError: The engine is not running.
+        """
+        core, _ = self._require_running()
+        return core.reset_prefix_cache()
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Render a conversation with the model's chat template, the assistant's turn opened.
+
+        Rendering and tokenizing run in the caller's thread (bounded by ``max_prompt_bytes``);
+        ``encode_chat`` is the twin that moves a long conversation to a worker thread.
+
+        Args:
+            messages: ``{"role": ..., "content": ...}`` mappings (content a str), oldest first.
+
+        Returns:
+            The prompt's token ids (``add_generation_prompt=True``).
+
+        Raises:
+            ChatTemplateError: The model has no chat template, the messages are malformed (or
+                hold text that is not valid UTF-8), or the template rejected them (an
+                ``InvalidRequestError``).
+            PromptTooLongError: The messages hold more than ``max_prompt_bytes`` of text.
+            EngineClosedError: The engine is not running.
+            EngineDeadError: The engine died.
+        """
+        _, inputs = self._require_running()
+        return inputs.render_chat(messages)
+
+    async def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """``apply_chat_template``, with a long conversation (8,192 characters or more) rendered and
+        tokenized in a worker thread, so the event loop keeps running meanwhile.
+
+        Args:
+            messages: As for ``apply_chat_template``.
+
+        Returns:
+            The prompt's token ids, as ``apply_chat_template`` returns them.
+
+        Raises:
+            ChatTemplateError: As for ``apply_chat_template``.
+            PromptTooLongError: As for ``apply_chat_template``.
+            EngineClosedError: The engine is not running.
+            EngineDeadError: The engine died.
+        """
+        _, inputs = self._require_running()
+        return await inputs.render_chat_async(messages)
+
+    def chat_stream(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        """Submit a conversation (see ``apply_chat_template``) and return the reply's live output.
+
+        Args:
+            messages: The conversation so far, oldest first.
+            params: How to sample.
+            cache_salt: As for ``stream``.
+
+        Returns:
+            A ``RequestStream``, as ``stream`` returns.
+
+        Raises:
+            ChatTemplateError: As for ``apply_chat_template``.
+            InvalidRequestError: As for ``stream``.
+            EngineClosedError: The engine is not running.
+            EngineDeadError: The engine died.
+        """
+        return self.stream(self.apply_chat_template(messages), params, cache_salt=cache_salt)
+
+    async def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> Completion:
+        """Run a conversation's next assistant turn to the end (see ``chat_stream``); a long
+        conversation is rendered in a worker thread (see ``encode_chat``).
+
+        Args:
+            messages: The conversation so far, oldest first.
+            params: How to sample.
+            cache_salt: As for ``stream``.
+
+        Returns:
+            The reply as a ``Completion``. Cancelling the call aborts the request.
+
+        Raises:
+            ChatTemplateError: As for ``apply_chat_template``.
+            InvalidRequestError: As for ``stream``.
+            EngineClosedError: The engine is not running (or closed while the request ran).
+            EngineDeadError: The engine died.
+        """
+        return await self.generate(await self.encode_chat(messages), params, cache_salt=cache_salt)
+
+    # -- introspection ---------------------------------------------------------------------------
+
+    def check_health(self) -> None:
+        """Return if the engine takes requests; raise why not (what ``GET /health`` asks).
+
+        Raises:
+            EngineClosedError: The engine is not running (not entered yet, or left).
+            EngineDeadError: The engine died.
+        """
+        self._require_running()
+
+    @property
+    def metrics(self) -> EngineMetrics:
+        """Live latency histograms and token counters (what ``/metrics`` exports).
+
+        Raises:
+            EngineClosedError: The engine was never entered.
+        """
+        if self._core is None:
+            raise EngineClosedError("the engine is not running")
+        return self._core.outputs.metrics
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt plus output this engine accepts (0 before it is entered)."""
+        return self._max_model_len
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer.
+
+        Raises:
+            EngineClosedError: The engine was never entered.
+        """
+        if self._inputs is None:
+            raise EngineClosedError("the engine is not running")
+        return self._inputs.tokenizer
+
+    def statistics(self) -> EngineStatistics:
+        """A snapshot of the engine's state (see ``EngineStatistics``).
+
+        Raises:
+            EngineClosedError: The engine was never entered.
+        """
+        core = self._core
+        if core is None:
+            raise EngineClosedError("the engine is not running")
+        return core.statistics()
+
+
+@dataclass(slots=True)
+class _SampleParts:
+    """One sample's chunks, gathered by ``Engine.generate``."""
+
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprobs] | None = None
+    finish_reason: FinishReason = "abort"
+    stop_reason: int | str | None = None
+
+    def add(self, chunk: StreamChunk) -> None:
+        self.texts.append(chunk.text)
+        self.token_ids.extend(chunk.token_ids)
+        if chunk.logprobs is not None:
+            self.logprobs = self.logprobs if self.logprobs is not None else []
+            self.logprobs.extend(chunk.logprobs)
+        if chunk.finish_reason is not None:
+            self.finish_reason = chunk.finish_reason
+            self.stop_reason = chunk.stop_reason
+
+    def sample(self, index: int) -> Sample:
+        logprobs = None if self.logprobs is None else tuple(self.logprobs)
+        return Sample(index, "".join(self.texts), tuple(self.token_ids), self.finish_reason, logprobs, self.stop_reason)
+
+
+async def _close_runner(worker: DeviceWorker, runner: ModelRunner) -> None:
+    if worker.abandoned:  # its thread is stuck in a step: close() would queue behind it forever
+        logger.warning("asyncllm: the model runner was not closed (its device thread is stuck)")
+        return
+    await worker.run(runner.close)
+
+
+def _resolve_model(model: str | os.PathLike[str] | None) -> Path:
+    from asyncllm.default_model import resolve_model_path
+    return resolve_model_path(model)
+
+
+def _load_tokenizer(model_path: Path) -> Tokenizer:
+    from transformers import AutoTokenizer
+
+    tokenizer: Tokenizer = AutoTokenizer.from_pretrained(model_path)  # type: ignore[assignment]
+    return tokenizer

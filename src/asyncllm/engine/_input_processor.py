@@ -1,0 +1,525 @@
+"""``InputProcessor``: prompt text or ids in, a validated ``Request`` out, or a clear error.
+
+Everything here runs before a request is queued, in the caller's task, so every check is bounded
+by a limit (``RequestLimits``) that is itself checked before the work it bounds: the prompt's size
+in bytes before it is tokenized, the number and size of stop strings and bad words before the bad
+words are tokenized, a prompt's length in ids before each id is looked at.
+
+Tokenizing is the one costly step, and it holds the thread that runs it. The synchronous path
+(``process``, behind ``Engine.stream``) tokenizes in the caller's thread, the event loop's, and
+``max_prompt_bytes`` bounds how long that takes. The asynchronous path (``process_async``, behind
+``Engine.open_stream``, ``Engine.generate`` and the HTTP app) runs the same checks, then tokenizes
+a long prompt (or many bad words) in a worker thread, so the event loop keeps streaming other
+requests meanwhile; short prompts are tokenized in place, where a thread hop would cost more than
+the tokenizing. Hugging Face's fast tokenizers encode in Rust without holding the GIL, and encoding
+with one tokenizer from several threads is safe once its truncation and padding settings are
+settled (see ``_thread_limiter``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import msgspec
+
+from asyncllm.core._request import Request
+from asyncllm.engine._detokenizer import Tokenizer
+from asyncllm.errors import (
+    ChatTemplateError,
+    InvalidPromptError,
+    InvalidRequestError,
+    InvalidSamplingParamsError,
+    PromptTooLongError,
+)
+from asyncllm.sampling_params import SamplingParams, utf8_size
+
+PROMPT_BYTES_PER_TOKEN = 16
+"""With ``max_prompt_bytes=None`` a text prompt may hold this many UTF-8 bytes per token of
+``max_model_len``: about four times what English, code or CJK text takes per token, so a prompt
+refused for its size would not have fit in tokens either, in all but contrived cases."""
+
+THREAD_MIN_CHARS = 8192
+"""``process_async`` tokenizes a text prompt (or a conversation) this long or longer in a worker
+thread: at about 2 MB/s that is 4 ms or more of tokenizing, well over the cost of the hop."""
+
+THREAD_MIN_BAD_WORDS = 32
+"""``process_async`` tokenizes this many bad words or more in a worker thread (each costs two
+tokenizer calls of about 30 us)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """The engine's caps on what one request may ask for (``Engine.open``'s options of the same names).
+
+    Attributes:
+        max_logprobs: The most alternatives ``logprobs`` and ``prompt_logprobs`` may ask for (vLLM's default).
+        max_prompt_bytes: The largest text prompt (or conversation), in UTF-8 bytes, checked before
+            tokenizing; None: ``PROMPT_BYTES_PER_TOKEN`` times ``max_model_len``.
+        max_stop: The most ``stop`` strings.
+        max_stop_bytes: The most UTF-8 bytes of all ``stop`` strings together.
+        max_bad_words: The most ``bad_words``.
+        max_bad_words_bytes: The most UTF-8 bytes of all ``bad_words`` together.
+    """
+
+    max_logprobs: int = 20
+    max_prompt_bytes: int | None = None
+    max_stop: int = 64
+    max_stop_bytes: int = 4096
+    max_bad_words: int = 256
+    max_bad_words_bytes: int = 8192
+
+
+def sampling_params_from(params: object) -> SamplingParams:
+    """``params`` as a ``SamplingParams``: taken as is, or built from a mapping of its fields.
+
+    Raises:
+        InvalidSamplingParamsError: Neither, an unknown key, or an invalid value.
+    """
+    if isinstance(params, SamplingParams):
+        return params
+    if not isinstance(params, Mapping):
+        raise InvalidSamplingParamsError(
+            f"params must be a SamplingParams or a mapping of its fields, got {type(params).__name__}"
+        )
+    unknown = sorted(str(key) for key in params if key not in SamplingParams.__struct_fields__)
+    if unknown:
+        raise InvalidSamplingParamsError(f"unknown sampling option(s): {', '.join(unknown)}")
+    try:
+        return SamplingParams(**params)
+    except TypeError as exc:  # e.g. a positional-only mistake msgspec reports as TypeError
+        raise InvalidSamplingParamsError(str(exc)) from exc
+
+
+def _raise_it(option: str) -> str:
+    flag = option.replace("_", "-")
+    return f"raise the limit with Engine.open({option}=...) or `asyncllm serve --{flag}`"
+
+
+class InputProcessor:
+    """Tokenizes and checks prompts against the model's limits and the engine's, before anything is scheduled.
+
+    Args:
+        tokenizer: The model's tokenizer.
+        vocab_size: Token ids must be below this.
+        max_model_len: Prompt plus generated tokens may not exceed this.
+        eos_token_ids: Ids that end generation unless ``ignore_eos``.
+        limits: The caps on one request.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        vocab_size: int,
+        max_model_len: int,
+        eos_token_ids: frozenset[int],
+        limits: RequestLimits = RequestLimits(),
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.limits = limits
+        self.max_prompt_bytes = (
+            limits.max_prompt_bytes if limits.max_prompt_bytes is not None else PROMPT_BYTES_PER_TOKEN * max_model_len
+        )
+        self._ids = itertools.count()
+        self._limiter: anyio.CapacityLimiter | None = None
+
+    # -- checks that cost nothing like tokenizing ------------------------------------------------
+
+    def check(self, params: SamplingParams | Mapping[str, Any], cache_salt: str | None) -> SamplingParams:
+        """Everything about a request but its prompt: the parameters, the salt, the limits.
+
+        Raises:
+            InvalidSamplingParamsError: ``params`` is invalid, names ids outside the vocabulary, or
+                asks for more than a limit allows.
+            InvalidRequestError: ``cache_salt`` is not valid text.
+        """
+        if cache_salt is not None:
+            if not isinstance(cache_salt, str):
+                raise InvalidRequestError(
+                    f"cache_salt must be a str, got {type(cache_salt).__name__}", param="cache_salt"
+                )
+            # The salt is hashed as UTF-8 with the first KV block, in the step loop: checked here instead.
+            utf8_size("cache_salt", cache_salt, InvalidRequestError, param="cache_salt")
+        params = sampling_params_from(params)
+        self.check_limits(params)
+        self.check_token_ids(params)
+        return params
+
+    def check_limits(self, params: SamplingParams) -> None:
+        """Check ``params`` against ``limits``.
+
+        Raises:
+            InvalidSamplingParamsError: A limit is exceeded; the message names it and its option.
+        """
+        limits = self.limits
+        for name in ("logprobs", "prompt_logprobs"):
+            count = getattr(params, name)
+            if count is not None and count > limits.max_logprobs:
+                raise InvalidSamplingParamsError(
+                    f"{name}={count} is more than this engine allows (max_logprobs={limits.max_logprobs}); "
+                    + _raise_it("max_logprobs"),
+                    param=name,
+                )
+        for name, max_count, max_bytes in (
+            ("stop", limits.max_stop, limits.max_stop_bytes),
+            ("bad_words", limits.max_bad_words, limits.max_bad_words_bytes),
+        ):
+            strings: tuple[str, ...] = getattr(params, name)
+            if len(strings) > max_count:
+                raise InvalidSamplingParamsError(
+                    f"{name} holds {len(strings)} strings, more than this engine allows (max_{name}={max_count}); "
+                    + _raise_it(f"max_{name}"),
+                    param=name,
+                )
+            size = sum(len(string.encode("utf-8")) for string in strings)  # valid UTF-8: SamplingParams checked
+            if size > max_bytes:
+                raise InvalidSamplingParamsError(
+                    f"{name} holds {size} bytes of text, more than this engine allows "
+                    f"(max_{name}_bytes={max_bytes}); " + _raise_it(f"max_{name}_bytes"),
+                    param=name,
+                )
+
+    def check_token_ids(self, params: SamplingParams) -> None:
+        """Check the token ids ``params`` names, and its logprob counts, against the vocabulary.
+
+        Raises:
+            InvalidSamplingParamsError: An id (or a logprobs count) is beyond the vocabulary.
+        """
+        named = [
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", tuple(params.logit_bias or ())),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+        ]
+        for name, token_ids in named:
+            for token_id in token_ids:
+                if token_id >= self.vocab_size:
+                    raise InvalidSamplingParamsError(
+                        f"{name} holds {token_id}, outside the vocabulary [0, {self.vocab_size})", param=name
+                    )
+        for name in ("logprobs", "prompt_logprobs"):
+            count = getattr(params, name)
+            if count is not None and count > self.vocab_size:
+                raise InvalidSamplingParamsError(
+                    f"{name}={count} is more than the vocabulary ({self.vocab_size})", param=name
+                )
+
+    def check_text_size(self, field: str, text: str, error: type[InvalidRequestError], *, param: str) -> int:
+        """The UTF-8 size of a prompt's ``text``, checked against ``max_prompt_bytes`` before any tokenizing.
+
+        Raises:
+            PromptTooLongError: ``text`` is larger than ``max_prompt_bytes``.
+            InvalidRequestError: ``error``, when ``text`` is not valid UTF-8 text.
+        """
+        limit = self.max_prompt_bytes
+        # A character is at least one byte: a text with more characters than the limit needs no encoding.
+        size = len(text) if len(text) > limit else utf8_size(field, text, error, param=param)
+        if size > limit:
+            at_least = "at least " if len(text) > limit else ""
+            raise PromptTooLongError(
+                f"{field} is {at_least}{size} bytes of text, more than this engine allows "
+                f"(max_prompt_bytes={limit}); shorten it, or " + _raise_it("max_prompt_bytes"),
+                param=param,
+            )
+        return size
+
+    def _check_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        total = num_prompt_tokens + params.max_tokens
+        if total > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt of {num_prompt_tokens} tokens plus max_tokens={params.max_tokens} is {total} tokens, "
+                f"more than max_model_len={self.max_model_len}",
+                param="prompt",
+            )
+
+    # -- tokenizing ------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        """The prompt's token ids, checked.
+
+        Raises:
+            InvalidPromptError: The prompt is empty, of the wrong type, not valid UTF-8 text, has ids
+                outside the vocabulary, or the tokenizer failed on it (the cause is chained).
+            PromptTooLongError: A text prompt is larger than ``max_prompt_bytes``.
+        """
+        if isinstance(prompt, str):
+            self._check_text_prompt(prompt)
+            return self._encode(prompt)
+        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Sequence):
+            raise InvalidPromptError(
+                f"prompt must be a str or a sequence of token ids, got {type(prompt).__name__}", param="prompt"
+            )
+        ids: list[int] = list(prompt)  # type: ignore[arg-type]  # mypy keeps str after the narrowing
+        if not ids:
+            raise InvalidPromptError("prompt is empty", param="prompt")
+        for token_id in ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
+                raise InvalidPromptError(
+                    f"prompt token id {token_id!r} is outside the vocabulary [0, {self.vocab_size})", param="prompt"
+                )
+        return ids
+
+    def _check_text_prompt(self, prompt: str) -> None:
+        if not prompt:
+            raise InvalidPromptError("prompt is empty", param="prompt")
+        self.check_text_size("prompt", prompt, InvalidPromptError, param="prompt")
+
+    def _encode(self, prompt: str) -> list[int]:
+        try:
+            encoded = list(self.tokenizer.encode(prompt))
+        except Exception as exc:  # the tokenizer's own failure is this prompt's, not the engine's
+            raise InvalidPromptError(
+                f"the tokenizer failed on the prompt: {type(exc).__name__}: {exc}", param="prompt"
+            ) from exc
+        if not encoded:
+            raise InvalidPromptError("prompt is made of no tokens (the tokenizer returned none)", param="prompt")
+        return encoded
+
+    def bad_words_token_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        """``params.bad_words`` as token sequences: each word alone and after a space (as vLLM does),
+        special tokens a tokenizer adds (BOS) left out, duplicates and out-of-vocabulary ones dropped.
+
+        Raises:
+            InvalidSamplingParamsError: The tokenizer failed on a word (the cause is chained).
+        """
+        if not params.bad_words:
+            return ()
+        special = frozenset(getattr(self.tokenizer, "all_special_ids", None) or ())
+        sequences: dict[tuple[int, ...], None] = {}
+        for word in params.bad_words:
+            for variant in (word.lstrip(), " " + word.lstrip()):
+                try:
+                    encoded = self.tokenizer.encode(variant)
+                except Exception as exc:
+                    raise InvalidSamplingParamsError(
+                        f"the tokenizer failed on bad word {word!r}: {type(exc).__name__}: {exc}", param="bad_words"
+                    ) from exc
+                ids = tuple(t for t in encoded if t not in special)
+                if ids and all(t < self.vocab_size for t in ids):
+                    sequences[ids] = None
+        return tuple(sequences)
+
+    def _tokenize_all(
+        self, prompt: str | Sequence[int], params: SamplingParams, *, text_checked: bool = False
+    ) -> tuple[list[int], tuple[tuple[int, ...], ...]]:
+        # The tokenizing half of a request: run in place, or in a worker thread by process_async
+        # (which checks a text prompt's size first, in place: text_checked).
+        if not isinstance(prompt, str) and isinstance(prompt, Sequence):
+            self._check_length(len(prompt), params)  # before looking at each id of an overlong prompt
+        prompt_ids = self._encode(prompt) if text_checked and isinstance(prompt, str) else self.tokenize(prompt)
+        self._check_length(len(prompt_ids), params)
+        return prompt_ids, self.bad_words_token_ids(params)
+
+    def _heavy(self, prompt: str | Sequence[int], params: SamplingParams) -> bool:
+        long_text = isinstance(prompt, str) and len(prompt) >= THREAD_MIN_CHARS
+        return long_text or len(params.bad_words) >= THREAD_MIN_BAD_WORDS
+
+    def _thread_limiter(self) -> anyio.CapacityLimiter:
+        # Made on first use, in the engine's event loop. A few threads at most: a burst of long
+        # prompts then takes a few cores from the device thread and the event loop, not all of them.
+        if self._limiter is None:
+            # transformers turns a fast tokenizer's truncation and padding off on its first encode
+            # when its file had them on, a change that must not race another thread's encode: one
+            # encode here, before any thread shares the tokenizer, settles that.
+            with contextlib.suppress(Exception):
+                self.tokenizer.encode("a")
+            self._limiter = anyio.CapacityLimiter(min(4, max(1, (os.cpu_count() or 2) // 2)))
+        return self._limiter
+
+    # -- whole requests --------------------------------------------------------------------------
+
+    def process(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | Mapping[str, Any],
+        *,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Build the engine's request for ``prompt``, tokenizing in the calling thread.
+
+        Args:
+            prompt: Text or token ids.
+            params: A ``SamplingParams``, or a mapping of its fields (unknown keys are rejected).
+            cache_salt: See ``Engine.stream``.
+
+        Raises:
+            InvalidPromptError: See ``tokenize``.
+            InvalidSamplingParamsError: ``params`` is invalid, has unknown keys, names ids outside
+                the vocabulary, or exceeds a limit.
+            InvalidRequestError: ``cache_salt`` is not a str of valid text.
+            PromptTooLongError: The prompt plus ``max_tokens`` exceeds ``max_model_len``, or the
+                prompt's text is larger than ``max_prompt_bytes``.
+        """
+        checked = self.check(params, cache_salt)
+        prompt_ids, bad_words = self._tokenize_all(prompt, checked)
+        return self._build(prompt_ids, checked, cache_salt, bad_words)
+
+    async def process_async(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | Mapping[str, Any],
+        *,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """``process``, with a long text prompt (``THREAD_MIN_CHARS`` or more) or many bad words
+        (``THREAD_MIN_BAD_WORDS``) tokenized in a worker thread, so the event loop keeps running.
+
+        The cheap checks run first, in place: a request they refuse costs no tokenizing. It always
+        yields to the event loop once (a schedule point, not a cancellation point, as ``stream``
+        is not one either), so admitting many requests in a row lets other streams run in between.
+        A cancellation while the thread tokenizes takes effect when it is done.
+
+        Raises:
+            InvalidRequestError: As ``process`` raises.
+        """
+        await anyio.lowlevel.cancel_shielded_checkpoint()
+        checked = self.check(params, cache_salt)
+        if self._heavy(prompt, checked):
+            if isinstance(prompt, str):
+                self._check_text_prompt(prompt)  # an oversized prompt is refused here, without a thread
+            prompt_ids, bad_words = await anyio.to_thread.run_sync(
+                functools.partial(self._tokenize_all, prompt, checked, text_checked=isinstance(prompt, str)),
+                limiter=self._thread_limiter(),
+            )
+        else:
+            prompt_ids, bad_words = self._tokenize_all(prompt, checked)
+        return self._build(prompt_ids, checked, cache_salt, bad_words)
+
+    def _build(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None,
+        bad_words: tuple[tuple[int, ...], ...],
+    ) -> Request:
+        stop_ids = frozenset(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        request = Request(
+            request_id=next(self._ids),
+            prompt_token_ids=prompt_ids,
+            params=params,
+            stop_token_ids=stop_ids,
+            max_total_tokens=self.max_model_len,
+            cache_salt=cache_salt,
+            bad_words_token_ids=bad_words,
+        )
+        if params.n > 1:
+            self._add_samples(request)
+        return request
+
+    def _add_samples(self, first: Request) -> None:
+        # Samples 1..n-1 are requests of their own (their own ids, stops and seeds) that start from
+        # sample 0's prompt blocks; the scheduler holds them until sample 0 has computed the prompt.
+        params = first.params
+        first.params = msgspec.structs.replace(params, n=1)
+        first.group.append(first)
+        for index in range(1, params.n):
+            sample_params = msgspec.structs.replace(
+                params,
+                n=1,
+                seed=None if params.seed is None else params.seed + index,
+                prompt_logprobs=None,  # reported once, with sample 0
+            )
+            sample = dataclasses.replace(
+                first,
+                request_id=next(self._ids),
+                params=sample_params,
+                sample_index=index,
+                output_token_ids=[],
+                block_hashes=[],
+                group=first.group,
+                forks=[],
+            )
+            first.group.append(sample)
+            first.forks.append(sample)
+
+    # -- conversations ---------------------------------------------------------------------------
+
+    def _check_messages(self, messages: Sequence[Mapping[str, Any]]) -> int:
+        # The shape, the text and the size of a conversation; returns its size in characters.
+        apply = getattr(self.tokenizer, "apply_chat_template", None)
+        if apply is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ChatTemplateError(
+                "this model's tokenizer has no chat template; send a plain prompt instead", param="messages"
+            )
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+            raise ChatTemplateError(
+                "messages must be a non-empty list of {'role': ..., 'content': ...} mappings", param="messages"
+            )
+        limit = self.max_prompt_bytes
+        chars = size = 0
+        for index, message in enumerate(messages):
+            if not isinstance(message, Mapping) or not all(
+                isinstance(message.get(k), str) for k in ("role", "content")
+            ):
+                raise ChatTemplateError(
+                    f"messages[{index}] must be a mapping with str 'role' and 'content': {message!r}", param="messages"
+                )
+            for key, value in message.items():
+                if not isinstance(value, str):
+                    continue
+                if size + len(value) > limit:  # a character is at least one byte: no need to encode the rest
+                    raise PromptTooLongError(
+                        f"messages are more than {limit} bytes of text, more than this engine allows "
+                        f"(max_prompt_bytes={limit}); shorten them, or " + _raise_it("max_prompt_bytes"),
+                        param="messages",
+                    )
+                chars += len(value)
+                size += utf8_size(f"messages[{index}].{key}", value, ChatTemplateError, param="messages")
+        if size > limit:
+            raise PromptTooLongError(
+                f"messages are {size} bytes of text, more than this engine allows (max_prompt_bytes={limit}); "
+                "shorten them, or " + _raise_it("max_prompt_bytes"),
+                param="messages",
+            )
+        return chars
+
+    def _render(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        from jinja2 import TemplateError  # a dependency of transformers, whose tokenizers have chat templates
+
+        apply = self.tokenizer.apply_chat_template  # type: ignore[attr-defined]  # checked by _check_messages
+        try:
+            encoded = apply([dict(m) for m in messages], add_generation_prompt=True, tokenize=True, return_dict=True)
+        except (TemplateError, ValueError, TypeError, KeyError) as exc:
+            # Templates refuse some conversations on purpose (``raise_exception``), e.g. roles that do not alternate.
+            raise ChatTemplateError(f"the chat template rejected the messages: {exc}", param="messages") from exc
+        except Exception as exc:  # the tokenizer's own failure is this conversation's, not the engine's
+            raise ChatTemplateError(
+                f"rendering or tokenizing the messages failed: {type(exc).__name__}: {exc}", param="messages"
+            ) from exc
+        return list(encoded["input_ids"])
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """A conversation's prompt ids, through the model's chat template, the assistant's turn opened.
+
+        Raises:
+            ChatTemplateError: No chat template, malformed messages or text that is not valid
+                UTF-8, or the template rejected them.
+            PromptTooLongError: The messages' text is larger than ``max_prompt_bytes``.
+        """
+        self._check_messages(messages)
+        return self._render(messages)
+
+    async def render_chat_async(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """``render_chat``, rendered and tokenized in a worker thread when the conversation holds
+        ``THREAD_MIN_CHARS`` characters or more. Always a schedule point, as ``process_async``.
+
+        Raises:
+            ChatTemplateError: As ``render_chat`` raises.
+            PromptTooLongError: As ``render_chat`` raises.
+        """
+        await anyio.lowlevel.cancel_shielded_checkpoint()
+        if self._check_messages(messages) >= THREAD_MIN_CHARS:
+            return await anyio.to_thread.run_sync(self._render, messages, limiter=self._thread_limiter())
+        return self._render(messages)

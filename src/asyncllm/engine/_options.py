@@ -1,0 +1,225 @@
+"""``EngineOptions``: every option of an engine, its default and its meaning stated once.
+
+``Engine.open(model, **options)`` takes these fields as keywords, ``asyncllm generate/chat/serve``
+make a flag of each, and the torch model runner reads the same struct, so an option is added in
+one place and appears everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncllm.engine._input_processor import RequestLimits
+from asyncllm.worker._memory import check_kv_cache_memory
+
+DEFAULT_MAX_WAITING_REQUESTS = 4096
+"""``max_waiting_requests``' default: sixteen full batches at the default ``max_num_seqs``, so a
+burst queues rather than fails, while the queue (each entry holds its prompt's ids, at most
+``max_model_len`` of them) stays bounded; beyond it requests fail fast with ``EngineOverloadedError``."""
+
+DEFAULT_STEP_TIMEOUT = 300.0
+"""Seconds a model step may take before the device counts as hung: far above any real step (a full
+``max_num_batched_tokens`` prefill of a large model on a CPU takes a minute or two)."""
+
+
+def _doc(text: str) -> dict[str, str]:
+    return {"doc": " ".join(text.split())}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineOptions:
+    """An engine's options, checked at construction (``ValueError`` naming the option).
+
+    Each field's meaning is ``option_doc(name)``; the list below is generated from the same text.
+    """
+
+    model: str | os.PathLike[str] | None = field(
+        default=None,
+        metadata=_doc("""A local HF-format folder (config.json, *.safetensors, tokenizer files), or None for the
+        default model (SmolLM2-135M-Instruct, converted once into a local cache)."""),
+    )
+    device: str = field(
+        default="auto", metadata=_doc(""""auto" (CUDA if available, else CPU), "cpu", "cuda", "cuda:N".""")
+    )
+    dtype: str = field(
+        default="auto",
+        metadata=_doc(""""auto" (bfloat16 on CUDA, float32 on CPU), "float32", "float16", "bfloat16"."""),
+    )
+    block_size: int = field(default=16, metadata=_doc("Tokens per KV cache block."))
+    max_num_seqs: int = field(default=256, metadata=_doc("The most requests running at once."))
+    max_num_batched_tokens: int = field(
+        default=2048, metadata=_doc("The most tokens computed in one step (longer prompts are prefilled in chunks).")
+    )
+    max_model_len: int | None = field(
+        default=None,
+        metadata=_doc("""The longest prompt plus output; None: the model's context length (capped by what the KV
+        cache holds)."""),
+    )
+    kv_cache_blocks: int | None = field(
+        default=None, metadata=_doc("Number of KV blocks; None sizes the cache from memory.")
+    )
+    kv_cache_memory: int | float | None = field(
+        default=None,
+        metadata=_doc("""With kv_cache_blocks=None, the KV cache's size: bytes (an int) or a fraction (a float in
+        (0, 1]) of the memory left after the weights and the measured activation peak of a
+        max_num_batched_tokens step. None: a quarter of that (at most 4 GiB) on the CPU, 90% on CUDA.
+        The block count and the concurrency it allows at max_model_len are logged."""),
+    )
+    seed: int | None = field(
+        default=None, metadata=_doc("Seed of the generator that unseeded sampling requests share.")
+    )
+    enable_prefix_caching: bool = field(
+        default=True, metadata=_doc("Reuse the KV cache of identical prompt prefixes (full blocks) across requests.")
+    )
+    max_waiting_requests: int | None = field(
+        default=DEFAULT_MAX_WAITING_REQUESTS,
+        metadata=_doc("""Bound of the queue of requests not yet running; beyond it stream() raises
+        EngineOverloadedError at once (HTTP 503). Default 4096 (sixteen batches of the default
+        max_num_seqs); None: unbounded."""),
+    )
+    step_timeout: float | None = field(
+        default=DEFAULT_STEP_TIMEOUT,
+        metadata=_doc("""Seconds a model step may take, from its submission to the device thread, before the
+        device counts as hung: the engine then dies with DeviceStepTimeoutError on every stream,
+        check_health (/health) fails, and leaving `async with` returns at once, leaving the stuck
+        thread behind (logged). None waits forever."""),
+    )
+    attention_backend: str = field(
+        default="auto",
+        metadata=_doc(""""auto" (the Triton kernels on CUDA when triton is installed; on the CPU the cpu kernel
+        when it can run, else the torch reference), "torch", "cpu" (C kernels for float32 on the
+        CPU, built once with the system C compiler), or "triton" (on the CPU only under
+        TRITON_INTERPRET=1: slow, for tests). See docs/gpu.md and docs/performance.md."""),
+    )
+    enforce_eager: bool = field(
+        default=False,
+        metadata=_doc("""Never use CUDA graphs. By default, on CUDA with the triton backend, decode-only steps
+        replay graphs captured at start-up for batch sizes up to max_num_seqs."""),
+    )
+    async_scheduling: bool = field(
+        default=True,
+        metadata=_doc("""Schedule step N+1 while step N still runs on the device (its sampled tokens are filled in
+        on the device thread), so the device never waits for the event loop. False runs one step at
+        a time; outputs are identical either way."""),
+    )
+    compile: bool = field(
+        default=False,
+        metadata=_doc("""torch.compile the dense parts of every layer at start-up (norms, fused matmuls, rotary,
+        MLP): tens of seconds at the first start-up for a few percent more throughput on the CPU
+        when last measured (docs/performance.md), so off by default."""),
+    )
+    num_threads: int | None = field(
+        default=None,
+        metadata=_doc("""torch's intra-op threads for the forward on the CPU (set at start-up on the device
+        thread; torch's count is per process). None: OMP_NUM_THREADS if set, else every usable core
+        below 8 cores and all but one from 8 on (the spare core runs the event loop). On a machine
+        that other processes keep busy, fewer threads avoid OpenMP stalls."""),
+    )
+    max_logprobs: int = field(
+        default=20,
+        metadata=_doc("""The most alternatives a request's logprobs or prompt_logprobs may ask for (vLLM's
+        default); more is an InvalidSamplingParamsError."""),
+    )
+    max_prompt_bytes: int | None = field(
+        default=None,
+        metadata=_doc("""The largest text prompt (or chat conversation) in UTF-8 bytes, checked before it is
+        tokenized (PromptTooLongError); None: 16 bytes per token of max_model_len. It bounds the
+        tokenizing stream() does in the caller's thread; open_stream() and generate() tokenize long
+        prompts in a worker thread."""),
+    )
+    max_stop: int = field(default=64, metadata=_doc("The most stop strings a request may give."))
+    max_stop_bytes: int = field(
+        default=4096,
+        metadata=_doc("The most UTF-8 bytes of a request's stop strings together (searched at every step)."),
+    )
+    max_bad_words: int = field(default=256, metadata=_doc("The most bad_words a request may give."))
+    max_bad_words_bytes: int = field(
+        default=8192,
+        metadata=_doc("""The most UTF-8 bytes of a request's bad_words together (each is tokenized twice at the
+        call and checked at every step)."""),
+    )
+
+    def __post_init__(self) -> None:
+        check_kv_cache_memory(self.kv_cache_memory)
+        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
+            raise ValueError(
+                f"attention_backend must be 'auto', 'torch', 'cpu' or 'triton', got {self.attention_backend!r}"
+            )
+        for name in ("compile", "enforce_eager", "async_scheduling", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            _check_positive(name, getattr(self, name))
+        for name in ("max_model_len", "kv_cache_blocks", "max_waiting_requests", "num_threads", "max_prompt_bytes"):
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name))
+        if self.step_timeout is not None and (
+            isinstance(self.step_timeout, bool)
+            or not isinstance(self.step_timeout, (int, float))
+            or not 0 < self.step_timeout < math.inf
+        ):
+            raise ValueError(f"step_timeout must be a positive number of seconds or None, got {self.step_timeout!r}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be 'auto', 'float32', 'float16' or 'bfloat16', got {self.dtype!r}")
+        for name in ("max_stop", "max_stop_bytes", "max_bad_words", "max_bad_words_bytes"):
+            _check_positive(name, getattr(self, name))
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64
+        ):
+            raise ValueError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
+
+    @classmethod
+    def from_keywords(cls, **options: Any) -> EngineOptions:
+        """Build the options from keywords, as ``Engine.open`` receives them.
+
+        Raises:
+            TypeError: A keyword is not an option (the message suggests the closest one).
+            ValueError: An option is out of range.
+        """
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in options:
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise TypeError(f"unknown engine option {key!r}{hint} (the options are EngineOptions' fields)")
+        return cls(**options)
+
+    def request_limits(self) -> RequestLimits:
+        """The caps on one request these options set."""
+        return RequestLimits(
+            max_logprobs=self.max_logprobs,
+            max_prompt_bytes=self.max_prompt_bytes,
+            max_stop=self.max_stop,
+            max_stop_bytes=self.max_stop_bytes,
+            max_bad_words=self.max_bad_words,
+            max_bad_words_bytes=self.max_bad_words_bytes,
+        )
+
+
+def option_doc(name: str) -> str:
+    """What the option ``name`` means (one paragraph)."""
+    docs: dict[str, str] = {f.name: f.metadata["doc"] for f in dataclasses.fields(EngineOptions)}
+    return docs[name]
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _document_fields() -> None:
+    # help(EngineOptions) lists every option with its default, from the fields themselves.
+    lines = ["", "    Attributes:"]
+    for item in dataclasses.fields(EngineOptions):
+        lines.append(f"        {item.name} (default {item.default!r}): {item.metadata['doc']}")
+    EngineOptions.__doc__ = (EngineOptions.__doc__ or "") + "\n".join(lines) + "\n"
+
+
+_document_fields()

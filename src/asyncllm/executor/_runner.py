@@ -1,0 +1,120 @@
+"""The seam between the engine and whatever computes tokens: the ``ModelRunner`` protocol.
+
+Like an httpx transport, the runner is injected: the real one runs the model with torch
+(``asyncllm.worker._model_runner.TorchModelRunner``); ``asyncllm.testing`` ships a scripted one so the
+layers above can be tested without weights. Everything here is plain Python: no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from asyncllm.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerInfo:
+    """What the engine needs to know about a loaded model."""
+
+    num_kv_blocks: int
+    block_size: int
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    description: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceInput:
+    """One request's share of a step, as the runner receives it."""
+
+    request_id: int
+    token_ids: list[int]
+    """The tokens fed this step (a prefill chunk, or one decode token)."""
+    start_position: int
+    """Position of ``token_ids[0]``; every earlier token's KV is already cached."""
+    block_table: list[int]
+    sample: bool
+    """Sample a token after the last fed token."""
+    params: SamplingParams
+    num_generated: int = 0
+    """Tokens the request has generated so far (a seeded sampler may key its stream on it)."""
+    prompt_token_ids: Sequence[int] = ()
+    """The request's whole prompt, by reference (never mutated). It tells prompt positions from
+    output ones (penalties, ``min_tokens``), gives prompt tokens whose KV came from elsewhere (a
+    prefix cache) and the targets of ``prompt_logprobs``."""
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    """``params.bad_words`` tokenized (each word alone and after a space)."""
+    epoch: int = 0
+    """The request's preemption epoch. Within one epoch its ``block_table`` only grows from step to
+    step; a preempted request starts over, with new blocks, in a later epoch."""
+
+
+@dataclass(frozen=True, slots=True)
+class PositionLogprobs:
+    """Log-probabilities at one position, from the model's raw logits (no text yet)."""
+
+    token_id: int
+    """The token at this position: the sampled one, or the prompt's."""
+    logprob: float
+    rank: int
+    """1 + the number of tokens with a strictly higher log-probability."""
+    top_token_ids: tuple[int, ...]
+    """The most likely tokens, best first (their ranks are 1, 2, ...)."""
+    top_logprobs: tuple[float, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What a step produced."""
+
+    sampled_token_ids: list[int]
+    """One id per sequence with ``sample=True``, in batch order."""
+    logprobs: list[PositionLogprobs | None] | None = None
+    """Aligned with ``sampled_token_ids`` when a request asked for logprobs (None entries otherwise)."""
+    prompt_logprobs: dict[int, list[PositionLogprobs | None]] | None = None
+    """Per request id that asked for them, its prompt logprobs, complete (aligned with the prompt; None
+    for the first token and for positions never computed), in the step that samples after its prompt."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepBatch:
+    """Everything one model step computes."""
+
+    sequences: list[SequenceInput]
+    finished_request_ids: list[int]
+    """Requests that ended since the previous step: the runner drops their state."""
+
+
+@dataclass(slots=True)
+class RunnerTimings:
+    """Seconds a runner spent in each part of its steps, summed over steps (device thread only).
+
+    A runner that keeps these exposes them as a ``timings`` attribute; ``Engine.statistics()``
+    reports them as ``device_prepare``, ``device_forward`` and ``device_sample``.
+    """
+
+    prepare: float = 0.0
+    """Building the step's input arrays and attention metadata."""
+    forward: float = 0.0
+    """The model forward, up to the final hidden states."""
+    sample: float = 0.0
+    """Logits, sampling (logprobs included) and the copy of the sampled ids to the host."""
+
+
+class ModelRunner(Protocol):
+    """Computes tokens. Every method runs on the engine's device thread, never on the event loop."""
+
+    def load(self) -> RunnerInfo:
+        """Load weights, allocate the KV cache and report its shape."""
+        ...
+
+    def execute(self, batch: StepBatch) -> StepOutput:
+        """Run one step; sample a token for each sequence with ``sample=True``."""
+        ...
+
+    def close(self) -> None:
+        """Free weights and KV memory. Called once, last."""
+        ...

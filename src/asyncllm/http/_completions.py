@@ -1,0 +1,481 @@
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI bodies in, engine streams out.
+
+Every request is validated up to the engine's own checks (``engine.open_stream()`` raises at the
+call) before a byte of the response is sent, so a bad request is always a clean 4xx. The app's own
+limits (``max_choices``, ``max_completion_logprobs``, ``max_top_logprobs``) are checked first, before
+any prompt is tokenized; prompts are admitted with ``open_stream`` and conversations rendered with
+``encode_chat``, which tokenize long ones in a worker thread, off the event loop. Then the response
+is either one JSON body or server-sent events; either way the engine streams are consumed under
+``Exchange.until_disconnect``, so a client that goes away cancels the consumer, which closes the
+streams, which aborts the requests and frees their KV blocks at the next step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from anyio.streams.memory import MemoryObjectSendStream
+
+from asyncllm.engine._stream import RequestStream
+from asyncllm.errors import PromptTooLongError
+from asyncllm.http._app import Exchange, HTTPError
+from asyncllm.http._protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessage,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    SamplingRequest,
+    Usage,
+)
+from asyncllm.outputs import StreamChunk
+from asyncllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from asyncllm.http._app import OpenAIApp
+_COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+# A request field at its neutral value asks for nothing, so it is fine even where unsupported.
+_NEUTRAL: dict[str, Any] = {
+    "n": 1,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
+    "min_tokens": 0,
+    "stop": (),
+    "stop_token_ids": (),
+    "logit_bias": {},
+    "ignore_eos": False,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "include_stop_str_in_output": False,
+    "bad_words": (),
+}
+
+OnChunk = Callable[[int, StreamChunk], Awaitable[None]]
+_Item = tuple[int, StreamChunk | None, Exception | None]  # (stream index, chunk, or the error it ended with)
+
+
+def _over_limit(what: str, limit: str, value: int, param: str) -> HTTPError:
+    flag = limit.replace("_", "-")
+    return HTTPError(
+        400,
+        f"{what}, more than this server allows ({limit}={value}); "
+        f"raise the limit with create_app({limit}=...) or `asyncllm serve --{flag}`",
+        param=param,
+        code="invalid_request",
+    )
+
+
+def _unsupported(param: str, what: str | None = None) -> HTTPError:
+    return HTTPError(
+        400, f"{what or f'`{param}`'} is not supported yet by this server", param=param, code="unsupported_parameter"
+    )
+
+
+def sampling_params(body: SamplingRequest, *, max_tokens: int, **extra: Any) -> SamplingParams:
+    """The engine's ``SamplingParams`` for an OpenAI request body.
+
+    Each request field maps to the ``SamplingParams`` field of the same name when it has one;
+    a field the engine does not have yet, given a non-neutral value, is a 400 "not supported yet".
+
+    Raises:
+        HTTPError: 400 for an unsupported field.
+        InvalidSamplingParamsError: A value is out of range (a 400 too, via ``error_for``).
+    """
+    requested: dict[str, Any] = {
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "min_p": body.min_p,
+        "seed": body.seed,
+        "n": body.n,
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "repetition_penalty": body.repetition_penalty,
+        "min_tokens": body.min_tokens,
+        "ignore_eos": body.ignore_eos,
+        "skip_special_tokens": body.skip_special_tokens,
+        "spaces_between_special_tokens": body.spaces_between_special_tokens,
+        "include_stop_str_in_output": body.include_stop_str_in_output,
+        "allowed_token_ids": tuple(body.allowed_token_ids) if body.allowed_token_ids is not None else None,
+        "bad_words": tuple(body.bad_words) if body.bad_words is not None else None,
+        "stop": (body.stop,) if isinstance(body.stop, str) else tuple(body.stop) if body.stop is not None else None,
+        "stop_token_ids": tuple(body.stop_token_ids) if body.stop_token_ids is not None else None,
+        "logit_bias": _logit_bias(body.logit_bias),
+        **extra,
+    }
+    fields = SamplingParams.__struct_fields__
+    kwargs: dict[str, Any] = {"max_tokens": max_tokens}
+    for name, value in requested.items():
+        if value is None or (name in _NEUTRAL and value == _NEUTRAL[name]):
+            continue
+        if name not in fields:
+            raise _unsupported(name, "n > 1" if name == "n" else None)
+        kwargs[name] = value
+    return SamplingParams(**kwargs)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        raise HTTPError(400, "logit_bias keys must be token ids", param="logit_bias") from None
+
+
+def _is_ids(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _prompts(prompt: str | list[Any]) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if prompt and _is_ids(prompt):
+        return [list(prompt)]
+    if prompt and all(_is_ids(p) for p in prompt):
+        return [list(p) for p in prompt]
+    raise HTTPError(
+        400,
+        "prompt must be a non-empty string, list of strings, list of token ids or list of lists of token ids",
+        param="prompt",
+    )
+
+
+def _message(index: int, message: ChatMessage) -> dict[str, str]:
+    if message.tool_calls:
+        raise _unsupported(f"messages[{index}].tool_calls", "tool calls")
+    content = message.content
+    if content is None:
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    else:
+        for part in content:
+            if part.type != "text" or part.text is None:
+                raise _unsupported(f"messages[{index}].content", f"content of type {part.type!r}")
+        text = "".join(part.text or "" for part in content)
+    result = {"role": message.role, "content": text}
+    if message.name is not None:
+        result["name"] = message.name
+    return result
+
+
+async def each_chunk(streams: Sequence[RequestStream], on_chunk: OnChunk) -> None:
+    """Feed every chunk of ``streams`` to ``on_chunk(stream index, chunk)`` until all have ended.
+
+    Each stream is closed on the way out, whatever the way (an error, a cancellation), which
+    aborts its request if it has not finished. The first error is re-raised as is.
+    """
+    if len(streams) == 1:
+        async with streams[0] as stream:
+            async for chunk in stream:
+                await on_chunk(0, chunk)
+        return
+    # Several prompts: one pump per stream into a channel. It is unbounded on purpose: a pump
+    # only forwards what its stream already buffered, the same bounded-by-output memory.
+    send, receive = anyio.create_memory_object_stream[_Item](math.inf)
+
+    async def pump(index: int, stream: RequestStream, out: MemoryObjectSendStream[_Item]) -> None:
+        with out:
+            async with stream:
+                try:
+                    async for chunk in stream:
+                        out.send_nowait((index, chunk, None))
+                except anyio.BrokenResourceError:
+                    return  # the consumer is gone; leaving `async with stream` aborts the request
+                except Exception as exc:
+                    with contextlib.suppress(anyio.BrokenResourceError):
+                        out.send_nowait((index, None, exc))
+
+    error: Exception | None = None
+    async with anyio.create_task_group() as task_group:
+        with send:
+            for index, stream in enumerate(streams):
+                task_group.start_soon(pump, index, stream, send.clone())
+        with receive:
+            try:
+                async for index, item, exc in receive:
+                    if exc is not None:
+                        raise exc
+                    if item is not None:
+                        await on_chunk(index, item)
+            except Exception as exc:
+                error = exc  # raised in the task group it would come out wrapped in an ExceptionGroup
+                task_group.cancel_scope.cancel()
+    if error is not None:
+        raise error
+
+
+def _aborted() -> HTTPError:
+    return HTTPError(503, "the request was aborted: the engine is shutting down", type="server_error", code="aborted")
+
+
+def completion_logprobs(entries: Sequence[Any], offset: int) -> tuple[CompletionLogprobs, int]:
+    """The legacy completions ``logprobs`` object for ``entries`` (``asyncllm.outputs.Logprobs``),
+    whose first token starts at character ``offset`` of the choice's text; and the next offset."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for entry in entries:
+        tokens.append(entry.token.text)
+        token_logprobs.append(entry.token.logprob)
+        top = {alt.text: alt.logprob for alt in entry.top}
+        top.setdefault(entry.token.text, entry.token.logprob)  # the chosen token is always listed
+        top_logprobs.append(top)
+        offsets.append(offset)
+        offset += len(entry.token.text)
+    return CompletionLogprobs(tokens, token_logprobs, top_logprobs, offsets), offset
+
+
+def chat_logprobs(entries: Sequence[Any]) -> ChatLogprobs:
+    """The chat ``logprobs`` object for ``entries`` (``asyncllm.outputs.Logprobs``)."""
+    return ChatLogprobs(
+        [
+            ChatTokenLogprob(
+                entry.token.text,
+                entry.token.logprob,
+                list(entry.token.text.encode()),
+                [ChatTopLogprob(alt.text, alt.logprob, list(alt.text.encode())) for alt in entry.top],
+            )
+            for entry in entries
+        ]
+    )
+
+
+class _Choices:
+    """What a request's chunks said so far, per choice (``stream index * n + chunk.index``)."""
+
+    def __init__(self, num_choices: int, n: int) -> None:
+        self.n = n
+        self.texts: dict[int, list[str]] = {i: [] for i in range(num_choices)}
+        self.logprobs: dict[int, list[Any]] = {i: [] for i in range(num_choices)}
+        self.offsets: dict[int, int] = dict.fromkeys(range(num_choices), 0)
+        self.reasons: dict[int, str | None] = dict.fromkeys(range(num_choices))
+        self.generated = 0
+
+    def add(self, stream_index: int, chunk: StreamChunk, *, keep: bool) -> tuple[int, Sequence[Any]]:
+        """Count ``chunk`` in (and keep its text and logprobs when ``keep``); return its choice index
+        and its logprob entries.
+
+        Raises:
+            HTTPError: 503 when the engine aborted the request (it is shutting down).
+        """
+        if chunk.finish_reason == "abort":
+            raise _aborted()
+        index = stream_index * self.n + chunk.index
+        self.generated += len(chunk.token_ids)
+        entries: Sequence[Any] = getattr(chunk, "logprobs", None) or ()
+        if keep:
+            self.texts[index].append(chunk.text)
+            self.logprobs[index].extend(entries)
+        if chunk.finished:
+            self.reasons[index] = chunk.finish_reason
+        return index, entries
+
+    def usage(self, prompt_tokens: int) -> Usage:
+        return Usage(prompt_tokens, self.generated, prompt_tokens + self.generated)
+
+
+class CompletionHandlers:
+    """The two generating endpoints of one ``OpenAIApp``."""
+
+    def __init__(self, app: OpenAIApp) -> None:
+        self.app = app
+        self.engine = app.engine
+
+    def _check_choices(self, num_prompts: int, n: int) -> None:
+        if num_prompts * n > self.app.max_choices:
+            what = f"n={n}" if num_prompts == 1 else f"{num_prompts} prompts times n={n}"
+            raise _over_limit(
+                f"this request asks for {num_prompts * n} choices ({what})",
+                "max_choices",
+                self.app.max_choices,
+                "n" if n > self.app.max_choices else "prompt",
+            )
+
+    async def _open(
+        self, prompts: Sequence[str | list[int]], params: SamplingParams, cache_salt: str | None
+    ) -> list[RequestStream]:
+        # open_stream tokenizes long prompts in a worker thread and is a checkpoint, so admitting
+        # many prompts lets the other requests' streams run in between.
+        streams: list[RequestStream] = []
+        try:
+            for prompt in prompts:
+                streams.append(await self.engine.open_stream(prompt, params, cache_salt=cache_salt))
+        except BaseException:
+            for stream in streams:
+                await stream.aclose()
+            raise
+        return streams
+
+    # -- /v1/completions -------------------------------------------------------------------------
+
+    async def completions(self, exchange: Exchange) -> None:
+        """``POST /v1/completions``."""
+        body = await exchange.json(CompletionRequest)
+        self.app.check_model(body.model)
+        if body.echo:
+            raise _unsupported("echo")
+        if body.suffix:
+            raise _unsupported("suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise _unsupported("best_of")
+        if body.n < 1:
+            raise HTTPError(400, f"n must be >= 1, got {body.n}", param="n")
+        prompts = _prompts(body.prompt)
+        self._check_choices(len(prompts), body.n)
+        if body.logprobs is not None and body.logprobs > self.app.max_completion_logprobs:
+            raise _over_limit(
+                f"logprobs={body.logprobs} asks for more alternatives per token",
+                "max_completion_logprobs",
+                self.app.max_completion_logprobs,
+                "logprobs",
+            )
+        max_tokens = _COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
+        streams = await self._open(prompts, params, body.cache_salt)
+        request_id, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.app.model_name
+        prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
+        choices = _Choices(len(prompts) * body.n, body.n)
+        want_logprobs = body.logprobs is not None
+
+        def response(items: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
+            return CompletionResponse(request_id, created, model, items, usage)
+
+        if body.stream:
+            await exchange.start_events()
+
+            async def send_chunk(stream_index: int, chunk: StreamChunk) -> None:
+                index, entries = choices.add(stream_index, chunk, keep=False)
+                logprobs = None
+                if want_logprobs:
+                    logprobs, choices.offsets[index] = completion_logprobs(entries, choices.offsets[index])
+                if chunk.text or chunk.finished or entries:
+                    await exchange.event(response([CompletionChoice(index, chunk.text, logprobs, chunk.finish_reason)]))
+
+            await exchange.until_disconnect(lambda: each_chunk(streams, send_chunk))
+            if body.stream_options is not None and body.stream_options.include_usage:
+                await exchange.event(response([], choices.usage(prompt_tokens)))
+            await exchange.end_events()
+            return
+
+        async def collect(stream_index: int, chunk: StreamChunk) -> None:
+            choices.add(stream_index, chunk, keep=True)
+
+        await exchange.until_disconnect(lambda: each_chunk(streams, collect))
+        items = [
+            CompletionChoice(
+                i,
+                "".join(parts),
+                completion_logprobs(choices.logprobs[i], 0)[0] if want_logprobs else None,
+                choices.reasons[i],
+            )
+            for i, parts in choices.texts.items()
+        ]
+        await exchange.respond_json(200, response(items, choices.usage(prompt_tokens)))
+
+    # -- /v1/chat/completions --------------------------------------------------------------------
+
+    async def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        if body.tools or body.functions:
+            raise _unsupported("tools", "tool calling")
+        if body.tool_choice not in (None, "none") or body.function_call is not None:
+            raise _unsupported("tool_choice", "tool calling")
+        if body.response_format is not None and body.response_format.get("type", "text") != "text":
+            raise _unsupported("response_format", "a response_format other than text")
+        if not body.messages:
+            raise HTTPError(400, "messages must not be empty", param="messages")
+        messages: list[Mapping[str, str]] = [_message(i, m) for i, m in enumerate(body.messages)]
+        return await self.engine.encode_chat(messages)  # a long conversation is rendered in a worker thread
+
+    async def chat_completions(self, exchange: Exchange) -> None:
+        """``POST /v1/chat/completions``."""
+        body = await exchange.json(ChatCompletionRequest)
+        self.app.check_model(body.model)
+        if body.n < 1:
+            raise HTTPError(400, f"n must be >= 1, got {body.n}", param="n")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise HTTPError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if body.top_logprobs is not None and body.top_logprobs > self.app.max_top_logprobs:
+            raise _over_limit(
+                f"top_logprobs={body.top_logprobs} asks for more alternatives per token",
+                "max_top_logprobs",
+                self.app.max_top_logprobs,
+                "top_logprobs",
+            )
+        self._check_choices(1, body.n)
+        prompt_ids = await self._chat_prompt(body)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if max_tokens is None:  # OpenAI's default: as long as the context allows
+            max_tokens = self.engine.max_model_len - len(prompt_ids)
+            if max_tokens < 1:
+                raise PromptTooLongError(
+                    f"messages of {len(prompt_ids)} tokens leave no room to reply within "
+                    f"max_model_len={self.engine.max_model_len}",
+                    param="messages",
+                )
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs)
+        (stream,) = await self._open([prompt_ids], params, body.cache_salt)
+        request_id, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.app.model_name
+        prompt_tokens = len(stream.prompt_token_ids)
+        choices = _Choices(body.n, body.n)
+
+        def chunk_of(items: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(request_id, created, model, items, usage)
+
+        if body.stream:
+            await exchange.start_events()
+            for index in range(body.n):
+                await exchange.event(chunk_of([ChatChunkChoice(index, ChatDelta(role="assistant", content=""))]))
+
+            async def send_chunk(stream_index: int, chunk: StreamChunk) -> None:
+                index, entries = choices.add(stream_index, chunk, keep=False)
+                if chunk.text or chunk.finished or entries:
+                    delta = ChatDelta(content=chunk.text or None)
+                    logprobs = chat_logprobs(entries) if body.logprobs else None
+                    await exchange.event(chunk_of([ChatChunkChoice(index, delta, logprobs, chunk.finish_reason)]))
+
+            await exchange.until_disconnect(lambda: each_chunk([stream], send_chunk))
+            if body.stream_options is not None and body.stream_options.include_usage:
+                await exchange.event(chunk_of([], choices.usage(prompt_tokens)))
+            await exchange.end_events()
+            return
+
+        async def collect(stream_index: int, chunk: StreamChunk) -> None:
+            choices.add(stream_index, chunk, keep=True)
+
+        await exchange.until_disconnect(lambda: each_chunk([stream], collect))
+        items = [
+            ChatChoice(
+                i,
+                AssistantMessage("".join(parts)),
+                chat_logprobs(choices.logprobs[i]) if body.logprobs else None,
+                choices.reasons[i],
+            )
+            for i, parts in choices.texts.items()
+        ]
+        response = ChatCompletionResponse(request_id, created, model, items, choices.usage(prompt_tokens))
+        await exchange.respond_json(200, response)

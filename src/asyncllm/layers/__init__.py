@@ -1,1 +1,0 @@
-"""Building blocks of the models: norms, rotary embeddings, paged attention. Torch only."""

@@ -1,0 +1,423 @@
+"""A Llama-shaped decoder covering the llama, mistral, qwen2 and qwen3 families.
+
+Parameter names mirror HF transformers' (``model.layers.0.self_attn.q_proj.weight`` ...) so a
+safetensors checkpoint loads with a plain ``load_state_dict``. The families differ in switches:
+q/k/v biases (qwen2), per-head q/k RMSNorm (qwen3), an explicit head_dim (qwen3), a sliding
+window (mistral), and tied input/output embeddings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncllm.backends import AttentionBackend, TorchAttentionBackend
+from asyncllm.backends.cpu import _greedy_head as greedy_head_cpu
+from asyncllm.backends.cpu._lean_forward import LeanCpuForward
+from asyncllm.models._linear import Linear, PackedFormat, best_packed_format
+from asyncllm.models._norm import RMSNorm
+from asyncllm.models._rotary import RotaryEmbedding, apply_rotary, rope_parameters
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledParts:
+    """A layer's dense parts as compiled callables (same signatures as the eager methods)."""
+
+    pre_attention: Callable[
+        [torch.Tensor, torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    ]
+    post_attention: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderSpec:
+    """The shape and switches of a decoder, read off an HF config."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: dict[str, Any]
+    attention_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+    tie_word_embeddings: bool
+    hidden_act: str
+
+    @classmethod
+    def from_hf_config(cls, config: Any, architecture: str) -> DecoderSpec:
+        """Read a spec off a transformers config object of one of the supported families."""
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        attention_bias = True if architecture == "Qwen2ForCausalLM" else bool(getattr(config, "attention_bias", False))
+        sliding_window = getattr(config, "sliding_window", None)
+        if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not getattr(
+            config, "use_sliding_window", False
+        ):
+            sliding_window = None
+        return cls(
+            architecture=architecture,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            rope=rope_parameters(config),
+            attention_bias=attention_bias,
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            sliding_window=sliding_window,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            hidden_act=getattr(config, "hidden_act", "silu"),
+        )
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention against one layer's paged KV cache."""
+
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.scale = spec.head_dim**-0.5
+        bias = spec.attention_bias
+        self.q_proj = Linear(spec.hidden_size, spec.num_heads * spec.head_dim, bias=bias)
+        self.k_proj = Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=bias)
+        self.v_proj = Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=bias)
+        self.o_proj = Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=False)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.qkv_proj: Linear | None = None
+        """q, k and v projections as one matmul, once ``fuse`` ran (the three are then gone)."""
+
+    def fuse(self) -> None:
+        """Replace q_proj, k_proj and v_proj by one ``qkv_proj`` with their weights stacked (after loading)."""
+        if self.qkv_proj is not None:
+            return
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_proj = _stacked(parts)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values ([tokens, heads, head_dim]) of normed hidden states; rotated if ``rotate``."""
+        tokens = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.qkv_proj is not None:
+            q_flat, k_flat, v_flat = self.qkv_proj(x).split((q_size, kv_size, kv_size), dim=-1)
+        else:
+            q_flat, k_flat, v_flat = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q_flat.view(tokens, self.num_heads, self.head_dim)
+        k = k_flat.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v_flat.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rotate:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return q, k, v
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: Any,
+        backend: AttentionBackend[Any],
+        rotated: bool,
+    ) -> torch.Tensor:
+        """Write this step's K/V to the cache and attend through ``backend`` (rotating q and k in place
+        first unless ``rotated``); [tokens, heads * head_dim] (before o_proj)."""
+        if not rotated:
+            backend.rotary_(q, k, *cos_sin)
+        backend.write_kv(kv_cache, k, v, meta)
+        out = backend.attend(q, k, v, kv_cache, meta, self.scale)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+
+class MLP(nn.Module):
+    """The gated feed-forward block: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        if spec.hidden_act != "silu":
+            raise NotImplementedError(f"hidden_act {spec.hidden_act!r} is not supported (only silu)")
+        self.intermediate_size = spec.intermediate_size
+        self.gate_proj = Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.up_proj = Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.gate_up_proj: Linear | None = None
+        """gate and up projections as one matmul, once ``fuse`` ran (the two are then gone)."""
+
+    def fuse(self) -> None:
+        """Replace gate_proj and up_proj by one ``gate_up_proj`` with their weights stacked (after loading)."""
+        if self.gate_up_proj is not None:
+            return
+        self.gate_up_proj = _stacked((self.gate_proj, self.up_proj))
+        del self.gate_proj, self.up_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).split((self.intermediate_size, self.intermediate_size), dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        activated = F.silu(gate)
+        activated.mul_(up)  # in place: one [tokens, intermediate] tensor less to allocate and fault in
+        result: torch.Tensor = self.down_proj(activated)
+        return result
+
+
+def _stacked(parts: tuple[Linear, ...]) -> Linear:
+    # One Linear whose output is the parts' outputs side by side: same dtype and device, and each
+    # output column computed from the same weights (greedy outputs stay token for token).
+    first = parts[0]
+    fused = Linear(
+        first.in_features,
+        sum(p.out_features for p in parts),
+        bias=first.bias is not None,
+        device=first.weight.device,
+        dtype=first.weight.dtype,
+    )
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([p.weight for p in parts]))
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([p.bias for p in parts if p.bias is not None]))
+    return fused
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP with residual connections.
+
+    The forward is three parts: ``pre_attention`` and ``post_attention`` are dense (norms, matmuls,
+    rotary, activations: what ``torch.compile`` fuses well, see ``asyncllm.worker._compile``), and the
+    attention between them reads and writes the paged KV cache through the model's attention backend
+    (``asyncllm.backends``). On a backend with fused norms (triton, and cpu where its C kernels could
+    be built) an eager layer runs ``forward_fused_norms`` instead when ``DecoderForCausalLM.fused_norm``
+    is on.
+    """
+
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.self_attn = Attention(spec)
+        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.compiled: CompiledParts | None = None
+        """Compiled twins of ``pre_attention``/``post_attention`` (``asyncllm.worker._compile``), or None: eager."""
+
+    def pre_attention(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Input norm and q/k/v projections (rotary applied if ``rotate``)."""
+        return self.self_attn.project(self.input_layernorm(x), cos, sin, rotate)
+
+    def post_attention(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """o_proj and residual, then the post-attention norm, the MLP and residual."""
+        x = x + self.self_attn.o_proj(attended)
+        result: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return result
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: Any,
+        backend: AttentionBackend[Any],
+    ) -> torch.Tensor:
+        compiled = self.compiled
+        # A backend may rotate q and k in place in its own kernel, unless a compiled pre_attention
+        # already fused the rotation into its kernels.
+        rotate = compiled is not None or not backend.rotates_in_kernel
+        pre = compiled.pre_attention if compiled is not None else self.pre_attention
+        post = compiled.post_attention if compiled is not None else self.post_attention
+        q, k, v = pre(x, cos_sin[0], cos_sin[1], rotate)
+        attended = self.self_attn.attend(q, k, v, cos_sin, kv_cache, meta, backend, rotated=rotate)
+        return post(x, attended)
+
+    def forward_fused_norms(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: Any,
+        backend: AttentionBackend[Any],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` (eager) on a backend that ``fuses_norms``, each residual add fused into the norm after it.
+
+        vLLM's layout: a layer passes on its MLP output and the residual stream separately, and the
+        next norm adds them (``backend.rms_norm``, one kernel that updates ``residual`` in place).
+        The sums are the unfused ones, rounded the same way; only the norms' reductions run in
+        another order. Rotary runs in place in one kernel too (``backend.rotary_``, in ``Attention.attend``).
+
+        Args:
+            x: The previous layer's MLP output, or the embeddings for the first layer.
+            residual: The residual stream before ``x`` is added; None for the first layer (then
+                the embeddings are the stream, and are updated in place from here on).
+
+        Returns:
+            (this layer's MLP output, the residual stream up to its attention output).
+        """
+        input_norm, post_norm = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            residual, normed = x, backend.rms_norm(x, input_norm.weight, input_norm.eps, None)
+        else:
+            normed = backend.rms_norm(x, input_norm.weight, input_norm.eps, residual)
+        q, k, v = self.self_attn.project(normed, cos_sin[0], cos_sin[1], False)  # attend rotates, in place
+        attended = self.self_attn.attend(q, k, v, cos_sin, kv_cache, meta, backend, rotated=False)
+        attended = self.self_attn.o_proj(attended)
+        normed = backend.rms_norm(attended, post_norm.weight, post_norm.eps, residual)
+        result: torch.Tensor = self.mlp(normed)
+        return result, residual
+
+
+def _greedy_head(lm_head: Linear) -> greedy_head_cpu.GreedyHead | None:
+    """The greedy head over ``lm_head``'s weight (on panels); None where the weights are out of its range."""
+    if lm_head.panel_weight is None or lm_head.bias is not None:  # the head computes x @ weight.T alone
+        return None
+    try:
+        return greedy_head_cpu.GreedyHead(lm_head.weight)
+    except ValueError:  # non-finite or huge weights: the logits decide
+        return None
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, the layer stack and the final norm (HF's ``model.`` prefix)."""
+
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class DecoderForCausalLM(nn.Module):
+    """The whole model: a flat batch of tokens in, final hidden states out, logits on request."""
+
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = DecoderModel(spec)
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.backend: AttentionBackend[Any] = TorchAttentionBackend(sliding_window=spec.sliding_window)
+        """The attention backend every layer calls (``asyncllm.backends``); the forward's metadata is
+        what its ``build_metadata`` made. The runner sets the one it picks at load; the torch
+        reference until then."""
+        self.fused_norm = True
+        """On a backend that ``fuses_norms`` (triton; cpu) with eager (not compiled) layers, fuse every
+        residual add into the RMSNorm after it (``DecoderLayer.forward_fused_norms``): per layer two
+        kernels (Triton on a GPU, C on the CPU, ``backend.rms_norm``) where the unfused path runs two
+        adds and two norms of several element-wise ops each; rotary is then one in-place kernel
+        too. False runs the unfused torch ops there too, for A/B comparisons (``benchmarks/gpu.py``,
+        ``benchmarks/forward.py``). The torch backend and compiled layers never fuse. Read on every
+        forward, so a CUDA graph keeps the path it was captured with (the runner sets this from its
+        own ``fused_norm`` option before it captures)."""
+        self.lean: LeanCpuForward | None = None
+        """The layer stack as direct kernel calls (``backends.cpu._lean_forward``), built by ``pack_weights``
+        where it applies; None: the modules."""
+        self.lean_forward = True
+        """With fused norms on a backend that ``runs_lean_forward`` (cpu), run ``lean`` (when built)
+        instead of the modules: the same bits, less Python per layer. False runs the modules (for A/B
+        comparisons and tests)."""
+        self.greedy_head: greedy_head_cpu.GreedyHead | None = None
+        """Greedy tokens without the full logits (``backends.cpu._greedy_head``), built by ``pack_weights``
+        where it applies; the same tokens as the argmax of ``logits``. None: the logits decide."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: Any,
+    ) -> torch.Tensor:
+        """Run the flat batch ([tokens] ids and positions); return normed hidden states [tokens, hidden].
+
+        ``meta`` is the step's attention metadata, built by ``self.backend.build_metadata``.
+        """
+        backend = self.backend
+        x = self.model.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(positions, x.dtype)
+        layers = cast("Sequence[DecoderLayer]", self.model.layers)
+        if self.fused_norm and backend.fuses_norms and all(layer.compiled is None for layer in layers):
+            if self.lean is not None and self.lean_forward and backend.runs_lean_forward:
+                return self.lean(x, cos_sin, kv_caches, meta)
+            residual = None
+            for layer, kv_cache in zip(layers, kv_caches):
+                x, residual = layer.forward_fused_norms(x, residual, cos_sin, kv_cache, meta, backend)
+            final = self.model.norm
+            return backend.rms_norm(x, final.weight, final.eps, residual)  # the last add, fused too
+        for layer, kv_cache in zip(layers, kv_caches):
+            x = layer(x, cos_sin, kv_cache, meta, backend)
+        result: torch.Tensor = self.model.norm(x)
+        return result
+
+    def fuse_projections(self) -> None:
+        """Stack q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` in every layer.
+
+        Call it after ``load_state_dict`` (the checkpoint has HF's separate names; afterwards the
+        state dict has the fused ones). Fewer, larger matmuls: the same numbers, faster.
+        """
+        for layer in self.model.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
+    def pack_weights(self, packed_format: PackedFormat | None = None, *, greedy_head: bool = True) -> int:
+        """Pack every linear layer's weight for a packed GEMM (float32 on the CPU; see ``models._linear``).
+
+        ``packed_format`` is "both", "panels" or "mkl"; None takes ``best_packed_format`` for all
+        the layers' weights together (both copies only while the second fits comfortably in memory).
+        Call it after ``fuse_projections`` and before ``torch.compile`` (the compiled graphs then
+        call the packed weights); never with CUDA graphs. The unpacked weights are released
+        (except the tied output embedding, which the input embedding still reads), and ``lean`` is
+        built where it applies. With ``greedy_head`` and panels in the format, ``greedy_head`` is
+        built where AMX runs (``backends.cpu._greedy_head``); the output projection then keeps the
+        panels alone, so its logits come from the arithmetic the head reproduces at every row count,
+        and its float32 weight, which the head reads.
+        Returns the number of layers packed (0 where unavailable).
+        """
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        if packed_format is None:
+            weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+            packed_format = best_packed_format(weight_bytes)
+            if packed_format is None:
+                return 0
+        with_head = greedy_head and packed_format in ("both", "panels") and greedy_head_cpu.available()
+        packed = 0
+        self.greedy_head = None
+        for module in linears:
+            shared = module is self.lm_head and self.spec.tie_word_embeddings
+            if module is self.lm_head and with_head:
+                # The head reads the float32 weight for its exact logits: kept, even when not shared.
+                packed += module.pack(release=False, packed_format="panels")
+                self.greedy_head = _greedy_head(module)
+                if self.greedy_head is None and not shared and module.packed:
+                    module.release()
+            else:
+                packed += module.pack(release=not shared, packed_format=packed_format)
+        self.lean = LeanCpuForward.for_model(self) if packed else None
+        return packed
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Project hidden states to float32 vocabulary logits."""
+        result: torch.Tensor = self.lm_head(hidden).float()
+        return result

@@ -1,0 +1,171 @@
+"""CUDA graphs for decode-only steps, and pinned host-to-device copies.
+
+A decode step of a small model is a few hundred short kernels; launched one by one from Python the
+GPU idles between them. ``DecodeGraphs`` captures the model's forward pass (embeddings to final
+norm, on an attention backend that ``captures_graphs``: triton) once per batch size at start-up and
+replays it: one launch per step.
+
+A graph replays fixed addresses and shapes, so every input lives in static device buffers sized for
+the largest batch, and a step of ``n`` sequences runs the graph of the smallest captured size
+``b >= n``. The ``b - n`` padding rows are one-token sequences at position 0 with slot -1, which
+the KV-write kernel skips; they attend to one (finite) cache slot and their outputs are dropped.
+The token ids and positions live here; the attention metadata (query offsets, sequence lengths,
+block tables, slots) in buffers the model's own backend builds (``AttentionBackend.graph_inputs``),
+the same object that builds every eager step's metadata. Each is filled on the host (pinned) and
+copied with one non-blocking copy before the replay. Block tables are as wide as the longest
+sequence the cache can hold.
+
+Long contexts at small batch want the split-KV kernels (see ``kernels.split_kv_decode``), whose
+grid is fixed at capture: small batch sizes get a second graph captured with splits, used when the
+step's longest context asks for splitting.
+
+On a machine without CUDA the same class runs the padded static-buffer path eagerly
+(``use_graphs=False``), which is how the tests check the padding on the CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncllm.models import DecoderForCausalLM
+from asyncllm.worker._input_batch import StepInputs
+
+logger = logging.getLogger("asyncllm")
+
+__all__ = ["DecodeGraphs", "capture_sizes", "to_device"]
+
+
+def to_device(array: np.ndarray[Any, Any], device: torch.device) -> torch.Tensor:
+    """Copy a host array to ``device``; on CUDA through pinned memory, without waiting for the copy.
+
+    The pinned block comes from torch's caching host allocator, which keeps it alive until the copy
+    on the current stream is done, so the caller may drop its array at once.
+    """
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """The batch sizes that get a graph: 1, 2, 4, then every multiple of 8 up to ``max_batch``."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch, 8))
+    return sorted({*sizes, max_batch})
+
+
+class DecodeGraphs:
+    """Captured forward passes for decode-only batches, replayed with padded static inputs.
+
+    Args:
+        model: The loaded model; its attention backend must be one that ``captures_graphs`` (triton).
+        kv_caches: The per-layer (key, value) caches.
+        block_size: Tokens per KV block.
+        max_seq_len: The longest sequence a step can hold (sizes the block tables).
+        max_batch: The largest decode batch (``max_num_seqs``).
+        device: The CUDA device (or the CPU, eager only).
+        split_kv: For batch sizes below this, also capture a split-KV graph with that many splits
+            (a dict of batch size to splits; empty for none).
+        use_graphs: Capture and replay CUDA graphs; False runs the same padded path eagerly.
+    """
+
+    def __init__(
+        self,
+        model: DecoderForCausalLM,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        block_size: int,
+        max_seq_len: int,
+        max_batch: int,
+        device: torch.device,
+        split_kv: dict[int, int] | None = None,
+        use_graphs: bool = True,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.max_blocks = max(1, -(-max_seq_len // block_size))
+        self.sizes = capture_sizes(max_batch)
+        self.max_batch = self.sizes[-1]
+        self.device = device
+        self.split_kv = dict(split_kv or {})
+        self.use_graphs = use_graphs
+        b = self.max_batch
+        self._meta = model.backend.graph_inputs(
+            max_batch=b, max_blocks=self.max_blocks, block_size=block_size, device=device
+        )
+        self._host_ids = torch.zeros(2 * b, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._ids = torch.zeros(2 * b, dtype=torch.int64, device=device)
+        self._copied: torch.cuda.Event | None = None
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def _forward(self, size: int, splits: int) -> torch.Tensor:
+        ids = self._ids[:size]
+        positions = self._ids[self.max_batch : self.max_batch + size]
+        result: torch.Tensor = self.model(ids, positions, self.kv_caches, self._meta.metadata(size, splits))
+        return result
+
+    def _variants(self) -> list[tuple[int, int]]:
+        return [(b, s) for b in reversed(self.sizes) for s in sorted({1, self.split_kv.get(b, 1)})]
+
+    def capture(self) -> None:
+        """Capture every (batch size, splits) graph, largest first, into one shared memory pool."""
+        if not self.use_graphs:
+            return
+        start = time.perf_counter()
+        variants = self._variants()
+        logger.info("capturing %d CUDA graphs for decode batches of 1..%d", len(variants), self.max_batch)
+        pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for size, splits in variants:
+                self._forward(size, splits)  # warm-up: compiles the triton kernels outside the capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self._forward(size, splits)
+                self._graphs[(size, splits)] = (graph, out)
+        torch.cuda.synchronize(self.device)
+        logger.info("captured %d CUDA graphs in %.1f s", len(variants), time.perf_counter() - start)
+
+    def fits(self, step: StepInputs) -> bool:
+        """Whether a step can run here: decode only, at most ``max_batch`` rows, tables that fit."""
+        return (
+            0 < step.num_seqs <= self.max_batch
+            and step.max_query_len == 1
+            and step.num_tokens == step.num_seqs
+            and -(-step.max_seq_len // self.block_size) <= self.max_blocks
+        )
+
+    def run(self, step: StepInputs, splits: int = 1) -> torch.Tensor:
+        """Hidden states [n, hidden] of a decode-only step (``fits`` must hold).
+
+        Args:
+            step: The step's arrays (one token per sequence).
+            splits: The split-KV parts the step would like (> 1 picks a split graph if captured).
+        """
+        n = step.num_seqs
+        size = next(b for b in self.sizes if b >= n)
+        splits = self.split_kv.get(size, 1) if splits > 1 else 1
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has read the pinned buffers
+        self._meta.fill(step)
+        b = self.max_batch
+        ids = self._host_ids.numpy()
+        ids[:n] = step.input_ids
+        ids[n:b] = 0  # padding rows: token 0 at position 0
+        ids[b : b + n] = step.positions
+        ids[b + n :] = 0
+        non_blocking = self.device.type == "cuda"
+        self._meta.upload(non_blocking)
+        self._ids.copy_(self._host_ids, non_blocking=non_blocking)
+        if non_blocking:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        if not self.use_graphs:
+            return self._forward(size, splits)[:n]
+        graph, out = self._graphs[(size, splits)]
+        graph.replay()
+        return out[:n]

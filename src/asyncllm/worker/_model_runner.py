@@ -1,0 +1,452 @@
+"""``TorchModelRunner``: the real runner. Flat mixed batches in, sampled token ids out.
+
+It runs on the engine's device thread only. Each step it turns the scheduler's per-request slices
+into flat tensors (input ids, positions, slot mapping, attention metadata) through a persistent
+``InputBatch`` (block tables kept across steps; a step writes only what changed), runs the model once
+on the whole mixed prefill/decode batch, computes logits only at the positions that sample, and samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncllm.backends import AttentionBackend, create_backend, resolve_attention_backend
+
+# The torch backend's metadata builder, under the name tests and benchmarks have imported it by.
+from asyncllm.backends.torch._attention import build_metadata as _attention_metadata  # noqa: F401
+from asyncllm.engine._options import EngineOptions
+from asyncllm.errors import DeviceOutOfMemoryError
+from asyncllm.executor._runner import PositionLogprobs, RunnerInfo, RunnerTimings, SequenceInput, StepBatch, StepOutput
+from asyncllm.models import DecoderForCausalLM, build_model
+from asyncllm.models._linear import Linear, PackedFormat
+from asyncllm.models._rotary import RotaryEmbedding
+from asyncllm.sampling_params import SamplingParams
+from asyncllm.worker._graphs import DecodeGraphs, capture_sizes, to_device
+from asyncllm.worker._input_batch import InputBatch, StepInputs
+from asyncllm.worker._memory import (
+    KVCacheSizing,
+    host_available_bytes,
+    mapped_tensor,
+    peak_resident_bytes,
+    reset_peak_rss,
+    resident_bytes,
+    size_kv_cache,
+)
+from asyncllm.worker._sampler import Sampler
+from asyncllm.worker._weights import load_config, load_eos_token_ids, load_state_dict
+
+logger = logging.getLogger("asyncllm")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"`` is CUDA when available, else the CPU; anything else is passed to torch."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``"auto"`` is bfloat16 on CUDA and float32 on the CPU."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardSwitches:
+    """The CPU forward's fast paths, each on by default.
+
+    Not engine options: every user should run the defaults; benchmarks and tests turn one off to
+    measure or check it against the plain path.
+
+    Attributes:
+        fuse_projections: Run q/k/v and gate/up as one matmul each (``fuse_projections()`` after
+            loading). False keeps HF's separate projections (for comparisons).
+        packed_gemm: On the CPU in float32, pack every linear weight once for a packed GEMM
+            (``asyncllm.models._linear``; compiled graphs call it too). True takes the best this
+            machine has: with AVX-512 and MKL's exported packed GEMM, both copies (decode-sized
+            inputs on ``gemm_cpu``'s column panels, prefill-sized ones on MKL's layout) while the
+            second copy takes at most a quarter of the available memory, else the panels alone;
+            MKL's alone without AVX-512. "both", "panels" or "mkl" asks for one (for comparisons;
+            a format the machine lacks leaves the weights unpacked). False keeps ``F.linear``.
+        fused_norm: On the triton and cpu backends with eager layers, fuse each residual add into
+            the RMSNorm after it and rotate q/k in place, one kernel each
+            (``DecoderForCausalLM.fused_norm``). False keeps torch's element-wise ops (for comparisons).
+        greedy_head: With packed panels on a CPU with AMX, greedy rows take their token from
+            ``backends.cpu._greedy_head`` (the argmax of the float32 logits, exactly, without computing
+            them all); False computes every row's logits (for comparisons).
+    """
+
+    fuse_projections: bool = True
+    packed_gemm: bool | PackedFormat = True
+    fused_norm: bool = True
+    greedy_head: bool = True
+
+
+class TorchModelRunner:
+    """Runs one of ``asyncllm.models`` over a paged KV cache.
+
+    Args:
+        model_path: A local HF-format folder (config.json, *.safetensors).
+        options: The engine's options (``EngineOptions``): the runner reads the device, dtype, KV
+            cache, batch, backend, graph, compile and thread options from them.
+        switches: The forward's fast paths (``ForwardSwitches``), all on unless a comparison turns
+            one off.
+        **option_overrides: ``EngineOptions`` fields that replace those of ``options`` (or build
+            them, with ``options`` None), and ``ForwardSwitches`` fields that replace those of
+            ``switches``: how tests and benchmarks construct runners.
+    """
+
+    def __init__(
+        self,
+        model_path: Path,
+        options: EngineOptions | None = None,
+        *,
+        switches: ForwardSwitches | None = None,
+        **option_overrides: Any,
+    ) -> None:
+        switch_names = {f.name for f in dataclasses.fields(ForwardSwitches)}
+        switched = {k: option_overrides.pop(k) for k in list(option_overrides) if k in switch_names}
+        if options is None:
+            options = EngineOptions.from_keywords(**option_overrides)
+        elif option_overrides:
+            options = dataclasses.replace(options, **option_overrides)
+        self.options = options
+        self.switches = dataclasses.replace(switches if switches is not None else ForwardSwitches(), **switched)
+        self.model_path = Path(model_path)
+        self.block_size = options.block_size
+        # The cache is never sized beyond what max_num_seqs sequences of max_model_len can hold.
+        self.max_tokens_in_cache = options.max_num_seqs * (options.max_model_len or 1 << 20)
+        self.kv_sizing: KVCacheSizing | None = None
+        self.attention_backend = options.attention_backend
+        """The attention backend's name: the option, then what it resolved to at load."""
+        self.num_threads = options.num_threads
+        """torch's threads on the CPU: the option, then the count set at load."""
+        self.num_packed_layers = 0
+        """Linear layers running from packed weights (0: all on ``F.linear``)."""
+        self.packed_format: PackedFormat | None = None
+        """The packed weights the linear layers run from ("both", "panels" or "mkl"), once loaded; None:
+        ``F.linear``."""
+        self.timings = RunnerTimings()
+        """Seconds spent preparing inputs, in the forward and sampling, over all steps."""
+        self.compile_seconds = 0.0
+        self.graphs: DecodeGraphs | None = None
+        self.backend: AttentionBackend[Any] | None = None
+        """The attention backend object picked at load (``asyncllm.backends``), which the model calls and
+        the graphs build their metadata with; ``attention_backend`` is then its name."""
+        self.model: DecoderForCausalLM | None = None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.sampler: Sampler | None = None
+        self.input_batch = InputBatch(options.block_size, max_num_seqs=options.max_num_seqs)
+
+    def load(self) -> RunnerInfo:
+        """Build the model, load its weights and allocate the KV cache (on the device thread)."""
+        device = resolve_device(self.options.device)
+        dtype = resolve_dtype(self.options.dtype, device)
+        requested_backend = self.attention_backend
+        backend_name = resolve_attention_backend(requested_backend, device, cpu_kernel=True)
+        if device.type == "cpu":
+            from asyncllm.worker._compile import configure_cpu_threads
+            self.num_threads = configure_cpu_threads(self.options.num_threads)
+        if device.type == "cuda":
+            # This runs on the device thread, and torch's current stream is per thread: every later
+            # call of this runner (all on the same thread) issues its work to this one stream.
+            torch.cuda.set_device(device)
+            torch.cuda.set_stream(torch.cuda.Stream(device))
+        config = load_config(self.model_path)
+        with torch.device("meta"):
+            model = build_model(config)
+        model.to_empty(device=device)
+        model.to(dtype)
+        model.load_state_dict(load_state_dict(self.model_path, model.spec.tie_word_embeddings), strict=True)
+        if model.spec.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.rotary = RotaryEmbedding(model.spec.head_dim, model.spec.rope).to(device)
+        model.eval()
+        model.fused_norm = self.switches.fused_norm  # before any CUDA graph is captured: graphs keep their path
+        if self.switches.fuse_projections:
+            model.fuse_projections()
+        spec = model.spec
+        backend = self.backend = model.backend = create_backend(
+            backend_name,
+            device=device,
+            dtype=dtype,
+            head_dim=spec.head_dim,
+            num_kv_heads=spec.num_kv_heads,
+            sliding_window=spec.sliding_window,
+            requested=requested_backend == backend_name,
+        )
+        self.attention_backend = backend.name
+        packed = self.switches.packed_gemm
+        if packed is not False and device.type == "cpu" and dtype == torch.float32:
+            self.num_packed_layers = model.pack_weights(
+                None if packed is True else packed, greedy_head=self.switches.greedy_head
+            )
+            # The layers' format (the output projection keeps the panels alone beside a greedy head).
+            formats = {m.packed_format for m in model.model.modules() if isinstance(m, Linear) and m.packed_format}
+            self.packed_format = formats.pop() if len(formats) == 1 else None
+        self.model = model
+        self.device, self.dtype = device, dtype
+        eos_token_ids = load_eos_token_ids(self.model_path, config)
+        self.sampler = Sampler(device, model.spec.vocab_size, eos_token_ids, self.options.seed)
+        num_blocks = self.options.kv_cache_blocks or self._size_kv_cache(model, device, dtype)
+        slots = num_blocks * self.block_size
+        self.kv_caches = self._allocate_kv_cache(num_blocks)
+        max_model_len = int(getattr(config, "max_position_embeddings", 2048))
+        # Fresh rows (the sizing probe is gone), as wide as the longest table the cache can hold.
+        longest = min(max_model_len, self.options.max_model_len or max_model_len, slots)
+        self.input_batch = InputBatch(
+            self.block_size, max_num_seqs=self.options.max_num_seqs, max_blocks_per_seq=-(-longest // self.block_size)
+        )
+        if self.options.compile:
+            from asyncllm.worker._compile import compile_dense_parts
+            self.compile_seconds = compile_dense_parts(model)
+        if device.type == "cuda" and backend.captures_graphs and not self.options.enforce_eager:
+            longest = min(max_model_len, self.options.max_model_len or max_model_len, slots)
+            self.graphs = self._capture_graphs(model, longest)
+        return RunnerInfo(
+            num_kv_blocks=num_blocks,
+            block_size=self.block_size,
+            vocab_size=spec.vocab_size,
+            max_model_len=int(getattr(config, "max_position_embeddings", 2048)),
+            eos_token_ids=eos_token_ids,
+            description=f"{spec.architecture} on {device} ({str(dtype).removeprefix('torch.')}, "
+            f"{self.attention_backend} attention, {'compiled' if self.options.compile else 'eager'}"
+            f"{f', {self.packed_format} GEMM' if self.packed_format else ''}"
+            f"{f', {self.num_threads} threads' if device.type == 'cpu' else ''})",
+        )
+
+    def _capture_graphs(self, model: DecoderForCausalLM, max_seq_len: int) -> DecodeGraphs:
+        assert self.backend is not None
+        # Split graphs are captured for the batch sizes that leave the GPU idle at a 4k context.
+        context = min(max_seq_len, 4096)
+        split_kv = {b: self.backend.kv_splits(b, context) for b in capture_sizes(self.options.max_num_seqs)}
+        graphs = DecodeGraphs(
+            model,
+            self.kv_caches,
+            block_size=self.block_size,
+            max_seq_len=max_seq_len,
+            max_batch=self.options.max_num_seqs,
+            device=self.device,
+            split_kv={b: s for b, s in split_kv.items() if s > 1},
+        )
+        graphs.capture()
+        return graphs
+
+    def _kv_bytes_per_block(self, model: DecoderForCausalLM, dtype: torch.dtype) -> int:
+        spec = model.spec
+        element = torch.tensor([], dtype=dtype).element_size()
+        return 2 * spec.num_layers * self.block_size * spec.num_kv_heads * spec.head_dim * element
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        assert self.model is not None
+        spec = self.model.spec
+        shape = (num_blocks * self.block_size, spec.num_kv_heads, spec.head_dim)
+        return [(self._zeros(shape), self._zeros(shape)) for _ in range(spec.num_layers)]
+
+    def _zeros(self, shape: tuple[int, int, int]) -> torch.Tensor:
+        if self.device.type != "cpu":
+            return torch.zeros(shape, device=self.device, dtype=self.dtype)
+        # On the CPU each KV tensor gets its own anonymous mapping (huge pages where possible; see
+        # ``anonymous_mapping``): no memset of a large cache at start-up, resident memory grows
+        # with use, and dropping the tensor unmaps it.
+        return mapped_tensor(shape[0] * shape[1] * shape[2], self.dtype).view(shape)
+
+    def _size_kv_cache(self, model: DecoderForCausalLM, device: torch.device, dtype: torch.dtype) -> int:
+        peak = self._measure_activation_peak()
+        if device.type == "cuda":
+            available, _ = torch.cuda.mem_get_info(device)
+        else:
+            available = host_available_bytes()
+        max_blocks = None
+        if self.max_tokens_in_cache is not None:
+            max_blocks = -(-self.max_tokens_in_cache // self.block_size)
+        sizing = self.kv_sizing = size_kv_cache(
+            self.options.kv_cache_memory,
+            device_type=device.type,
+            available_bytes=available,
+            activation_peak_bytes=peak,
+            bytes_per_block=self._kv_bytes_per_block(model, dtype),
+            max_blocks=max_blocks,
+        )
+        logger.info(
+            "KV cache sized from memory: %d blocks (%.0f MiB) of %.0f MiB available after the weights, "
+            "activation peak %.0f MiB at %d tokens",
+            sizing.num_blocks,
+            sizing.num_blocks * sizing.bytes_per_block / 2**20,
+            sizing.available_bytes / 2**20,
+            sizing.activation_peak_bytes / 2**20,
+            self.options.max_num_batched_tokens,
+        )
+        return sizing.num_blocks
+
+    def _measure_activation_peak(self) -> int:
+        """Extra memory of one forward at ``max_num_batched_tokens`` (a throwaway request)."""
+        assert self.sampler is not None
+        tokens = self.options.max_num_batched_tokens
+        num_blocks = -(-tokens // self.block_size)
+        self.kv_caches = self._allocate_kv_cache(num_blocks)
+        probe = SequenceInput(
+            request_id=-1,
+            token_ids=[0] * tokens,
+            start_position=0,
+            block_table=list(range(num_blocks)),
+            sample=True,
+            params=SamplingParams(temperature=0.0, max_tokens=1),
+            prompt_token_ids=[0] * tokens,
+        )
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            baseline = torch.cuda.memory_allocated(self.device)
+        else:
+            reset_peak_rss()
+            baseline = resident_bytes()
+        with torch.inference_mode():
+            self._execute([probe])
+        peak = torch.cuda.max_memory_allocated(self.device) if cuda else peak_resident_bytes()
+        self.sampler.forget([-1])
+        self.kv_caches = []
+        return max(0, peak - baseline)
+
+    def execute(self, batch: StepBatch) -> StepOutput:
+        """Run one step on the flat batch; return the sampled ids (see ``ModelRunner.execute``)."""
+        assert self.model is not None and self.sampler is not None, "load() first"
+        self.sampler.forget(batch.finished_request_ids)
+        self.input_batch.remove(batch.finished_request_ids)
+        if not batch.sequences:
+            return StepOutput([])
+        try:
+            with torch.inference_mode():
+                return self._execute(batch.sequences)
+        except torch.OutOfMemoryError as exc:
+            raise DeviceOutOfMemoryError(f"the device ran out of memory during a step: {exc}") from exc
+
+    def _execute(self, sequences: list[SequenceInput]) -> StepOutput:
+        assert self.model is not None and self.sampler is not None
+        clock = _StepClock(self.device)
+        step = self.input_batch.prepare(sequences)
+        replay = self.graphs is not None and self.graphs.fits(step)
+        meta = None if replay else self._metadata(step)
+        clock.mark()
+        hidden = self._replay(step) if meta is None else self._forward(step, meta)
+        clock.mark()
+        model = self.model
+        self.sampler.record(sequences)
+        offsets = step.query_start_loc[:-1].tolist()
+        prompt_logprobs = self.sampler.prompt_logprobs(sequences, offsets, lambda rows: model.logits(hidden[rows]))
+        token_ids: list[int] = []
+        logprobs = None
+        if len(step.sample_index):
+            rows = hidden[to_device(step.sample_index, self.device)]
+            token_ids, logprobs = self._sample(model, rows, [s for s in sequences if s.sample])
+        clock.mark()
+        clock.add_to(self.timings)
+        return StepOutput(token_ids, logprobs, prompt_logprobs)
+
+    def _sample(
+        self, model: DecoderForCausalLM, rows: torch.Tensor, sequences: list[SequenceInput]
+    ) -> tuple[list[int], list[PositionLogprobs | None] | None]:
+        """One token per row of ``rows`` (the sampling positions' hidden states), and logprobs where asked.
+
+        Plain greedy rows go to the model's greedy head where it has one (the same tokens as the argmax of
+        their logits); the sampler takes the rest, and any row the head could not decide, from logits.
+        """
+        assert self.sampler is not None
+        head = model.greedy_head if self.switches.greedy_head else None
+        plain = self.sampler.plain_greedy_rows(sequences) if head is not None else []
+        if head is None or not plain:
+            sampled = self.sampler.sample(model.logits(rows), sequences)
+            return sampled.token_ids.tolist(), sampled.logprobs
+        token_ids = [-1] * len(sequences)
+        decided = head.argmax(rows if len(plain) == len(sequences) else rows[plain]).tolist()
+        for row, token in zip(plain, decided):
+            token_ids[row] = token
+        rest = [row for row, token in enumerate(token_ids) if token < 0]
+        if not rest:
+            return token_ids, None
+        sampled = self.sampler.sample(model.logits(rows[rest]), [sequences[row] for row in rest])
+        for row, token in zip(rest, sampled.token_ids.tolist()):
+            token_ids[row] = token
+        logprobs: list[PositionLogprobs | None] | None = None
+        if sampled.logprobs is not None:
+            logprobs = [None] * len(sequences)
+            for row, entry in zip(rest, sampled.logprobs):
+                logprobs[row] = entry
+        return token_ids, logprobs
+
+    def _metadata(self, step: StepInputs) -> Any:
+        assert self.backend is not None
+        return self.backend.build_metadata(step)
+
+    def _forward(self, step: StepInputs, meta: Any = None) -> torch.Tensor:
+        assert self.model is not None
+        if meta is None:
+            meta = self._metadata(step)
+        # One pinned, non-blocking copy for ids and positions: the host does not wait for the device.
+        ids_positions = to_device(np.concatenate((step.input_ids, step.positions)), self.device)
+        n = step.num_tokens
+        hidden: torch.Tensor = self.model(ids_positions[:n], ids_positions[n:], self.kv_caches, meta)
+        return hidden
+
+    def _replay(self, step: StepInputs) -> torch.Tensor:
+        assert self.graphs is not None and self.backend is not None
+        return self.graphs.run(step, self.backend.kv_splits(step.num_seqs, step.max_seq_len))
+
+    def close(self) -> None:
+        """Drop weights and KV tensors so their memory can be returned."""
+        self.graphs = None
+        self.model = None
+        self.kv_caches = []
+        self.sampler = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+class _StepClock:
+    """Splits one step's time into input preparation, forward and sampling (``RunnerTimings``).
+
+    Preparation is host work, timed on the host. On CUDA the forward and sampling are queued
+    asynchronously, so host timestamps would measure launches: events recorded on the runner's
+    stream time them on the device instead, read after the step's one synchronization (the copy
+    of the sampled ids to the host), so the clock adds no synchronization of its own.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._host = [time.perf_counter()]
+        self._events: list[torch.cuda.Event] = []
+
+    def mark(self) -> None:
+        """End the current part (call after preparation, after the forward, after sampling)."""
+        self._host.append(time.perf_counter())
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._events.append(event)
+
+    def add_to(self, timings: RunnerTimings) -> None:
+        """Add the three parts to ``timings``, once all three marks are made."""
+        host = self._host
+        timings.prepare += host[1] - host[0]
+        if self._cuda:
+            start, forwarded, sampled = self._events
+            sampled.synchronize()  # already complete after the ids reached the host; cheap
+            timings.forward += start.elapsed_time(forwarded) / 1000.0
+            timings.sample += forwarded.elapsed_time(sampled) / 1000.0
+        else:
+            timings.forward += host[2] - host[1]
+            timings.sample += host[3] - host[2]

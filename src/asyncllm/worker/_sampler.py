@@ -1,0 +1,741 @@
+"""Batched sampling: one pass over the whole batch, per-request parameters as tensors.
+
+``Sampler.sample`` turns a step's [batch, vocab] logits into one token per row. Requests with
+different parameters share the pass: each stage runs once for the rows that use it, on tensors
+(row and column index lists for the sparse stages, [rows, 1] parameter columns for the dense ones);
+the only Python loops are over requests, gathering their parameters, never over the vocabulary.
+The stages, in vLLM's order:
+
+1. log-probabilities of the raw logits, kept for ``logprobs`` (before anything changes them);
+2. ``allowed_token_ids``, ``bad_words``, ``min_tokens`` (EOS and stop ids masked), ``logit_bias``;
+3. repetition (HF), presence and frequency (OpenAI) penalties;
+4. greedy rows take the argmax; the others: ``temperature``, ``min_p``, ``top_k``/``top_p``, then a
+   draw by the exponential race (``argmax(p / E)``, ``E ~ Exp(1)``).
+
+``top_k``/``top_p`` never sort the vocabulary when they can avoid it: a row's candidates are its
+``top_k`` best tokens (one ``topk`` for the batch), or, for ``top_p`` alone, its best 1,024 when
+they hold at least ``top_p`` of the probability (otherwise the full sort). The draw then runs over
+the candidates only.
+
+A seeded request draws its noise from its own ``torch.Generator``, as many values per step as it
+has candidates (its own ``top_k``, 1,024 or the vocabulary, decided from its own logits), so its
+tokens do not depend on which other requests share the batch; unseeded requests share the
+sampler's generator.
+
+Penalties and multi-token bad words need each request's tokens so far. ``record`` keeps them by
+position from what each step feeds: a step that starts at position ``p`` first drops whatever the
+history holds from ``p`` on (recompute after preemption starts again at 0), then writes the fed
+tokens; positions never fed (a prefix-cache hit) are taken from the prompt. A penalised request
+also owns a slot in two tables kept on the device with one scatter per step for the whole batch:
+its generated-token counts ([slots, vocab]) and its distinct tokens, prompt and output
+([slots, width]); the penalties then touch only those tokens' logits (a gather and a scatter),
+not the whole vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from asyncllm.executor._runner import PositionLogprobs, SequenceInput
+from asyncllm.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+_PROMPT_LOGPROBS_CHUNK = 512  # rows of [rows, vocab] logits computed at once for prompt_logprobs
+_TOP_P_CANDIDATES = 1024  # a top_p-only row draws from its best 1,024 tokens when they hold top_p
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerOutput:
+    """One step's samples."""
+
+    token_ids: torch.Tensor
+    """[batch] int64 token ids, on the sampler's device."""
+    logprobs: list[PositionLogprobs | None] | None
+    """Per row, when some row asked for logprobs (None for the rows that did not)."""
+
+
+def num_prompt_tokens(seq: SequenceInput) -> int:
+    """The length of ``seq``'s prompt (inferred from ``num_generated`` when the prompt is not given)."""
+    if seq.prompt_token_ids:
+        return len(seq.prompt_token_ids)
+    end = seq.start_position + len(seq.token_ids)
+    return end - seq.num_generated if seq.sample else end
+
+
+@dataclass(slots=True)
+class _RequestState:
+    """What the sampler keeps for one request between steps (built on first sight, dropped by ``forget``)."""
+
+    params: SamplingParams
+    num_prompt: int
+    stop_ids: torch.Tensor | None  # masked until min_tokens are generated
+    bias_ids: torch.Tensor | None
+    bias_values: torch.Tensor | None
+    mask_row: int | None  # in the allowed_token_ids mask table
+    banned_ids: torch.Tensor | None  # one-token bad words
+    long_bad_words: tuple[tuple[int, ...], ...]  # bad words of several tokens
+    tokens: list[int] | None  # by position; kept only when penalties or long bad words need it
+    slot: int | None  # in the penalty tables (penalised requests only)
+    generator: torch.Generator | None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    prompt_logprobs_sent: bool = False
+
+
+class _PenaltyTables:
+    """Per penalised request (a slot): generated-token counts and distinct tokens, on the device."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)
+        self.distinct = torch.zeros(0, 64, dtype=torch.int64, device=device)
+        self.num_distinct: list[int] = []
+        self.seen: list[set[int]] = []
+        self._free: list[int] = []
+
+    def acquire(self) -> int:
+        if not self._free:
+            old = self.counts.shape[0]
+            new = max(16, 2 * old)
+            self.counts = torch.cat([self.counts, self.counts.new_zeros(new - old, self.vocab_size)])
+            self.distinct = torch.cat([self.distinct, self.distinct.new_zeros(new - old, self.distinct.shape[1])])
+            self.num_distinct.extend([0] * (new - old))
+            self.seen.extend(set() for _ in range(new - old))
+            self._free.extend(range(new - 1, old - 1, -1))
+        slot = self._free.pop()
+        self.counts[slot] = 0
+        self.num_distinct[slot] = 0
+        self.seen[slot] = set()
+        return slot
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+
+class _MaskTable:
+    """[rows, vocab] bool, True outside a request's ``allowed_token_ids``; a row per such request.
+
+    Rows of one table, gathered by index, beat stacking per-request tensors (slow for bools on the CPU).
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.masks = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+        self._free: list[int] = []
+
+    def acquire(self, allowed: Sequence[int]) -> int:
+        if not self._free:
+            old = self.masks.shape[0]
+            new = max(16, 2 * old)
+            self.masks = torch.cat([self.masks, self.masks.new_zeros(new - old, self.masks.shape[1])])
+            self._free.extend(range(new - 1, old - 1, -1))
+        row = self._free.pop()
+        self.masks[row] = True
+        self.masks[row, torch.tensor(allowed, dtype=torch.int64, device=self.masks.device)] = False
+        return row
+
+    def release(self, row: int) -> None:
+        self._free.append(row)
+
+
+class _PenaltyUpdates:
+    """Writes to the penalty tables, gathered over a step and applied at once."""
+
+    def __init__(self, tables: _PenaltyTables) -> None:
+        self.tables = tables
+        self.resets: list[int] = []
+        self.count_slots: list[int] = []
+        self.count_ids: list[int] = []
+        self.count_deltas: list[int] = []
+        self.distinct_slots: list[int] = []
+        self.distinct_columns: list[int] = []
+        self.distinct_ids: list[int] = []
+
+    def count(self, slot: int, token_ids: Sequence[int], delta: int) -> None:
+        self.count_slots.extend([slot] * len(token_ids))
+        self.count_ids.extend(token_ids)
+        self.count_deltas.extend([delta] * len(token_ids))
+
+    def see(self, slot: int, token_ids: Sequence[int], *, rebuild: bool) -> None:
+        """Add tokens to the slot's distinct set (or, on ``rebuild``, make the set exactly those)."""
+        tables = self.tables
+        if rebuild:
+            tables.seen[slot] = set()
+            tables.num_distinct[slot] = 0
+        seen = tables.seen[slot]
+        for token_id in token_ids:
+            if token_id not in seen:
+                seen.add(token_id)
+                self.distinct_slots.append(slot)
+                self.distinct_columns.append(tables.num_distinct[slot])
+                self.distinct_ids.append(token_id)
+                tables.num_distinct[slot] += 1
+
+    def apply(self) -> None:
+        tables, device = self.tables, self.tables.device
+        if self.resets:
+            tables.counts[torch.tensor(self.resets, device=device)] = 0
+        if self.count_slots:
+            tables.counts.index_put_(
+                (torch.tensor(self.count_slots, device=device), torch.tensor(self.count_ids, device=device)),
+                torch.tensor(self.count_deltas, dtype=torch.int32, device=device),
+                accumulate=True,
+            )
+        if self.distinct_slots:
+            width = tables.distinct.shape[1]
+            needed = max(self.distinct_columns) + 1
+            if needed > width:
+                grown = tables.distinct.new_zeros(tables.distinct.shape[0], max(needed, 2 * width))
+                grown[:, :width] = tables.distinct
+                tables.distinct = grown
+            tables.distinct.index_put_(
+                (
+                    torch.tensor(self.distinct_slots, device=device),
+                    torch.tensor(self.distinct_columns, device=device),
+                ),
+                torch.tensor(self.distinct_ids, dtype=torch.int64, device=device),
+            )
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a 2-D tensor (int64; the first maximum wins ties, as in torch).
+
+    On the CPU it goes through numpy, whose vectorized argmax reads float32 rows many times faster
+    than torch's CPU kernel; it is the whole of greedy sampling, once per step.
+    """
+    if x.device.type == "cpu" and x.dim() == 2 and x.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(x.numpy().argmax(axis=-1).astype(np.int64, copy=False))
+    return x.argmax(dim=-1)
+
+
+class Sampler:
+    """Turns a [batch, vocab] float logits tensor into one token id per row (see the module docstring).
+
+    Args:
+        device: Where generators, penalty tables and noise live.
+        vocab_size: Width of the logits.
+        eos_token_ids: The model's end-of-sequence ids (masked for ``min_tokens`` unless ``ignore_eos``).
+        seed: Seed of the generator shared by unseeded requests (None: nondeterministic).
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        vocab_size: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+        seed: int | None = None,
+    ) -> None:
+        self.device = device
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._shared = torch.Generator(device=device)
+        if seed is None:
+            self._shared.seed()
+        else:
+            self._shared.manual_seed(seed)
+        self._states: dict[int, _RequestState] = {}
+        self._penalties = _PenaltyTables(vocab_size, device)
+        self._masks = _MaskTable(vocab_size, device)
+
+    # -- per-request state -----------------------------------------------------------------------
+
+    def forget(self, request_ids: Sequence[int]) -> None:
+        """Drop the state of finished requests (generators, histories, penalty slots)."""
+        for request_id in request_ids:
+            state = self._states.pop(request_id, None)
+            if state is not None and state.slot is not None:
+                self._penalties.release(state.slot)
+            if state is not None and state.mask_row is not None:
+                self._masks.release(state.mask_row)
+
+    def _state(self, seq: SequenceInput) -> _RequestState:
+        state = self._states.get(seq.request_id)
+        if state is None:
+            state = self._states[seq.request_id] = self._new_state(seq)
+        return state
+
+    def _new_state(self, seq: SequenceInput) -> _RequestState:
+        p = seq.params
+        device = self.device
+
+        def ids(values: Sequence[int]) -> torch.Tensor | None:
+            return torch.tensor(list(values), dtype=torch.int64, device=device).unique() if values else None
+
+        stop_ids = None
+        if p.min_tokens > 0:
+            stop_ids = ids([*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)])
+        bias_ids = bias_values = None
+        if p.logit_bias:
+            bias_ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=device)
+            bias_values = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=device)
+        long_bad_words = tuple(w for w in seq.bad_words_token_ids if len(w) > 1)
+        generator = None
+        if p.seed is not None and not p.greedy:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(p.seed)
+        return _RequestState(
+            params=p,
+            num_prompt=num_prompt_tokens(seq),
+            stop_ids=stop_ids,
+            bias_ids=bias_ids,
+            bias_values=bias_values,
+            mask_row=self._masks.acquire(p.allowed_token_ids) if p.allowed_token_ids is not None else None,
+            banned_ids=ids([w[0] for w in seq.bad_words_token_ids if len(w) == 1]),
+            long_bad_words=long_bad_words,
+            tokens=[] if p.has_penalties or long_bad_words else None,
+            slot=self._penalties.acquire() if p.has_penalties else None,
+            generator=generator,
+        )
+
+    def record(self, sequences: Sequence[SequenceInput]) -> None:
+        """Fold a step's fed tokens into the histories of the requests that need them.
+
+        Call it once per step with every sequence of the batch (sampling or not), before ``sample``.
+        """
+        updates = _PenaltyUpdates(self._penalties)
+        for seq in sequences:
+            state = self._state(seq)
+            tokens = state.tokens
+            if tokens is None:
+                continue
+            start, slot, num_prompt = seq.start_position, state.slot, state.num_prompt
+            rewound = start < len(tokens)
+            if rewound:  # recompute after preemption, or positions fed again: rewind first
+                if slot is not None:
+                    if start <= num_prompt:
+                        updates.resets.append(slot)  # every generated token goes
+                    else:
+                        updates.count(slot, tokens[start:], -1)
+                del tokens[start:]
+            new = list(seq.token_ids)
+            if start > len(tokens):  # positions whose KV came from elsewhere: the prompt holds them
+                gap = list(seq.prompt_token_ids[len(tokens) : start])
+                if len(tokens) + len(gap) != start:
+                    raise RuntimeError(f"request {seq.request_id}: positions before {start} were never fed")
+                new = gap + new
+            first = len(tokens)
+            tokens.extend(new)
+            if slot is not None:
+                updates.count(slot, new[max(0, num_prompt - first) :], 1)
+                if rewound:
+                    updates.see(slot, tokens, rebuild=True)
+                else:
+                    updates.see(slot, new, rebuild=False)
+        updates.apply()
+
+    # -- sampling --------------------------------------------------------------------------------
+
+    def sample(self, logits: torch.Tensor, sequences: Sequence[SequenceInput]) -> SamplerOutput:
+        """Sample one token per row.
+
+        Args:
+            logits: [batch, vocab] logits (any float dtype; computed in float32). Not modified.
+            sequences: The sequence of each row (``record`` has seen this step's tokens).
+
+        Returns:
+            The sampled ids, and logprobs for the rows that asked for them.
+        """
+        states = [self._state(seq) for seq in sequences]
+        params = [state.params for state in states]
+        logits = logits.float()
+        logprob_rows = [row for row, p in enumerate(params) if p.logprobs is not None]
+        raw_logprobs = None
+        if logprob_rows:
+            raw_logprobs = torch.log_softmax(self._rows(logits, logprob_rows), dim=-1)
+        logits = self._process(logits, sequences, states)
+        random_rows = [row for row, p in enumerate(params) if not p.greedy]
+        if len(random_rows) < len(params):
+            token_ids = row_argmax(logits)
+        else:
+            token_ids = torch.empty(len(params), dtype=torch.int64, device=self.device)
+        if random_rows:
+            drawn = self._draw(self._rows(logits, random_rows), [states[row] for row in random_rows])
+            if len(random_rows) == len(params):
+                token_ids = drawn
+            else:
+                token_ids[self._index(random_rows)] = drawn
+        logprobs: list[PositionLogprobs | None] | None = None
+        if raw_logprobs is not None:
+            chosen = compute_logprobs(
+                raw_logprobs,
+                token_ids[self._index(logprob_rows)],
+                [params[row].logprobs or 0 for row in logprob_rows],
+            )
+            logprobs = [None] * len(params)
+            for row, entry in zip(logprob_rows, chosen):
+                logprobs[row] = entry
+        return SamplerOutput(token_ids, logprobs)
+
+    def plain_greedy_rows(self, sequences: Sequence[SequenceInput]) -> list[int]:
+        """The rows whose token is the first maximum of their raw logits, and nothing else of them is read.
+
+        Greedy, no ``logprobs``, and no mask, banned word, ``min_tokens`` ban, bias or penalty applies
+        this step. A head that finds the argmax without the full logits (``backends.cpu._greedy_head``)
+        may serve these rows; ``sample`` serves the others. Call it after ``record``.
+        """
+        rows = []
+        for row, seq in enumerate(sequences):
+            state = self._state(seq)
+            if state.params.greedy and state.params.logprobs is None and not _changes_logits(seq, state):
+                rows.append(row)
+        return rows
+
+    def _index(self, rows: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.int64, device=self.device)
+
+    def _rows(self, tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """``tensor[rows]``, without the copy when the rows are all of them, in order."""
+        if len(rows) == tensor.shape[0]:
+            return tensor
+        return tensor[self._index(rows)]
+
+    def _process(
+        self, logits: torch.Tensor, sequences: Sequence[SequenceInput], states: list[_RequestState]
+    ) -> torch.Tensor:
+        """Masks, biases and penalties (stages 2 and 3); returns a new tensor when anything applies."""
+        masked: list[tuple[int, int]] = []  # row, mask table row
+        banned: list[tuple[int, torch.Tensor]] = []
+        bias: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        penalised: list[int] = []
+        for row, (seq, state) in enumerate(zip(sequences, states)):
+            if not _changes_logits(seq, state):
+                continue
+            if state.mask_row is not None:
+                masked.append((row, state.mask_row))
+            if state.banned_ids is not None:
+                banned.append((row, state.banned_ids))
+            if state.long_bad_words:
+                matched = _completing_bad_words(state)
+                if matched:
+                    banned.append((row, torch.tensor(matched, dtype=torch.int64, device=self.device)))
+            if state.stop_ids is not None and _num_generated(seq, state) < state.params.min_tokens:
+                banned.append((row, state.stop_ids))
+            if state.bias_ids is not None and state.bias_values is not None:
+                bias.append((row, state.bias_ids, state.bias_values))
+            if state.slot is not None:
+                penalised.append(row)
+        if not (masked or banned or bias or penalised):
+            return logits
+        logits = logits.clone()
+        if masked:
+            mask = self._masks.masks[self._index([mask_row for _, mask_row in masked])]
+            if len(masked) == len(states):
+                logits.masked_fill_(mask, _NEG_INF)
+            else:
+                index = self._index([row for row, _ in masked])
+                logits[index] = logits[index].masked_fill(mask, _NEG_INF)
+        if banned:
+            rows, columns = self._rows_and_columns(banned)
+            logits[rows, columns] = _NEG_INF
+        if bias:
+            rows, columns = self._rows_and_columns([(row, ids) for row, ids, _ in bias])
+            logits.index_put_((rows, columns), torch.cat([values for _, _, values in bias]), accumulate=True)
+        if penalised:
+            self._penalise(logits, penalised, [states[row] for row in penalised])
+        return logits
+
+    def _rows_and_columns(self, pairs: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flatten (row, column ids) pairs into two index tensors, in one concatenation."""
+        columns = torch.cat([ids for _, ids in pairs])
+        lengths = torch.tensor([len(ids) for _, ids in pairs], device=self.device)
+        rows = self._index([row for row, _ in pairs]).repeat_interleave(lengths)
+        return rows, columns
+
+    def _penalise(self, logits: torch.Tensor, rows: list[int], states: list[_RequestState]) -> None:
+        """Penalties on the logits of each row's distinct tokens only: one gather, one scatter."""
+        tables = self._penalties
+        params = [state.params for state in states]
+        slots = [state.slot for state in states if state.slot is not None]
+        num_distinct = [tables.num_distinct[slot] for slot in slots]
+        width = max(num_distinct)
+        slot_index = self._index(slots)
+        token_ids = tables.distinct[slot_index, :width]
+        # Rows with fewer distinct tokens repeat their first one: the same value is written twice.
+        valid = torch.arange(width, device=self.device)[None, :] < self._index(num_distinct)[:, None]
+        token_ids = torch.where(valid, token_ids, token_ids[:, :1])
+        row_index = self._index(rows)[:, None].expand(-1, width)
+        values = logits[row_index, token_ids]
+        counts = tables.counts[slot_index[:, None].expand(-1, width), token_ids]
+        if any(p.repetition_penalty != 1.0 for p in params):
+            penalty = torch.tensor([p.repetition_penalty for p in params], device=self.device)[:, None]
+            values = torch.where(values > 0, values / penalty, values * penalty)
+        if any(p.frequency_penalty != 0.0 for p in params):
+            frequency = torch.tensor([p.frequency_penalty for p in params], device=self.device)[:, None]
+            values = values - frequency * counts
+        if any(p.presence_penalty != 0.0 for p in params):
+            presence = torch.tensor([p.presence_penalty for p in params], device=self.device)[:, None]
+            values = values - presence * (counts > 0)
+        logits[row_index, token_ids] = values
+
+    def _draw(self, logits: torch.Tensor, states: list[_RequestState]) -> torch.Tensor:
+        """Temperature, min_p, top_k/top_p and the random draw, for the non-greedy rows.
+
+        Rows with top_k/top_p apply temperature and min_p to their candidates only: the order of the
+        logits does not change with temperature, and min_p is relative to the best token, always a
+        candidate.
+        """
+        params = [state.params for state in states]
+        device = self.device
+        temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
+        # p_i < min_p * p_max  <=>  l_i < l_max + log(min_p): no softmax needed (log 0 = -inf keeps all).
+        log_min_p = None
+        if any(p.min_p > 0.0 for p in params):
+            log_min_p = torch.tensor([math.log(p.min_p) if p.min_p > 0 else _NEG_INF for p in params], device=device)
+            log_min_p = log_min_p[:, None]
+        token_ids = torch.empty(len(params), dtype=torch.int64, device=device)
+        filtered = [row for row, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
+        plain = [row for row, p in enumerate(params) if not (p.top_k > 0 or p.top_p < 1.0)]
+        if plain:
+            index = self._index(plain)
+            scaled = _scale(
+                self._rows(logits, plain), temperature[index], None if log_min_p is None else log_min_p[index]
+            )
+            drawn = self._race(scaled, [states[row] for row in plain], None)
+            if len(plain) == len(params):
+                return drawn
+            token_ids[index] = drawn
+        if filtered:
+            index = self._index(filtered)
+            values, order, counts = _candidates(
+                self._rows(logits, filtered),
+                [params[row] for row in filtered],
+                temperature[index],
+                None if log_min_p is None else log_min_p[index],
+            )
+            choice = self._race(values, [states[row] for row in filtered], counts)
+            drawn = order.gather(1, choice[:, None])[:, 0]
+            if len(filtered) == len(params):
+                return drawn
+            token_ids[index] = drawn
+        return token_ids
+
+    def _race(self, scores: torch.Tensor, states: list[_RequestState], counts: list[int] | None) -> torch.Tensor:
+        """Draw a column of each row of ``scores`` (logits, -inf dropped): ``argmax(p / E)``, ``E ~ Exp(1)``.
+
+        A seeded row's noise comes from its generator, ``counts[row]`` values (its candidates, best
+        first) or the whole row; the shared generator fills the rest.
+        """
+        probs = torch.softmax(scores, dim=-1)
+        uniform = torch.rand(scores.shape, generator=self._shared, device=self.device)
+        for row, state in enumerate(states):
+            if state.generator is not None:
+                size = scores.shape[-1] if counts is None else counts[row]
+                uniform[row, :size] = torch.rand(size, generator=state.generator, device=self.device)
+        # -log(U) ~ Exp(1); torch.rand is several times faster than exponential_ on the CPU. U < 1,
+        # so the noise is never 0; U = 0 gives infinite noise, which never wins.
+        return row_argmax(probs / uniform.log_().neg_())
+
+    # -- prompt logprobs -------------------------------------------------------------------------
+
+    def prompt_logprobs(
+        self,
+        sequences: Sequence[SequenceInput],
+        offsets: Sequence[int],
+        logits_at: Callable[[torch.Tensor], torch.Tensor],
+    ) -> dict[int, list[PositionLogprobs | None]] | None:
+        """Compute the prompt logprobs of this step's chunks; return the prompts completed by it.
+
+        Args:
+            sequences: The step's sequences.
+            offsets: Where each sequence's first fed token sits in the step's flat token order.
+            logits_at: Logits of the given flat token rows (the runner runs the LM head).
+
+        Returns:
+            Per request that asked for them and samples in this step, its prompt logprobs aligned
+            with the prompt (None first); None when no request of the step asked.
+        """
+        if not any(seq.params.prompt_logprobs is not None for seq in sequences):
+            return None
+        rows: list[int] = []
+        targets: list[int] = []
+        nums: list[int] = []
+        owners: list[tuple[_RequestState, int, int]] = []  # state, first target position, count
+        for seq, offset in zip(sequences, offsets):
+            num_top = seq.params.prompt_logprobs
+            if num_top is None:
+                continue
+            state = self._state(seq)
+            if state.prompt_logprobs_sent:
+                continue  # a recompute after preemption: they were delivered already
+            prompt = seq.prompt_token_ids
+            if state.prompt_logprobs is None:
+                state.prompt_logprobs = [None] * len(prompt)
+            start = seq.start_position
+            end = min(start + len(seq.token_ids), len(prompt) - 1)  # position q predicts token q + 1
+            if end > start:
+                rows.extend(range(offset, offset + end - start))
+                targets.extend(prompt[start + 1 : end + 1])
+                nums.extend([num_top] * (end - start))
+                owners.append((state, start + 1, end - start))
+        entries: list[PositionLogprobs] = []
+        for first in range(0, len(rows), _PROMPT_LOGPROBS_CHUNK):
+            chunk = slice(first, first + _PROMPT_LOGPROBS_CHUNK)
+            logprobs = torch.log_softmax(logits_at(self._index(rows[chunk])).float(), dim=-1)
+            entries.extend(compute_logprobs(logprobs, self._index(targets[chunk]), nums[chunk]))
+        position = 0
+        for state, first_target, count in owners:
+            assert state.prompt_logprobs is not None
+            state.prompt_logprobs[first_target : first_target + count] = entries[position : position + count]
+            position += count
+        done: dict[int, list[PositionLogprobs | None]] = {}
+        for seq in sequences:
+            finished = self._states.get(seq.request_id)
+            if seq.sample and finished is not None and finished.prompt_logprobs is not None:
+                done[seq.request_id] = finished.prompt_logprobs
+                finished.prompt_logprobs = None
+                finished.prompt_logprobs_sent = True
+        return done
+
+
+def compute_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, nums: Sequence[int]) -> list[PositionLogprobs]:
+    """The logprob and rank of ``token_ids`` in each row of ``logprobs``, with the row's top alternatives.
+
+    Args:
+        logprobs: [rows, vocab] log-probabilities.
+        token_ids: [rows] the token of each row.
+        nums: How many top alternatives each row wants.
+
+    Returns:
+        One ``PositionLogprobs`` per row.
+    """
+    chosen = logprobs.gather(1, token_ids[:, None])
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    num_top = min(max(nums, default=0), logprobs.shape[-1])
+    top_values: list[list[float]] = [[] for _ in nums]
+    top_ids: list[list[int]] = [[] for _ in nums]
+    if num_top:
+        values, ids = logprobs.topk(num_top, dim=-1)
+        top_values, top_ids = values.tolist(), ids.tolist()
+    return [
+        PositionLogprobs(token, logprob, rank, tuple(ids[:n]), tuple(values[:n]))
+        for token, logprob, rank, ids, values, n in zip(
+            token_ids.tolist(), chosen[:, 0].tolist(), ranks.tolist(), top_ids, top_values, nums
+        )
+    ]
+
+
+def _changes_logits(seq: SequenceInput, state: _RequestState) -> bool:
+    """Whether any of ``Sampler._process``'s stages (masks, bans, biases, penalties) may apply to this row now.
+
+    ``_process`` skips the rows where this is False, so a stage it does not cover never runs: the two
+    cannot drift apart, and ``plain_greedy_rows`` may trust it.
+    """
+    return (
+        state.mask_row is not None
+        or state.banned_ids is not None
+        or bool(state.long_bad_words)
+        or (state.stop_ids is not None and _num_generated(seq, state) < state.params.min_tokens)
+        or (state.bias_ids is not None and state.bias_values is not None)
+        or state.slot is not None
+    )
+
+
+def _num_generated(seq: SequenceInput, state: _RequestState) -> int:
+    """Tokens generated before the one this step samples (from positions, so it never lags)."""
+    return seq.start_position + len(seq.token_ids) - state.num_prompt
+
+
+def _completing_bad_words(state: _RequestState) -> list[int]:
+    """Last tokens of the long bad words whose other tokens end the output so far."""
+    tokens = state.tokens
+    assert tokens is not None
+    num_output = len(tokens) - state.num_prompt
+    matched = []
+    for word in state.long_bad_words:
+        prefix = len(word) - 1
+        if prefix <= num_output and tuple(tokens[len(tokens) - prefix :]) == word[:-1]:
+            matched.append(word[-1])
+    return matched
+
+
+def _scale(logits: torch.Tensor, temperature: torch.Tensor, log_min_p: torch.Tensor | None) -> torch.Tensor:
+    """Logits divided by the temperature, and the tokens below min_p (relative to the best) dropped."""
+    scaled = logits / temperature
+    if log_min_p is not None:
+        scaled = scaled.masked_fill(scaled < scaled.amax(dim=-1, keepdim=True) + log_min_p, _NEG_INF)
+    return scaled
+
+
+def _candidates(
+    logits: torch.Tensor, params: list[SamplingParams], temperature: torch.Tensor, log_min_p: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The tokens ``top_k``/``top_p`` keep, per row, best first: without sorting the vocabulary if possible.
+
+    Args:
+        logits: [rows, vocab] logits before temperature.
+        params: Each row's parameters (each has top_k or top_p).
+        temperature: [rows, 1].
+        log_min_p: [rows, 1] log(min_p) (-inf where unset), or None.
+
+    Returns:
+        [rows, width] scaled logits of the candidates (-inf where dropped), [rows, width] their
+        token ids, and each row's own candidate count (its ``top_k``; for ``top_p`` alone 1,024, or
+        the vocabulary when its best 1,024 tokens hold less than ``top_p``), which depends on the
+        row only.
+    """
+    vocab = logits.shape[-1]
+    device = logits.device
+    top_k = [min(p.top_k, vocab) if p.top_k > 0 else 0 for p in params]
+    open_rows = [row for row, k in enumerate(top_k) if k == 0]  # top_p alone
+    first_try = min(_TOP_P_CANDIDATES, vocab)
+    width = max(max(top_k), first_try if open_rows else 0)
+    values, order = logits.topk(width, dim=-1)
+    counts = [k or first_try for k in top_k]
+    if not any(p.top_p < 1.0 for p in params):
+        kept, order, _ = _filter(values, order, counts, temperature, log_min_p, None, None)
+        return kept, order, counts
+    lse: torch.Tensor | None = None
+    if open_rows:  # top_p alone is over the probabilities of the whole vocabulary (after min_p)
+        open_index = torch.tensor(open_rows, device=device)
+        open_min_p = None if log_min_p is None else log_min_p[open_index]
+        lse = torch.full((len(params),), _NEG_INF, device=device)
+        lse[open_index] = _scale(logits[open_index], temperature[open_index], open_min_p).logsumexp(dim=-1)
+    # top_p = 1 must never drop anything, even where the cumulative sum rounds up to 1 early.
+    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params], device=device)[:, None]
+    kept, order, cumulative = _filter(values, order, counts, temperature, log_min_p, lse, top_p)
+    if open_rows and first_try < vocab:
+        assert cumulative is not None
+        covered = (cumulative[open_index, first_try - 1] >= top_p[open_index, 0]).tolist()
+        if not all(covered):
+            for row, ok in zip(open_rows, covered):
+                if not ok:
+                    counts[row] = vocab
+            values, order = logits.sort(dim=-1, descending=True)
+            kept, order, _ = _filter(values, order, counts, temperature, log_min_p, lse, top_p)
+    return kept, order, counts
+
+
+def _filter(
+    values: torch.Tensor,
+    order: torch.Tensor,
+    counts: list[int],
+    temperature: torch.Tensor,
+    log_min_p: torch.Tensor | None,
+    lse: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Scale the sorted candidate logits, drop beyond each row's count, below min_p and past top_p.
+
+    ``lse`` holds, for top_p-only rows, the log of the whole vocabulary's normaliser (-inf for the
+    others, which normalise over their own candidates). Returns the kept logits (-inf elsewhere),
+    the token ids and, with top_p, the cumulative probabilities.
+    """
+    device = values.device
+    values = values / temperature
+    drop = torch.arange(values.shape[-1], device=device)[None, :] >= torch.tensor(counts, device=device)[:, None]
+    if log_min_p is not None:
+        drop |= values < values[:, :1] + log_min_p  # the first candidate is the best token
+    if top_p is None:
+        return values.masked_fill(drop, _NEG_INF), order, None
+    masked = values.masked_fill(drop, _NEG_INF)
+    normaliser = masked.logsumexp(dim=-1)
+    if lse is not None:
+        normaliser = torch.where(lse > _NEG_INF, lse, normaliser)
+    probs = (masked - normaliser[:, None]).exp()
+    cumulative = probs.cumsum(dim=-1)
+    drop |= (cumulative - probs) >= top_p  # the tokens ranked above already reach top_p
+    return values.masked_fill(drop, _NEG_INF), order, cumulative

@@ -1,0 +1,175 @@
+"""``asyncllm serve`` as a real server process (hypercorn, asyncio and trio), driven by the official
+``openai`` client over TCP on 127.0.0.1, on a tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+API_KEY = "test-key"
+MODEL = "tiny"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@dataclass
+class Server:
+    base_url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def client(self, api_key: str = API_KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        return {name: float(value) for name, value in re.findall(r"^([^#\s]\S*) (\S+)$", text, re.M)}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _wait_ready(server: Server, deadline_s: float = 180.0) -> None:
+    """Poll /health (a bounded loop) until the server answers; fail with its log if it exits."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            pytest.fail(f"asyncllm serve exited with {server.process.returncode}:\n{server.log.read_text()}")
+        try:
+            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    pytest.fail(f"asyncllm serve not ready after {deadline_s} s:\n{server.log.read_text()}")
+
+
+def _stop(process: subprocess.Popen[bytes]) -> int:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            return process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    return process.wait()
+
+
+@pytest.fixture(scope="module", params=["asyncio", "trio"])
+def server(
+    request: pytest.FixtureRequest, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve") / "stderr.txt"
+    command = [
+        sys.executable, "-m", "asyncllm.cli", "serve", "--model", str(tiny_llama), "--host", "127.0.0.1",
+        "--port", str(port), "--backend", request.param, "--device", "cpu", "--kv-cache-blocks", "128",
+        "--api-key", API_KEY, "--served-model-name", MODEL,
+    ]  # fmt: skip
+    with open(log, "wb") as stderr:
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr)
+    server = Server(f"http://127.0.0.1:{port}", process, log)
+    try:
+        _wait_ready(server)
+        yield server
+    finally:
+        _stop(process)
+
+
+def test_completions_streaming_and_not(server: Server) -> None:
+    client = server.client()
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    whole = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0)
+    assert whole.choices[0].finish_reason == "length" and whole.usage is not None
+    assert (whole.usage.completion_tokens, whole.usage.total_tokens) == (12, whole.usage.prompt_tokens + 12)
+    events = list(
+        client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0, stream=True)
+    )
+    assert "".join(e.choices[0].text for e in events) == whole.choices[0].text
+    assert events[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_streaming_and_not(server: Server) -> None:
+    client = server.client()
+    messages: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "Hello there"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0, seed=1)
+    assert whole.choices[0].message.role == "assistant" and whole.usage is not None
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=10,
+            temperature=0,
+            seed=1,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_errors_reach_the_client_as_openai_errors(server: Server) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        server.client(api_key="wrong").models.list()
+    client = server.client()
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-4", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="not supported yet"):
+        client.completions.create(model=MODEL, prompt="x", suffix="tail")
+    assert httpx.get(f"{server.base_url}/health", timeout=10).json() == {"status": "ok"}  # no key needed
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server: Server) -> None:
+    aborted_before = server.metrics()['asyncllm_request_finished_total{reason="abort"}']
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=headers, timeout=60) as response:
+        lines = response.iter_lines()
+        received = [line for line, _ in zip(lines, range(6)) if line.startswith("data: ")]
+        assert len(received) >= 3
+        assert server.metrics()["asyncllm_num_requests_running"] == 1  # still generating
+    # The connection is closed. Poll (bounded) until the server has seen it and the engine freed the blocks.
+    deadline = time.monotonic() + 60
+    while True:
+        metrics = server.metrics()
+        freed = metrics["asyncllm_kv_cache_blocks_free"] == metrics["asyncllm_kv_cache_blocks_total"]
+        if metrics["asyncllm_num_requests_running"] == 0 and freed:
+            break
+        assert time.monotonic() < deadline, metrics
+        time.sleep(0.05)
+    assert metrics['asyncllm_request_finished_total{reason="abort"}'] == aborted_before + 1
+
+
+def test_concurrent_client_example(server: Server) -> None:
+    spec = importlib.util.spec_from_file_location("concurrent_client_example", EXAMPLES / "concurrent_client.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    texts = asyncio.run(example.main(f"{server.base_url}/v1", API_KEY, streams=32, max_tokens=8))
+    assert len(texts) == 32 and all(texts)
+
+
+def test_sigterm_stops_the_server_cleanly(server: Server) -> None:
+    # Last in the module: the server is gone afterwards.
+    assert _stop(server.process) == 0
+    log = server.log.read_text()
+    assert "received SIGTERM, shutting down" in log and "Traceback" not in log
