@@ -33,3 +33,25 @@ def test_public_callables_have_docstrings() -> None:
             assert obj.__doc__, name
     for method in ("open", "stream", "generate", "statistics"):
         assert getattr(asyncllm.Engine, method).__doc__, method
+
+
+def test_types_in_public_signatures_are_exported() -> None:
+    # A type an application meets in the public API (an argument or a result of Engine's methods)
+    # is importable from the top level, not only from a private module.
+    import inspect
+    import typing
+
+    exported = {getattr(asyncllm, name) for name in asyncllm.__all__ if not name.startswith("__")}
+    seen = set()
+    for name, member in inspect.getmembers(asyncllm.Engine):
+        if name.startswith("_"):
+            continue
+        function = member.fget if isinstance(member, property) else member
+        if not callable(function):
+            continue
+        for hint in typing.get_type_hints(function).values():
+            for kind in (hint, *typing.get_args(hint)):
+                if isinstance(kind, type) and kind.__module__.startswith("asyncllm"):
+                    seen.add(kind)
+                    assert kind in exported, f"Engine.{name} uses {kind.__qualname__}, which asyncllm does not export"
+    assert {asyncllm.EngineMetrics, asyncllm.RequestStream, asyncllm.Completion, asyncllm.ModelRunner} <= seen

@@ -1,6 +1,8 @@
 """asyncllm: an LLM inference engine that runs inside your application's event loop."""
 
+from asyncllm.engine._detokenizer import Tokenizer
 from asyncllm.engine._engine import Engine
+from asyncllm.engine._metrics import EngineMetrics
 from asyncllm.engine._options import EngineOptions
 from asyncllm.engine._stream import RequestStream
 from asyncllm.errors import (
@@ -19,6 +21,7 @@ from asyncllm.errors import (
     RequestFailedError,
     SchedulerStalledError,
 )
+from asyncllm.executor._runner import ModelRunner
 from asyncllm.outputs import Completion, EngineStatistics, Logprobs, Sample, StreamChunk, TokenLogprob
 from asyncllm.sampling_params import SamplingParams
 
@@ -33,6 +36,7 @@ __all__ = [
     "Engine",
     "EngineClosedError",
     "EngineDeadError",
+    "EngineMetrics",
     "EngineOptions",
     "EngineOverloadedError",
     "EngineStatistics",
@@ -41,6 +45,7 @@ __all__ = [
     "InvalidSamplingParamsError",
     "Logprobs",
     "ModelNotFoundError",
+    "ModelRunner",
     "PromptTooLongError",
     "RequestFailedError",
     "RequestStream",
@@ -49,5 +54,6 @@ __all__ = [
     "SchedulerStalledError",
     "StreamChunk",
     "TokenLogprob",
+    "Tokenizer",
     "__version__",
 ]

@@ -226,8 +226,9 @@ class Engine:
                 each tenant that must not share cached KV (or timing) its own salt.
 
         Returns:
-            A ``RequestStream``: iterate it for ``StreamChunk`` deltas. Leaving it early (break,
-            cancellation, timeout, ``aclose()``) aborts the request.
+            A ``RequestStream``: iterate it for ``StreamChunk`` deltas. Leaving it early by
+            cancellation, a timeout, ``aclose()`` or ``async with`` aborts the request; a bare
+            ``break`` aborts only once the stream object is dropped (use ``async with``).
 
         Raises:
             InvalidRequestError: The prompt or parameters are invalid (a ``ValueError``).
