@@ -371,3 +371,84 @@ async def test_a_failure_in_one_requests_output_ends_that_request_only(n: int) -
     assert after.text == "abcab"
     assert stats.num_running == stats.num_waiting == 0
     assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+async def test_a_call_queued_behind_a_long_one_is_not_charged_with_its_time() -> None:
+    # With async scheduling, step N+1 is queued while step N runs: its timeout counts from when the
+    # engine starts waiting for it (N has returned by then), not from its submission.
+    from asyncllm.executor._device import DeviceWorker
+
+    worker = DeviceWorker()
+    try:
+        queued = worker.submit(lambda: "done")
+        queued.submitted_at -= 100.0  # as if it had waited 100 s behind a step that ran that long
+        assert await queued.wait(timeout=5.0) == "done"
+    finally:
+        await worker.stop()
+
+
+async def test_calls_queued_behind_a_failure_are_discarded_not_run() -> None:
+    from asyncllm.executor._device import DeviceWorker
+
+    worker = DeviceWorker()
+    release = threading.Event()
+    ran: list[str] = []
+    try:
+        started = threading.Event()
+
+        def blocking() -> bool:
+            started.set()
+            return release.wait()
+
+        running = worker.submit(blocking)
+        queued = worker.submit(lambda: ran.append("queued"))
+        await anyio.to_thread.run_sync(started.wait)  # the thread is inside the first call
+        worker.discard_queued(EngineDeadError("the engine died"))
+        with pytest.raises(EngineDeadError, match="the engine died"):
+            await queued.wait()
+        release.set()
+        assert await running.wait() is True
+    finally:
+        release.set()
+        await worker.stop()
+    assert ran == []
+
+
+async def test_close_after_a_failed_step_is_bounded_when_the_next_step_hangs() -> None:
+    release = threading.Event()
+
+    class FailThenHang(ScriptedRunner):
+        def execute(self, batch: StepBatch) -> StepOutput:
+            if len(self.steps) == 3:
+                self.steps.append(None)  # type: ignore[arg-type]
+                raise RuntimeError("step failed")
+            if len(self.steps) >= 4:
+                release.wait()
+            return super().execute(batch)
+
+    runner = FailThenHang(b"abc")
+    try:
+        with anyio.fail_after(60), pytest.raises(EngineDeadError):
+            async with Engine.open(runner=runner, tokenizer=ByteTokenizer(), step_timeout=0.5) as engine:
+                worker = engine._core.worker  # type: ignore[union-attr]
+                with pytest.raises(EngineDeadError):
+                    async for _ in engine.stream("hello", LONG):
+                        pass
+    finally:
+        release.set()
+    await anyio.to_thread.run_sync(worker.thread.join, 60)
+    assert not worker.thread.is_alive()
+
+
+async def test_a_failure_after_a_requests_last_chunk_still_ends_its_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncllm.engine._output_processor import OutputProcessor
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("metrics bug")
+
+    monkeypatch.setattr(OutputProcessor, "_record_finish", broken)
+    async with Engine.open(runner=ScriptedRunner(b"abc"), tokenizer=ByteTokenizer()) as engine:
+        with anyio.fail_after(60):
+            chunks = [c async for c in engine.stream("x", SamplingParams(max_tokens=3, ignore_eos=True))]
+        engine.check_health()
+    assert "".join(c.text for c in chunks) == "abc" and chunks[-1].finish_reason == "length"

@@ -320,8 +320,13 @@ class EngineCore:
             error.__cause__ = cause
         logger.error("asyncllm engine died: %r", cause)
         self.dead = error
+        # A step queued behind the failed one would compute on tokens that will never come.
+        self.worker.discard_queued(error)
         self.outputs.fail_all(error)
         for request in list(self.requests.values()):
-            self.scheduler.finish(request, "abort")
+            try:
+                self.scheduler.finish(request, "abort")
+            except Exception:  # the failure may have left the scheduler inconsistent: end the rest anyway
+                logger.exception("asyncllm: request %d could not be finished cleanly", request.request_id)
         self.requests.clear()
         self._groups.clear()

@@ -32,7 +32,7 @@ from asyncllm.engine._metrics import EngineMetrics
 from asyncllm.engine._options import EngineOptions
 from asyncllm.engine._output_processor import OutputProcessor
 from asyncllm.engine._stream import RequestStream
-from asyncllm.errors import EngineClosedError, EngineDeadError, EngineOverloadedError
+from asyncllm.errors import DeviceStepTimeoutError, EngineClosedError, EngineDeadError, EngineOverloadedError
 from asyncllm.executor._device import DeviceWorker
 from asyncllm.executor._runner import ModelRunner, RunnerInfo
 from asyncllm.outputs import Completion, EngineStatistics, FinishReason, Logprobs, Sample, StreamChunk
@@ -125,9 +125,11 @@ class Engine:
             if runner is None:
                 runner = self._torch_runner(model_path)
         worker = DeviceWorker()
-        stack.push_async_callback(worker.stop)
+        # Closing is bounded by step_timeout too: a device that hangs in close (or in a step the
+        # engine no longer waits for) is left behind rather than waited for forever.
+        stack.push_async_callback(worker.stop, self.options.step_timeout)
         info = await worker.run(runner.load)
-        stack.push_async_callback(_close_runner, worker, runner)
+        stack.push_async_callback(_close_runner, worker, runner, self.options.step_timeout)
         self._info = info
         self._max_model_len = self._resolve_max_model_len(info)
         kv_cache = KVCacheManager(
@@ -541,11 +543,14 @@ class _SampleParts:
         return Sample(index, "".join(self.texts), tuple(self.token_ids), self.finish_reason, logprobs, self.stop_reason)
 
 
-async def _close_runner(worker: DeviceWorker, runner: ModelRunner) -> None:
-    if worker.abandoned:  # its thread is stuck in a step: close() would queue behind it forever
-        logger.warning("asyncllm: the model runner was not closed (its device thread is stuck)")
-        return
-    await worker.run(runner.close)
+async def _close_runner(worker: DeviceWorker, runner: ModelRunner, timeout: float | None) -> None:
+    if not worker.abandoned:  # an abandoned thread is stuck in a step: close() would queue behind it
+        try:
+            await worker.submit(runner.close).wait(timeout)
+            return
+        except DeviceStepTimeoutError:
+            worker.abandon()
+    logger.warning("asyncllm: the model runner was not closed (its device thread is stuck)")
 
 
 def _resolve_model(model: str | os.PathLike[str] | None) -> Path:

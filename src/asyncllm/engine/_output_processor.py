@@ -150,21 +150,20 @@ class OutputProcessor:
         if event.prompt_logprobs is not None and not output.prompt_logprobs_sent:
             output.prompt_logprobs_sent = True
             prompt_logprobs = tuple(None if e is None else self._logprobs(e) for e in event.prompt_logprobs)
-        if finish_reason is not None:
+        stream = output.stream()
+        if stream is not None:  # else dropped by its consumer; its abort is on the way
+            stream._push(
+                output.index,
+                text,
+                event.new_token_ids,
+                finish_reason,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                stop_reason=stop_reason,
+            )
+        if finish_reason is not None:  # routed until its last chunk is out, so a failure can still end it
             del self._outputs[request.request_id]
             self._record_finish(request, finish_reason, now)
-        stream = output.stream()
-        if stream is None:  # dropped by its consumer; its abort is on the way
-            return
-        stream._push(
-            output.index,
-            text,
-            event.new_token_ids,
-            finish_reason,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            stop_reason=stop_reason,
-        )
 
     def _token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)

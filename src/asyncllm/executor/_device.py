@@ -17,6 +17,7 @@ import math
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -52,7 +53,12 @@ class DeviceCall(Generic[T]):
         self._result: T | None = None
         self._error: BaseException | None = None
         self.submitted_at = anyio.current_time()
-        """When the call was queued, on the event loop's clock (``wait``'s timeout counts from here)."""
+        """When the call was queued, on the event loop's clock."""
+
+    def _fail(self, error: BaseException, wake: LoopCallback) -> None:
+        self._error = error
+        with contextlib.suppress(RuntimeError):
+            wake(self._done.set)
 
     def _run(self, wake: LoopCallback) -> None:
         try:
@@ -67,14 +73,17 @@ class DeviceCall(Generic[T]):
         """The call's return value, or its exception re-raised.
 
         Shielded, so a cancelled caller never abandons a running step; ``timeout`` is the one bound.
+        It counts from the later of the submission and this wait's start: calls run one at a time,
+        and one queued behind a running call (a step scheduled ahead) is awaited only once the call
+        before it has returned, so its own time is not charged with its predecessor's.
 
         Args:
-            timeout: Seconds from submission after which the call counts as hung; None waits forever.
+            timeout: Seconds after which the call counts as hung; None waits forever.
 
         Raises:
-            DeviceStepTimeoutError: The call had not returned ``timeout`` seconds after it was submitted.
+            DeviceStepTimeoutError: The call had not returned within ``timeout`` seconds.
         """
-        deadline = math.inf if timeout is None else self.submitted_at + timeout
+        deadline = math.inf if timeout is None else max(self.submitted_at, anyio.current_time()) + timeout
         with anyio.CancelScope(shield=True, deadline=deadline):
             await self._done.wait()
         if not self._done.is_set():
@@ -105,6 +114,10 @@ class DeviceWorker:
         self._exited = anyio.Event()
         self.abandoned = False
         """True once a call timed out: the thread is left to finish (or not) on its own."""
+        self._pending: weakref.WeakSet[DeviceCall[Any]] = weakref.WeakSet()
+        self._discarded: weakref.WeakSet[DeviceCall[Any]] = weakref.WeakSet()
+        self._running: DeviceCall[Any] | None = None
+        self._lock = threading.Lock()  # a call is either taken by the thread or discarded, never both
         self.busy_seconds = 0.0
         """Seconds the thread spent running calls (model steps, load, close)."""
         # (seconds of finished waits, start of the current wait or None), replaced in one assignment
@@ -135,7 +148,12 @@ class DeviceWorker:
                     self._idle = (self._idle[0] + started - waited_from, None)
                 if call is _STOP:
                     break
+                with self._lock:
+                    if call in self._discarded:
+                        continue
+                    self._running = call
                 call._run(self._wake)
+                self._running = None
                 self.busy_seconds += time.perf_counter() - started
                 ran_once = True
         finally:
@@ -145,6 +163,7 @@ class DeviceWorker:
     def submit(self, fn: Callable[[], T]) -> DeviceCall[T]:
         """Queue ``fn`` to run on the device thread; returns at once."""
         call = DeviceCall(fn)
+        self._pending.add(call)
         self._queue.put(call)
         return call
 
@@ -159,19 +178,34 @@ class DeviceWorker:
         """
         if not self.abandoned:
             self.abandoned = True
+            self.discard_queued(DeviceStepTimeoutError("the device thread was abandoned after a call hung"))
             self._queue.put(_STOP)
             logger.warning("asyncllm: the device thread is stuck in a call; it is left behind as a daemon thread")
 
-    async def stop(self) -> None:
+    def discard_queued(self, error: BaseException) -> None:
+        """Fail every call not started yet with ``error`` instead of running it (the engine died:
+        a step queued behind the failed one would compute on tokens that will never come)."""
+        with self._lock:
+            queued = [c for c in self._pending if not c._done.is_set() and c is not self._running]
+            self._discarded.update(queued)
+        for call in queued:
+            call._fail(error, self._wake)
+
+    async def stop(self, timeout: float | None = None) -> None:
         """Let queued calls finish, end the thread and wait until it has exited (shielded).
 
-        An abandoned worker is not waited for (its thread may never return).
+        Args:
+            timeout: Seconds to wait for the thread; past them it is abandoned (left behind as a
+                daemon, logged). None waits forever. An abandoned worker is not waited for.
         """
         if self.abandoned:
             return
         self._queue.put(_STOP)
-        with anyio.CancelScope(shield=True):
+        with anyio.CancelScope(shield=True), anyio.move_on_after(math.inf if timeout is None else timeout):
             await self._exited.wait()
+        if not self._exited.is_set():
+            self.abandon()
+            return
         # The thread's last act was the wake-up above, so this join returns at once.
         self._thread.join()
 
