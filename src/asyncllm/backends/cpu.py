@@ -6,7 +6,7 @@ from torch import Tensor
 
 from asyncllm.backends.base import AttentionBackend, KVCache
 from asyncllm.input_batch import StepInputs
-from asyncllm.layers import attention, attention_cpu, elementwise_cpu
+from asyncllm.layers import attention_cpu, elementwise_cpu
 from asyncllm.layers.attention_cpu import CpuAttentionMetadata
 
 __all__ = ["CpuAttentionBackend"]
@@ -25,7 +25,8 @@ class CpuAttentionBackend(AttentionBackend[CpuAttentionMetadata]):
 
     name = "cpu"
     runs_lean_forward = True
-    # rotates_in_kernel stays False: eager layers off the fused-norm path rotate with torch ops.
+    # rotates_in_kernel stays False: eager layers off the fused-norm path rotate with torch ops. The KV
+    # write is the reference ``index_copy_`` (the lean forward writes in C: the same bytes).
 
     def __init__(self, *, sliding_window: int | None = None) -> None:
         self.sliding_window = sliding_window
@@ -34,10 +35,6 @@ class CpuAttentionBackend(AttentionBackend[CpuAttentionMetadata]):
     def build_metadata(self, step: StepInputs) -> CpuAttentionMetadata:
         """The step's metadata (``layers.attention_cpu.build_metadata``: tensors over the step's arrays)."""
         return attention_cpu.build_metadata(step, sliding_window=self.sliding_window)
-
-    def write_kv(self, kv_cache: KVCache, k: Tensor, v: Tensor, meta: CpuAttentionMetadata) -> None:
-        """``index_copy_`` into the slots (the lean forward writes them in C)."""
-        attention.write_kv(*kv_cache, k, v, meta.slot_mapping)
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache, meta: CpuAttentionMetadata, scale: float
