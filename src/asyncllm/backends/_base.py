@@ -8,15 +8,26 @@ from typing import Generic, Protocol, TypeVar
 import torch
 from torch import Tensor
 
+from asyncllm.backends.torch import _attention as attention
 from asyncllm.worker._input_batch import StepInputs
 
-__all__ = ["AttentionBackend", "DecodeGraphInputs", "KVCache"]
+__all__ = ["AttentionBackend", "DecodeGraphInputs", "KVCache", "SlotMapped"]
 
 KVCache = tuple[Tensor, Tensor]
 """A layer's (key cache, value cache), each [slots, kv_heads, head_dim]."""
 
-MetadataT = TypeVar("MetadataT")
-MetadataT_co = TypeVar("MetadataT_co", covariant=True)
+
+class SlotMapped(Protocol):
+    """What every backend's metadata has: where each of the step's new tokens goes in the cache."""
+
+    @property
+    def slot_mapping(self) -> Tensor:
+        """[tokens] the cache slot each new token's key and value are written to."""
+        ...
+
+
+MetadataT = TypeVar("MetadataT", bound=SlotMapped)
+MetadataT_co = TypeVar("MetadataT_co", bound=SlotMapped, covariant=True)
 
 
 class DecodeGraphInputs(Protocol[MetadataT_co]):
@@ -38,7 +49,8 @@ class DecodeGraphInputs(Protocol[MetadataT_co]):
 class AttentionBackend(abc.ABC, Generic[MetadataT]):
     """What the model and the runner call for attention; ``MetadataT`` is the backend's own metadata.
 
-    Every backend builds metadata, writes the KV cache and attends. The capabilities say which
+    Every backend builds metadata and attends; it writes the KV cache the reference way
+    (``index_copy_`` into ``meta.slot_mapping``) unless it has a kernel of its own. The capabilities say which
     optional hooks the model may call besides; here they say none, and the hooks raise
     NotImplementedError: ``rotary_`` where ``rotates_in_kernel`` or ``fuses_norms``, ``rms_norm``
     where ``fuses_norms``, and ``graph_inputs`` where ``captures_graphs``.
@@ -60,9 +72,10 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
     def build_metadata(self, step: StepInputs) -> MetadataT:
         """The step's metadata, built once per step and shared by every layer."""
 
-    @abc.abstractmethod
     def write_kv(self, kv_cache: KVCache, k: Tensor, v: Tensor, meta: MetadataT) -> None:
-        """Store the step's new keys and values ([tokens, kv_heads, head_dim]) at their slots of the layer's cache."""
+        """Store the step's new keys and values ([tokens, kv_heads, head_dim]) at their slots of the layer's
+        cache: ``index_copy_`` (``layers.attention.write_kv``) here."""
+        attention.write_kv(*kv_cache, k, v, meta.slot_mapping)
 
     @abc.abstractmethod
     def attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache, meta: MetadataT, scale: float) -> Tensor:

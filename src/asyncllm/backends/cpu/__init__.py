@@ -1,7 +1,3 @@
 """The ``cpu`` attention backend and the CPU's native kernels: decode and prefill attention over the
 paged cache, element-wise kernels, the panel GEMM, the greedy head, their C builder (``_native``)
 and the lean forward that runs the layer stack as direct kernel calls."""
-
-from asyncllm.backends.cpu._backend import CpuAttentionBackend
-
-__all__ = ["CpuAttentionBackend"]

@@ -8,7 +8,6 @@ from asyncllm.backends._base import AttentionBackend, KVCache
 from asyncllm.backends.cpu import _attention as attention_cpu
 from asyncllm.backends.cpu import _elementwise as elementwise_cpu
 from asyncllm.backends.cpu._attention import CpuAttentionMetadata
-from asyncllm.backends.torch import _attention as attention
 from asyncllm.worker._input_batch import StepInputs
 
 __all__ = ["CpuAttentionBackend"]
@@ -27,7 +26,8 @@ class CpuAttentionBackend(AttentionBackend[CpuAttentionMetadata]):
 
     name = "cpu"
     runs_lean_forward = True
-    # rotates_in_kernel stays False: eager layers off the fused-norm path rotate with torch ops.
+    # rotates_in_kernel stays False: eager layers off the fused-norm path rotate with torch ops. The KV
+    # write is the reference ``index_copy_`` (the lean forward writes in C: the same bytes).
 
     def __init__(self, *, sliding_window: int | None = None) -> None:
         self.sliding_window = sliding_window
@@ -36,10 +36,6 @@ class CpuAttentionBackend(AttentionBackend[CpuAttentionMetadata]):
     def build_metadata(self, step: StepInputs) -> CpuAttentionMetadata:
         """The step's metadata (``backends.cpu._attention.build_metadata``: tensors over the step's arrays)."""
         return attention_cpu.build_metadata(step, sliding_window=self.sliding_window)
-
-    def write_kv(self, kv_cache: KVCache, k: Tensor, v: Tensor, meta: CpuAttentionMetadata) -> None:
-        """``index_copy_`` into the slots (the lean forward writes them in C)."""
-        attention.write_kv(*kv_cache, k, v, meta.slot_mapping)
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache, meta: CpuAttentionMetadata, scale: float

@@ -31,10 +31,6 @@ class TorchAttentionBackend(AttentionBackend[AttentionMetadata]):
         """The step's slots and masks (``backends.torch._attention.build_metadata``)."""
         return attention.build_metadata(step, self.sliding_window, self.device)
 
-    def write_kv(self, kv_cache: KVCache, k: Tensor, v: Tensor, meta: AttentionMetadata) -> None:
-        """``index_copy_`` into the slots."""
-        attention.write_kv(*kv_cache, k, v, meta.slot_mapping)
-
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
     ) -> Tensor:
