@@ -84,10 +84,11 @@ class EngineOptions:
     )
     step_timeout: float | None = field(
         default=DEFAULT_STEP_TIMEOUT,
-        metadata=_doc("""Seconds a model step may take, from its submission to the device thread, before the
-        device counts as hung: the engine then dies with DeviceStepTimeoutError on every stream,
-        check_health (/health) fails, and leaving `async with` returns at once, leaving the stuck
-        thread behind (logged). None waits forever."""),
+        metadata=_doc("""Seconds a model step may take (from when the engine waits for it; a step queued
+        behind another is not charged with that one's time) before the device counts as hung: the
+        engine then dies with DeviceStepTimeoutError on every stream, check_health (/health)
+        fails, and leaving `async with` returns at once, leaving the stuck thread behind (logged).
+        Closing is bounded by it too. None waits forever."""),
     )
     attention_backend: str = field(
         default="auto",
