@@ -20,12 +20,14 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from asyncllm import Engine, SamplingParams
+from asyncllm.backends import resolve_attention_backend
 from asyncllm.backends.cpu import _attention as attention_cpu
+from asyncllm.backends.torch._attention import build_metadata as _attention_metadata
 from asyncllm.backends.torch._attention import paged_attention, write_kv
 from asyncllm.executor._runner import SequenceInput, StepBatch
 from asyncllm.testing.tiny_models import tiny_model_path
 from asyncllm.worker._input_batch import step_inputs
-from asyncllm.worker._model_runner import TorchModelRunner, _attention_metadata, resolve_attention_backend
+from asyncllm.worker._model_runner import TorchModelRunner
 
 needs_kernel = pytest.mark.skipif(
     not attention_cpu.native_decode_available(64), reason="no C compiler: the cpu attention kernel is unavailable"

@@ -27,11 +27,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from asyncllm import Engine, SamplingParams
 from asyncllm.backends.cpu import _attention as attention_cpu
+from asyncllm.backends.torch._attention import build_metadata as _attention_metadata
 from asyncllm.backends.triton import _launchers as attention_triton
 from asyncllm.executor._runner import SequenceInput
 from asyncllm.testing import import_path
 from asyncllm.worker._input_batch import InputBatch, StepInputs, step_inputs
-from asyncllm.worker._model_runner import TorchModelRunner, _attention_metadata
+from asyncllm.worker._model_runner import TorchModelRunner
 
 CPU = torch.device("cpu")
 PARAMS = SamplingParams()

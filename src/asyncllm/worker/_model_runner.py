@@ -21,7 +21,6 @@ import torch
 from asyncllm.backends import AttentionBackend, create_backend, resolve_attention_backend
 
 # The torch backend's metadata builder, under the name tests and benchmarks have imported it by.
-from asyncllm.backends.torch._attention import build_metadata as _attention_metadata  # noqa: F401
 from asyncllm.engine._options import EngineOptions
 from asyncllm.errors import DeviceOutOfMemoryError
 from asyncllm.executor._runner import PositionLogprobs, RunnerInfo, RunnerTimings, SequenceInput, StepBatch, StepOutput
