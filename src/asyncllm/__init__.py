@@ -20,10 +20,11 @@ from asyncllm.errors import (
     PromptTooLongError,
     RequestFailedError,
     SchedulerStalledError,
+    StructuredOutputError,
 )
 from asyncllm.executor._runner import ModelRunner
 from asyncllm.outputs import Completion, EngineStatistics, Logprobs, Sample, StreamChunk, TokenLogprob
-from asyncllm.sampling_params import SamplingParams
+from asyncllm.sampling_params import SamplingParams, StructuredOutput
 
 __version__ = "0.1.0"
 
@@ -53,6 +54,8 @@ __all__ = [
     "SamplingParams",
     "SchedulerStalledError",
     "StreamChunk",
+    "StructuredOutput",
+    "StructuredOutputError",
     "TokenLogprob",
     "Tokenizer",
     "__version__",

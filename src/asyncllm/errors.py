@@ -4,6 +4,7 @@
 AsyncLLMError(Exception)
 ├── InvalidRequestError(ValueError)         bad input; raised before anything is scheduled
 │   ├── InvalidSamplingParamsError          a SamplingParams field is out of range or of the wrong type
+│   │   └── StructuredOutputError           a schema, regex or grammar does not compile, or uses what is unsupported
 │   ├── InvalidPromptError                  empty prompt, or token ids outside the vocabulary
 │   ├── PromptTooLongError                  prompt (+ max_tokens) does not fit max_model_len
 │   └── ChatTemplateError                   the model has no chat template, or it rejected the messages
@@ -45,6 +46,13 @@ class InvalidRequestError(AsyncLLMError, ValueError):
 
 class InvalidSamplingParamsError(InvalidRequestError):
     """A ``SamplingParams`` field is out of range or of the wrong type."""
+
+
+class StructuredOutputError(InvalidSamplingParamsError):
+    """A request's ``structured_output`` cannot be enforced: its JSON Schema is invalid or uses a keyword the
+    grammar engine does not support, its regex or grammar does not parse, or it is too large. The message
+    names the problem. Raised at the call where the grammar compiles then (a cached grammar, or an async
+    call); otherwise the request's stream ends with it."""
 
 
 class InvalidPromptError(InvalidRequestError):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import msgspec
 
@@ -84,6 +87,98 @@ def _as_tuple(name: str, value: object, item: str) -> tuple[object, ...]:
     return tuple(value)
 
 
+_STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "lark", "ebnf")
+
+
+class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
+    """Constrains a request's output to a language: give exactly one of the fields.
+
+    The engine compiles it into a grammar once (compiled grammars are cached, keyed by this value) and
+    masks, at every step, the tokens that would leave the language. When the language allows the output
+    to end, the model's end-of-sequence token becomes possible; once nothing else is, the request ends
+    with finish_reason "stop". A request cut off by ``max_tokens`` (finish_reason "length") or by a
+    ``stop`` string may hold an incomplete document.
+
+    Attributes:
+        json_schema: A JSON Schema (a dict, a bool, or its JSON text): the output is one JSON value
+            that validates against it, written compactly (``", "`` and ``": "`` as separators, no
+            other whitespace). ``$ref``/``$defs``, ``anyOf``/``oneOf``/``allOf``, enums, patterns,
+            formats, bounds and ``additionalProperties`` are supported; a keyword the grammar engine
+            cannot enforce is refused rather than ignored.
+        json_object: True for any JSON object (OpenAI's JSON mode).
+        regex: A regular expression the whole output matches (Rust ``regex`` syntax, anchored).
+        choice: The output is exactly one of these strings.
+        lark: A context-free grammar in Lark syntax (llguidance's dialect: ``start`` is the top rule,
+            terminals may be regexes, ``%json {...}`` embeds a JSON Schema).
+        ebnf: A context-free grammar in GBNF (llama.cpp's EBNF; ``root`` is the top rule).
+
+    Raises:
+        InvalidSamplingParamsError: Not exactly one field is set, or a field has the wrong type. Whether
+            the schema, regex or grammar compiles is checked by the engine, which raises
+            ``StructuredOutputError`` (a subclass).
+    """
+
+    json_schema: dict[str, Any] | bool | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    lark: str | None = None
+    ebnf: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in _STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidSamplingParamsError(
+                "structured_output must set exactly one of json_schema, json_object, regex, choice, lark, ebnf; "
+                f"got {', '.join(given) if given else 'none'}",
+                param="structured_output",
+            )
+        schema = self.json_schema
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as exc:
+                raise InvalidSamplingParamsError(
+                    f"structured_output.json_schema is not valid JSON: {exc}", param="structured_output"
+                ) from None
+            msgspec.structs.force_setattr(self, "json_schema", schema)
+        if self.json_schema is not None and not isinstance(self.json_schema, (dict, bool)):
+            raise InvalidSamplingParamsError(
+                f"structured_output.json_schema must be a JSON Schema (an object or a bool), got {schema!r}",
+                param="structured_output",
+            )
+        _check_bool("structured_output.json_object", self.json_object)
+        for name in ("regex", "lark", "ebnf"):
+            value = getattr(self, name)
+            if value is not None:
+                if not isinstance(value, str) or not value:
+                    raise InvalidSamplingParamsError(
+                        f"structured_output.{name} must be a non-empty str, got {value!r}", param="structured_output"
+                    )
+                utf8_size(f"structured_output.{name}", value, InvalidSamplingParamsError, param="structured_output")
+        if self.choice is not None:
+            choice = _as_tuple("structured_output.choice", self.choice, "strings")
+            if not choice or not all(isinstance(c, str) and c for c in choice):
+                raise InvalidSamplingParamsError(
+                    f"structured_output.choice must be a non-empty list of non-empty strings, got {self.choice!r}",
+                    param="structured_output",
+                )
+            for index, string in enumerate(choice):
+                utf8_size(
+                    f"structured_output.choice[{index}]", string, InvalidSamplingParamsError, param="structured_output"
+                )
+            msgspec.structs.force_setattr(self, "choice", choice)
+
+    @property
+    def kind(self) -> str:
+        """The field that is set (``"json_schema"``, ``"regex"``, ...)."""
+        return next(name for name in _STRUCTURED_KINDS if getattr(self, name) not in (None, False))
+
+    def cache_key(self) -> bytes:
+        """The value as canonical JSON (sorted keys): equal constraints share one compiled grammar."""
+        return msgspec.json.encode(msgspec.structs.asdict(self), order="sorted")
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """How to sample one request. Immutable; every field is checked at construction.
 
@@ -129,6 +224,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         skip_special_tokens: Leave special tokens (EOS, chat markers) out of the text.
         spaces_between_special_tokens: With ``skip_special_tokens=False``, put a space between a special
             token and the text around it (as HF's slow tokenizers and vLLM do).
+        structured_output: Constrain the output to a JSON Schema, JSON, a regex, a choice or a grammar
+            (a ``StructuredOutput``, or a mapping of its fields); see ``StructuredOutput``. The grammar's
+            mask comes after ``allowed_token_ids``, bad words and ``logit_bias``; where they leave no token
+            the grammar allows, the grammar's mask alone applies. ``logprobs`` stay those of the raw
+            distribution. Not with ``ignore_eos``: the grammar ends the output with EOS.
 
     Raises:
         InvalidSamplingParamsError: A field is out of range or of the wrong type; the message
@@ -157,6 +257,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, minimum=1)
@@ -213,6 +314,30 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             )
         _check_int("logprobs", self.logprobs, minimum=0, allow_none=True)
         _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0, allow_none=True)
+        self._check_structured_output()
+
+    def _check_structured_output(self) -> None:
+        spec: object = self.structured_output
+        if spec is None:
+            return
+        if isinstance(spec, Mapping):
+            unknown = sorted(str(key) for key in spec if key not in StructuredOutput.__struct_fields__)
+            if unknown:
+                raise InvalidSamplingParamsError(
+                    f"unknown structured_output field(s): {', '.join(unknown)}", param="structured_output"
+                )
+            spec = StructuredOutput(**spec)
+            msgspec.structs.force_setattr(self, "structured_output", spec)
+        if not isinstance(spec, StructuredOutput):
+            raise InvalidSamplingParamsError(
+                f"structured_output must be a StructuredOutput or a mapping of its fields, got {spec!r}",
+                param="structured_output",
+            )
+        if self.ignore_eos:
+            raise InvalidSamplingParamsError(
+                "ignore_eos cannot be combined with structured_output: the grammar ends the output with EOS",
+                param="ignore_eos",
+            )
 
     def _check_logit_bias(self) -> None:
         if self.logit_bias is None:
