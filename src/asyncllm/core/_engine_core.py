@@ -98,6 +98,7 @@ class EngineCore:
         self._wakeup = anyio.Event()
         self._loop_thread = threading.get_ident()
         self._task_group: TaskGroup | None = None
+        self._compiling: set[int] = set()  # requests (every sample) waiting for their grammar, not scheduled
 
     @property
     def num_waiting(self) -> int:
@@ -150,6 +151,7 @@ class EngineCore:
             # Compiled in a worker thread; the request joins the scheduler once it is ready, and
             # every other request keeps running meanwhile.
             assert self._task_group is not None and self.grammars is not None
+            self._compiling.update(sample.request_id for sample in request.group or [request])
             self._task_group.start_soon(self._compile_then_add, request, spec)
             return
         self.scheduler.add(request)
@@ -160,9 +162,11 @@ class EngineCore:
         try:
             grammar = await self.grammars.compile_async(spec)
         except StructuredOutputError as exc:
+            self._compiling.difference_update(sample.request_id for sample in request.group or [request])
             if request.request_id in self.requests:
                 self._fail_request(request, exc)
             return
+        self._compiling.difference_update(sample.request_id for sample in request.group or [request])
         if request.request_id not in self.requests:  # aborted while it compiled
             return
         for sample in request.group or [request]:
@@ -222,7 +226,7 @@ class EngineCore:
                     self._deliver(events)
                     events = []
                     continue
-                if self.requests:
+                if any(request_id not in self._compiling for request_id in self.requests):
                     # Unfinished requests, yet nothing could be scheduled and nothing runs. One
                     # empty schedule is normal right after a preemption (admission waits a step);
                     # a second one means no step will ever come: fail them instead of waiting.
@@ -332,7 +336,7 @@ class EngineCore:
                 self._forget(request)
 
     def _fail_stalled(self) -> None:
-        stuck = list(self.requests.values())
+        stuck = [request for request in self.requests.values() if request.request_id not in self._compiling]
         logger.error(
             "asyncllm scheduler stalled: %d open requests (%d waiting, %d running), none schedulable, "
             "%d of %d KV blocks free; failing them",
