@@ -25,6 +25,7 @@ vLLM's CPU backend is not run here: this machine has no vLLM venv (docs/structur
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -249,10 +250,8 @@ async def measure_itl(engine: Any, datasets: dict[str, list[tuple[str, Any]]], q
         group.start_soon(streams, compiling)
         start = time.perf_counter()
         for schema in largest:
-            try:
+            with contextlib.suppress(StructuredOutputError):
                 await engine._inputs.grammars.compile_async(StructuredOutput(json_schema=schema))
-            except StructuredOutputError:
-                pass
         compile_seconds = time.perf_counter() - start
     return {
         "schemas": len(largest),
