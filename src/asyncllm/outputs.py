@@ -143,6 +143,9 @@ class EngineStatistics(msgspec.Struct, frozen=True):
             events on the runner's stream, so device time, not launch time).
         device_sample: Of ``device_busy``, seconds computing logits, sampling (logprobs included)
             and copying the sampled ids to the host.
+        grammars_compiled: ``structured_output`` specs compiled (successfully or not).
+        grammar_cache_hits: Specs found already compiled (or already refused) in the grammar cache.
+        grammar_compile_seconds: Seconds spent compiling grammars, in worker threads, in all.
     """
 
     num_running: int
@@ -167,3 +170,6 @@ class EngineStatistics(msgspec.Struct, frozen=True):
     device_prepare: float = 0.0
     device_forward: float = 0.0
     device_sample: float = 0.0
+    grammars_compiled: int = 0
+    grammar_cache_hits: int = 0
+    grammar_compile_seconds: float = 0.0

@@ -352,7 +352,9 @@ async def test_same_spec_compiles_once(tiny_llama: Path, monkeypatch: pytest.Mon
             for seed in range(8):
                 group.start_soon(engine.generate, "x", _params(StructuredOutput(json_schema=schema), seed))
         await engine.generate("x", _params(StructuredOutput(json_schema=dict(schema)), 99))
+        statistics = engine.statistics()
     assert len(calls) == 1
+    assert statistics.grammars_compiled == 1 and statistics.grammar_cache_hits >= 8
 
 
 async def test_aborted_requests_release_their_matchers(tiny_llama: Path) -> None:

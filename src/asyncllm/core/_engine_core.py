@@ -137,6 +137,9 @@ class EngineCore:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generated_tokens=self.num_generated_tokens,
             num_finished_requests=self.num_finished,
+            grammars_compiled=0 if self.grammars is None else self.grammars.num_compiled,
+            grammar_cache_hits=0 if self.grammars is None else self.grammars.num_cache_hits,
+            grammar_compile_seconds=0.0 if self.grammars is None else self.grammars.compile_seconds,
         )
 
     def add(self, request: Request, stream: RequestStream) -> None:

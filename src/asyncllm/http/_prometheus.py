@@ -126,4 +126,17 @@ def render_metrics(metrics: EngineMetrics, stats: EngineStatistics) -> str:
     if queries is not None and hits is not None:
         page.counter("asyncllm_prefix_cache_queries_total", queries, "Prompt tokens looked up in the prefix cache.")
         page.counter("asyncllm_prefix_cache_hits_total", hits, "Prompt tokens whose KV was found in the prefix cache.")
+    page.counter(
+        "asyncllm_grammars_compiled_total", getattr(stats, "grammars_compiled", 0), "Structured-output specs compiled."
+    )
+    page.counter(
+        "asyncllm_grammar_cache_hits_total",
+        getattr(stats, "grammar_cache_hits", 0),
+        "Structured-output specs found in the grammar cache.",
+    )
+    page.counter(
+        "asyncllm_grammar_compile_seconds_total",
+        float(getattr(stats, "grammar_compile_seconds", 0.0)),
+        "Seconds spent compiling structured-output grammars (worker threads).",
+    )
     return "\n".join(page.lines) + "\n"
