@@ -469,3 +469,56 @@ def test_amx_gemm_experiment_is_float32_accurate_or_says_it_cannot_run(capsys):
         assert ((bf16 - exact).abs() > 2.0**-12 * scale).any()
     assert amx_gemm.main(["--rows", "40", "--pairs", "1", "--probes", "1"]) == 0
     assert "largest error" in capsys.readouterr().out
+
+
+# -- grammar_engines.py (llguidance against xgrammar on the JSONSchemaBench sample) ----------------
+
+
+def test_grammar_engines_llguidance_alone(
+    tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # xgrammar is an optional peer: made unimportable here, it is skipped with a message.
+    pytest.importorskip("llguidance")
+    monkeypatch.setitem(sys.modules, "xgrammar", None)
+    out_json = tmp_path / "grammar.json"
+    argv = ["--tokenizer", str(tiny_llama), "--datasets", "Github_easy,Glaiveai2K", "--limit", "2"]
+    argv += ["--batch", "4", "--batch-steps", "2", "--max-tokens", "64", "--json", str(out_json)]
+    assert load("grammar_engines").main(argv) == 0
+    out, result = capsys.readouterr().out, json.loads(out_json.read_text())
+    assert "xgrammar is not importable" in out and "skipped" in out
+    assert "## coverage (compiles and the output validates) (%)" in out and "| overall " in out
+    assert "| dataset     | llg |\n" in out  # one engine: no xgrammar column, no ratio
+    assert set(result["summaries"]) == {"Github_easy", "Glaiveai2K", "overall"}
+    overall = result["summaries"]["overall"]["llguidance"]
+    assert overall["schemas"] == 4 and overall["compile_rate"] == 1.0
+    assert overall["valid"] + overall["invalid"] + overall["unknown"] + overall["no_output"] == 4
+    assert positive(overall["compile_ms_p50"]) and positive(overall["mask_b1_us_p50"])
+    assert positive(overall["step_b64_ms_p50"])
+    assert [s["id"] for s in result["schemas"]["Github_easy"]] == [
+        json.loads(line)["id"]
+        for line in (BENCHMARKS / "data" / "jsonschemabench" / "Github_easy.jsonl").read_text().splitlines()[:2]
+    ]
+
+
+def test_grammar_engines_walk_prefers_eos_then_closers() -> None:
+    module = load("grammar_engines")
+
+    class Tokens:
+        def __len__(self) -> int:
+            return 64
+
+        def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+            return ['"' if i == 40 else "a" for i in ids]
+
+    walker = module.Walker(Tokens(), 64, eos=2)
+    row = torch.zeros(2, dtype=torch.int32)
+    row[0] = 1 << 2 | 1 << 5  # EOS (2) and token 5
+    row[1] = 1 << (40 - 32) | 1 << (41 - 32)
+    import random
+
+    assert walker.pick(row, random.Random(0)) == 2
+    row[0] = 1 << 5
+    picks = {walker.pick(row, random.Random(seed)) for seed in range(50)}
+    assert picks == {5, 40, 41}
+    row.zero_()
+    assert walker.pick(row, random.Random(0)) is None
