@@ -111,6 +111,10 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
         lark: A context-free grammar in Lark syntax (llguidance's dialect: ``start`` is the top rule,
             terminals may be regexes, ``%json {...}`` embeds a JSON Schema).
         ebnf: A context-free grammar in GBNF (llama.cpp's EBNF; ``root`` is the top rule).
+        lenient: With ``json_schema`` only: ignore the keywords the grammar engine cannot enforce
+            (``dependencies``, unknown ``format`` values, ``if``/``then``/``else``, ...) and treat a
+            ``oneOf`` whose branches may overlap as ``anyOf``, instead of refusing the schema. The
+            output then follows every other keyword, and may break the ignored ones (False: refuse).
 
     Raises:
         InvalidSamplingParamsError: Not exactly one field is set, or a field has the wrong type. Whether
@@ -124,6 +128,7 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
     choice: tuple[str, ...] | None = None
     lark: str | None = None
     ebnf: str | None = None
+    lenient: bool = False
 
     def __post_init__(self) -> None:
         given = [name for name in _STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
@@ -148,6 +153,11 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
                 param="structured_output",
             )
         _check_bool("structured_output.json_object", self.json_object)
+        _check_bool("structured_output.lenient", self.lenient)
+        if self.lenient and self.json_schema is None:
+            raise InvalidSamplingParamsError(
+                "structured_output.lenient applies to json_schema only", param="structured_output"
+            )
         for name in ("regex", "lark", "ebnf"):
             value = getattr(self, name)
             if value is not None:

@@ -163,6 +163,24 @@ def test_spec_validation_at_construction() -> None:
     )
 
 
+async def test_lenient_ignores_what_strict_refuses(backend: LLGuidanceBackend) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"c": {"type": "string", "format": "color"}},
+        "dependencies": {"a": ["b"]},
+    }
+    compiler = GrammarCompiler(lambda: backend)
+    with pytest.raises(StructuredOutputError, match="dependencies"):
+        await compiler.compile_async(StructuredOutput(json_schema=schema))
+    await compiler.compile_async(StructuredOutput(json_schema=schema, lenient=True))
+    overlapping = {"oneOf": [{"type": "integer"}, {"type": "number"}]}
+    with pytest.raises(StructuredOutputError, match="oneOf"):
+        await compiler.compile_async(StructuredOutput(json_schema=overlapping))
+    await compiler.compile_async(StructuredOutput(json_schema=overlapping, lenient=True))
+    with pytest.raises(ValueError, match="json_schema only"):
+        StructuredOutput(regex="a", lenient=True)
+
+
 async def test_the_size_limit_is_checked_at_the_call(tiny_llama: Path) -> None:
     async with Engine.open(tiny_llama, max_structured_output_bytes=200) as engine:
         with pytest.raises(StructuredOutputError, match="max_structured_output_bytes=200"):

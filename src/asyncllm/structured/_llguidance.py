@@ -19,6 +19,9 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 """Compact JSON, as OpenAI's structured outputs write it: free whitespace would let a weak model pad
 the output with spaces until ``max_tokens``."""
 
+LENIENT_JSON_OPTIONS = {**JSON_OPTIONS, "lenient": True, "coerce_one_of": True}
+"""``StructuredOutput.lenient``: unenforceable keywords ignored, an overlapping ``oneOf`` taken as ``anyOf``."""
+
 
 class LLGuidanceBackend:
     """Compiles ``StructuredOutput`` values with llguidance for one tokenizer.
@@ -102,7 +105,8 @@ def _grammar_text(spec: StructuredOutput) -> str:
         if schema is True:
             schema = {}
         try:
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+            options = LENIENT_JSON_OPTIONS if spec.lenient else JSON_OPTIONS
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)  # type: ignore[arg-type]
         except ValueError as exc:
             raise StructuredOutputError(f"structured_output.json_schema: {exc}", param="structured_output") from None
     if spec.json_object:

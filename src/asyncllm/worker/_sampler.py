@@ -457,7 +457,8 @@ class Sampler:
         if penalised:
             self._penalise(logits, penalised, [states[row] for row in penalised])
         if constrained:
-            self._apply_grammars(raw, logits, constrained, [states[row] for row in constrained])
+            narrowed = {row for row, _ in masked} | {row for row, _ in banned}
+            self._apply_grammars(raw, logits, constrained, [states[row] for row in constrained], narrowed)
         return logits
 
     def _sync_matcher(self, request_id: int, state: _RequestState) -> bool:
@@ -480,9 +481,18 @@ class Sampler:
         return True
 
     def _apply_grammars(
-        self, raw: torch.Tensor, logits: torch.Tensor, rows: list[int], states: list[_RequestState]
+        self,
+        raw: torch.Tensor,
+        logits: torch.Tensor,
+        rows: list[int],
+        states: list[_RequestState],
+        narrowed: set[int],
     ) -> None:
-        """Mask the constrained rows of ``logits`` by their grammars (one bitmask for all of them)."""
+        """Mask the constrained rows of ``logits`` by their grammars (one bitmask for all of them).
+
+        ``narrowed`` holds the rows an earlier stage masked (allowed ids, bans): only those can be
+        left with no token at all, and only they are checked for it.
+        """
         bitmask = np.zeros((len(rows), (self.vocab_size + 31) // 32), dtype=np.int32)
         by_backend: dict[int, tuple[GrammarBackend, list[int]]] = {}
         for position, state in enumerate(states):
@@ -498,14 +508,16 @@ class Sampler:
                 bitmask[positions] = part
         bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=self.vocab_size, bitorder="little")
         refused = torch.from_numpy(bits.view(np.bool_)).logical_not_().to(self.device)
-        index = self._index(rows)
-        masked = logits[index].masked_fill_(refused, _NEG_INF)
+        if len(rows) == logits.shape[0]:
+            logits.masked_fill_(refused, _NEG_INF)
+        else:
+            index = self._index(rows)
+            logits[index] = logits[index].masked_fill_(refused, _NEG_INF)
         # Where allowed_token_ids, bad words or min_tokens leave nothing the grammar allows (a grammar
         # that can only end, before min_tokens), the grammar wins: its mask alone applies.
-        empty = torch.isneginf(masked).all(dim=-1)
-        if bool(empty.any()):
-            masked[empty] = raw[index][empty].masked_fill(refused[empty], _NEG_INF)
-        logits[index] = masked
+        for position, row in enumerate(rows):
+            if row in narrowed and bool(torch.isneginf(logits[row]).all()):
+                logits[row] = raw[row].masked_fill(refused[position], _NEG_INF)
 
     def _rows_and_columns(self, pairs: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Flatten (row, column ids) pairs into two index tensors, in one concatenation."""
