@@ -522,3 +522,21 @@ def test_grammar_engines_walk_prefers_eos_then_closers() -> None:
     assert picks == {5, 40, 41}
     row.zero_()
     assert walker.pick(row, random.Random(0)) is None
+
+
+# -- structured_output.py (the grammar's cost, compile times, ITL while compiling, coverage) -------------
+
+
+def test_structured_output_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", str(tiny_llama), "--per-dataset", "1", "--coverage-max-tokens", "8", "--no-roofline"]
+    out, result = run("structured_output", argv, tmp_path, capsys)
+    results = result["results"]
+    throughput = results["throughput"]
+    assert positive(throughput["unconstrained_tokens_per_s"]) and positive(throughput["ratio"])
+    assert "## Throughput" in out and "| json schema " in out
+    assert results["compile"]["schemas"] == 10 and positive(results["compile"]["cold_ms"]["median"])
+    assert positive(results["itl"]["alone_ms"]["median"]) and positive(results["itl"]["compiling_ms"]["median"])
+    for key in ("coverage", "coverage_lenient"):
+        assert set(results[key]) == {p.stem for p in (BENCHMARKS / "data" / "jsonschemabench").glob("*.jsonl")}
+        assert all(r["schemas"] == 1 for r in results[key].values())
+    assert "## Coverage on the JSONSchemaBench sample, strict" in out and "0.41 (Guidance)" in out
