@@ -164,6 +164,7 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
                     param="structured_output",
                 )
             for index, string in enumerate(choice):
+                assert isinstance(string, str)  # checked above
                 utf8_size(
                     f"structured_output.choice[{index}]", string, InvalidSamplingParamsError, param="structured_output"
                 )

@@ -17,17 +17,25 @@ from collections import deque
 from dataclasses import dataclass
 
 import anyio
-from anyio.abc import TaskStatus
+from anyio.abc import TaskGroup, TaskStatus
 
 from asyncllm.core._request import Request
 from asyncllm.core._scheduler import Scheduler, SchedulerOutput, TokenEvent
 from asyncllm.engine._output_processor import Delivery, OutputProcessor
 from asyncllm.engine._stream import RequestStream
-from asyncllm.errors import DeviceStepTimeoutError, EngineDeadError, SchedulerStalledError
+from asyncllm.errors import (
+    DeviceStepTimeoutError,
+    EngineDeadError,
+    RequestFailedError,
+    SchedulerStalledError,
+    StructuredOutputError,
+)
 from asyncllm.executor._device import DeviceCall, DeviceWorker
 from asyncllm.executor._lookahead import LookaheadExecutor
 from asyncllm.executor._runner import ModelRunner, RunnerTimings, SequenceInput, StepBatch, StepOutput
 from asyncllm.outputs import EngineStatistics
+from asyncllm.sampling_params import StructuredOutput
+from asyncllm.structured import GrammarCompiler
 
 logger = logging.getLogger("asyncllm")
 
@@ -54,6 +62,7 @@ class EngineCore:
         async_scheduling: Schedule step N+1 while step N runs (one token of lookahead).
         step_timeout: Seconds a step may take from submission before the engine counts the device
             as hung and dies (``DeviceStepTimeoutError``); None waits forever.
+        grammars: Compiles the grammars of requests added before theirs was compiled.
     """
 
     def __init__(
@@ -65,6 +74,7 @@ class EngineCore:
         *,
         async_scheduling: bool = True,
         step_timeout: float | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.worker = worker
@@ -72,6 +82,7 @@ class EngineCore:
         self.outputs = outputs
         self.async_scheduling = async_scheduling
         self.step_timeout = step_timeout
+        self.grammars = grammars
         self.timings = LoopTimings()
         self._lookahead = LookaheadExecutor(runner)
         self.requests: dict[int, Request] = {}
@@ -86,6 +97,7 @@ class EngineCore:
         self._stopping = False
         self._wakeup = anyio.Event()
         self._loop_thread = threading.get_ident()
+        self._task_group: TaskGroup | None = None
 
     @property
     def num_waiting(self) -> int:
@@ -133,6 +145,28 @@ class EngineCore:
             self.outputs.register(sample.request_id, stream, sample.sample_index)
         if request.group:
             self._groups[request.request_id] = request.group
+        spec = request.params.structured_output
+        if spec is not None and request.grammar is None:
+            # Compiled in a worker thread; the request joins the scheduler once it is ready, and
+            # every other request keeps running meanwhile.
+            assert self._task_group is not None and self.grammars is not None
+            self._task_group.start_soon(self._compile_then_add, request, spec)
+            return
+        self.scheduler.add(request)
+        self._wake()
+
+    async def _compile_then_add(self, request: Request, spec: StructuredOutput) -> None:
+        assert self.grammars is not None
+        try:
+            grammar = await self.grammars.compile_async(spec)
+        except StructuredOutputError as exc:
+            if request.request_id in self.requests:
+                self._fail_request(request, exc)
+            return
+        if request.request_id not in self.requests:  # aborted while it compiled
+            return
+        for sample in request.group or [request]:
+            sample.grammar = grammar
         self.scheduler.add(request)
         self._wake()
 
@@ -153,11 +187,14 @@ class EngineCore:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """The step loop; returns once stopped (or dead, after failing every stream)."""
-        task_status.started()
-        try:
-            await self._loop()
-        except Exception as exc:
-            self._die(exc)
+        async with anyio.create_task_group() as task_group:  # grammar compilations
+            self._task_group = task_group
+            task_status.started()
+            try:
+                await self._loop()
+            except Exception as exc:
+                self._die(exc)
+            task_group.cancel_scope.cancel()
 
     async def _loop(self) -> None:
         events: list[TokenEvent] = []  # the last finished step's, not yet delivered
@@ -238,6 +275,7 @@ class EngineCore:
                 prompt_token_ids=s.request.prompt_token_ids,
                 bad_words_token_ids=s.request.bad_words_token_ids,
                 epoch=s.epoch,
+                grammar=s.request.grammar,
             )
             for s in step.scheduled
         ]
@@ -248,6 +286,10 @@ class EngineCore:
         for item in step.scheduled:
             prompt_len = len(item.request.prompt_token_ids)
             self.num_prompt_tokens += max(0, min(item.start + item.num_new_tokens, prompt_len) - item.start)
+        for request_id, reason in (sampled.failed or {}).items():
+            failed = self.requests.get(request_id)
+            if failed is not None:  # its token is discarded by update(): the request has ended
+                self._fail_request(failed, RequestFailedError(reason))
         events = self.scheduler.update(step, sampled)
         self.num_generated_tokens += len(events)
         for event in events:
@@ -307,6 +349,15 @@ class EngineCore:
             self.scheduler.finish(request, "abort")
             self._forget(request)
             self.outputs.fail_one(request.request_id, error)
+
+    def _fail_request(self, request: Request, error: BaseException) -> None:
+        """End a request's stream with ``error``, and every sample of it (a stream fails as a whole)."""
+        self.outputs.fail_one(request.request_id, error)  # every sample's output goes to the one stream
+        for sample in request.group or [request]:
+            self.outputs.discard(sample.request_id)
+            if not sample.finished:
+                self.scheduler.finish(sample, "abort")
+                self._forget(sample)
 
     def _forget(self, request: Request) -> None:
         self.requests.pop(request.request_id, None)

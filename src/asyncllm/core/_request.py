@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from asyncllm.executor._lookahead import PLACEHOLDER
 from asyncllm.outputs import FinishReason
 from asyncllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from asyncllm.structured import CompiledGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -63,6 +67,9 @@ class Request:
     """Every sample of the same prompt (this one included), in index order; empty when n == 1."""
     forks: list[Request] = field(default_factory=list)
     """The other samples, held back until this one (sample 0) has computed the prompt."""
+    grammar: CompiledGrammar | None = None
+    """``params.structured_output`` compiled; None without one, or while it compiles (the core holds
+    such a request back from the scheduler until it is set)."""
 
     @property
     def num_tokens(self) -> int:
@@ -93,8 +100,11 @@ class Request:
     def append_token(self, token_id: int) -> FinishReason | None:
         """Record a sampled token; return why the request must now stop, if it must."""
         self.output_token_ids.append(token_id)
-        # Before min_tokens the sampler masks stop ids out; a runner that emits one anyway goes on.
-        if token_id in self.stop_token_ids and len(self.output_token_ids) > self.params.min_tokens:
+        # Before min_tokens the sampler masks stop ids out; a runner that emits one anyway goes on,
+        # unless a grammar is done: its EOS then gets through the min_tokens mask (nothing else may).
+        if token_id in self.stop_token_ids and (
+            len(self.output_token_ids) > self.params.min_tokens or self.params.structured_output is not None
+        ):
             if token_id in self.params.stop_token_ids:
                 self.stop_reason = token_id
             return "stop"

@@ -45,8 +45,10 @@ from asyncllm.executor._device import DeviceWorker
 from asyncllm.executor._runner import ModelRunner, RunnerInfo
 from asyncllm.outputs import Completion, EngineStatistics, FinishReason, Logprobs, Sample, StreamChunk
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.structured import GrammarBackend, GrammarCompiler
 
 logger = logging.getLogger("asyncllm")
+
 
 class Engine:
     """An LLM inference engine running inside the caller's event loop (asyncio or trio).
@@ -147,6 +149,7 @@ class Engine:
             kv_cache, max_num_seqs=self.options.max_num_seqs, max_num_batched_tokens=self.options.max_num_batched_tokens
         )
         outputs = OutputProcessor(tokenizer)
+        grammars = _grammar_compiler(tokenizer, info, self.options.grammar_cache_size)
         self._core = core = EngineCore(
             scheduler,
             worker,
@@ -154,6 +157,7 @@ class Engine:
             outputs,
             async_scheduling=self.options.async_scheduling,
             step_timeout=self.options.step_timeout,
+            grammars=grammars,
         )
         # Streams still open when the engine goes away end with an error instead of hanging.
         stack.callback(lambda: outputs.fail_all(EngineClosedError("the engine was closed")))
@@ -163,6 +167,7 @@ class Engine:
             max_model_len=self._max_model_len,
             eos_token_ids=info.eos_token_ids,
             limits=self.options.request_limits(),
+            grammars=grammars,
         )
         task_group = await stack.enter_async_context(anyio.create_task_group())
         await task_group.start(core.run)
@@ -178,6 +183,7 @@ class Engine:
 
     def _torch_runner(self, model_path: Path) -> ModelRunner:
         from asyncllm.worker._model_runner import TorchModelRunner
+
         return TorchModelRunner(model_path, self.options)
 
     def _resolve_max_model_len(self, info: RunnerInfo) -> int:
@@ -630,8 +636,25 @@ async def _close_runner(worker: DeviceWorker, runner: ModelRunner, timeout: floa
     logger.warning("asyncllm: the model runner was not closed (its device thread is stuck)")
 
 
+def _grammar_compiler(tokenizer: Tokenizer, info: RunnerInfo, cache_size: int) -> GrammarCompiler | None:
+    """The compiler of ``structured_output`` grammars, when the runner applies them and llguidance can
+    read the tokenizer (a Hugging Face fast tokenizer); None otherwise."""
+    from transformers import PreTrainedTokenizerFast
+
+    if not info.structured_output or not isinstance(tokenizer, PreTrainedTokenizerFast):
+        return None
+
+    def make_backend() -> GrammarBackend:
+        from asyncllm.structured._llguidance import LLGuidanceBackend  # a Rust extension: loaded on first use
+
+        return LLGuidanceBackend(tokenizer, info.vocab_size, info.eos_token_ids)
+
+    return GrammarCompiler(make_backend, cache_size=cache_size)
+
+
 def _resolve_model(model: str | os.PathLike[str] | None) -> Path:
     from asyncllm.default_model import resolve_model_path
+
     return resolve_model_path(model)
 
 

@@ -39,8 +39,10 @@ from asyncllm.errors import (
     InvalidRequestError,
     InvalidSamplingParamsError,
     PromptTooLongError,
+    StructuredOutputError,
 )
 from asyncllm.sampling_params import SamplingParams, utf8_size
+from asyncllm.structured import CompiledGrammar, GrammarCompiler
 
 PROMPT_BYTES_PER_TOKEN = 16
 """With ``max_prompt_bytes=None`` a text prompt may hold this many UTF-8 bytes per token of
@@ -68,6 +70,7 @@ class RequestLimits:
         max_stop_bytes: The most UTF-8 bytes of all ``stop`` strings together.
         max_bad_words: The most ``bad_words``.
         max_bad_words_bytes: The most UTF-8 bytes of all ``bad_words`` together.
+        max_structured_output_bytes: The largest ``structured_output``, as canonical JSON.
     """
 
     max_logprobs: int = 20
@@ -76,6 +79,7 @@ class RequestLimits:
     max_stop_bytes: int = 4096
     max_bad_words: int = 256
     max_bad_words_bytes: int = 8192
+    max_structured_output_bytes: int = 1 << 20
 
 
 def sampling_params_from(params: object) -> SamplingParams:
@@ -113,6 +117,8 @@ class InputProcessor:
         max_model_len: Prompt plus generated tokens may not exceed this.
         eos_token_ids: Ids that end generation unless ``ignore_eos``.
         limits: The caps on one request.
+        grammars: Compiles ``structured_output`` (None: the runner cannot apply grammars, and such
+            requests are refused).
     """
 
     def __init__(
@@ -123,8 +129,10 @@ class InputProcessor:
         max_model_len: int,
         eos_token_ids: frozenset[int],
         limits: RequestLimits = RequestLimits(),
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.grammars = grammars
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -165,6 +173,22 @@ class InputProcessor:
             InvalidSamplingParamsError: A limit is exceeded; the message names it and its option.
         """
         limits = self.limits
+        spec = params.structured_output
+        if spec is not None:
+            if self.grammars is None:
+                raise StructuredOutputError(
+                    "this engine cannot apply structured_output: its model runner does not mask tokens by a grammar, "
+                    "or its tokenizer is not a Hugging Face fast tokenizer",
+                    param="structured_output",
+                )
+            size = len(spec.cache_key())
+            if size > limits.max_structured_output_bytes:
+                raise StructuredOutputError(
+                    f"structured_output is {size} bytes as JSON, more than this engine allows "
+                    f"(max_structured_output_bytes={limits.max_structured_output_bytes}); "
+                    + _raise_it("max_structured_output_bytes"),
+                    param="structured_output",
+                )
         for name in ("logprobs", "prompt_logprobs"):
             count = getattr(params, name)
             if count is not None and count > limits.max_logprobs:
@@ -364,7 +388,11 @@ class InputProcessor:
         """
         checked = self.check(params, cache_salt)
         prompt_ids, bad_words = self._tokenize_all(prompt, checked)
-        return self._build(prompt_ids, checked, cache_salt, bad_words)
+        grammar = None
+        if checked.structured_output is not None:
+            assert self.grammars is not None  # check() refused it otherwise
+            grammar = self.grammars.cached(checked.structured_output)  # else the core compiles it
+        return self._build(prompt_ids, checked, cache_salt, bad_words, grammar)
 
     async def process_async(
         self,
@@ -395,7 +423,11 @@ class InputProcessor:
             )
         else:
             prompt_ids, bad_words = self._tokenize_all(prompt, checked)
-        return self._build(prompt_ids, checked, cache_salt, bad_words)
+        grammar = None
+        if checked.structured_output is not None:
+            assert self.grammars is not None  # check() refused it otherwise
+            grammar = await self.grammars.compile_async(checked.structured_output)
+        return self._build(prompt_ids, checked, cache_salt, bad_words, grammar)
 
     def _build(
         self,
@@ -403,6 +435,7 @@ class InputProcessor:
         params: SamplingParams,
         cache_salt: str | None,
         bad_words: tuple[tuple[int, ...], ...],
+        grammar: CompiledGrammar | None = None,
     ) -> Request:
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
@@ -415,6 +448,7 @@ class InputProcessor:
             max_total_tokens=self.max_model_len,
             cache_salt=cache_salt,
             bad_words_token_ids=bad_words,
+            grammar=grammar,
         )
         if params.n > 1:
             self._add_samples(request)

@@ -144,6 +144,16 @@ class EngineOptions:
         metadata=_doc("""The most UTF-8 bytes of a request's bad_words together (each is tokenized twice at the
         call and checked at every step)."""),
     )
+    max_structured_output_bytes: int = field(
+        default=1 << 20,
+        metadata=_doc("""The largest structured_output (its JSON Schema, regex or grammar) a request may give, in
+        bytes of canonical JSON; the grammar engine's own limits bound the work of compiling it."""),
+    )
+    grammar_cache_size: int = field(
+        default=256,
+        metadata=_doc("""The most compiled grammars (structured_output) kept for reuse; the least recently used
+        are dropped first."""),
+    )
 
     def __post_init__(self) -> None:
         check_kv_cache_memory(self.kv_cache_memory)
@@ -167,7 +177,14 @@ class EngineOptions:
             raise ValueError(f"step_timeout must be a positive number of seconds or None, got {self.step_timeout!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32', 'float16' or 'bfloat16', got {self.dtype!r}")
-        for name in ("max_stop", "max_stop_bytes", "max_bad_words", "max_bad_words_bytes"):
+        for name in (
+            "max_stop",
+            "max_stop_bytes",
+            "max_bad_words",
+            "max_bad_words_bytes",
+            "max_structured_output_bytes",
+            "grammar_cache_size",
+        ):
             _check_positive(name, getattr(self, name))
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
@@ -201,6 +218,7 @@ class EngineOptions:
             max_stop_bytes=self.max_stop_bytes,
             max_bad_words=self.max_bad_words,
             max_bad_words_bytes=self.max_bad_words_bytes,
+            max_structured_output_bytes=self.max_structured_output_bytes,
         )
 
 

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from asyncllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from asyncllm.structured import CompiledGrammar
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +27,9 @@ class RunnerInfo:
     max_model_len: int
     eos_token_ids: frozenset[int]
     description: str = ""
+    structured_output: bool = False
+    """The runner's sampler applies grammar masks (``SequenceInput.grammar``); without it requests
+    with ``structured_output`` are refused."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +56,8 @@ class SequenceInput:
     epoch: int = 0
     """The request's preemption epoch. Within one epoch its ``block_table`` only grows from step to
     step; a preempted request starts over, with new blocks, in a later epoch."""
+    grammar: CompiledGrammar | None = None
+    """``params.structured_output`` compiled: the sampler masks what it does not allow."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +85,9 @@ class StepOutput:
     prompt_logprobs: dict[int, list[PositionLogprobs | None]] | None = None
     """Per request id that asked for them, its prompt logprobs, complete (aligned with the prompt; None
     for the first token and for positions never computed), in the step that samples after its prompt."""
+    failed: dict[int, str] | None = None
+    """Requests whose own work failed in this step (a grammar that stopped matching), with why: the
+    engine ends each one with ``RequestFailedError`` and discards its sampled token."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -158,6 +158,7 @@ class TorchModelRunner:
         backend_name = resolve_attention_backend(requested_backend, device, cpu_kernel=True)
         if device.type == "cpu":
             from asyncllm.worker._compile import configure_cpu_threads
+
             self.num_threads = configure_cpu_threads(self.options.num_threads)
         if device.type == "cuda":
             # This runs on the device thread, and torch's current stream is per thread: every later
@@ -211,6 +212,7 @@ class TorchModelRunner:
         )
         if self.options.compile:
             from asyncllm.worker._compile import compile_dense_parts
+
             self.compile_seconds = compile_dense_parts(model)
         if device.type == "cuda" and backend.captures_graphs and not self.options.enforce_eager:
             longest = min(max_model_len, self.options.max_model_len or max_model_len, slots)
@@ -225,6 +227,7 @@ class TorchModelRunner:
             f"{self.attention_backend} attention, {'compiled' if self.options.compile else 'eager'}"
             f"{f', {self.packed_format} GEMM' if self.packed_format else ''}"
             f"{f', {self.num_threads} threads' if device.type == 'cpu' else ''})",
+            structured_output=True,
         )
 
     def _capture_graphs(self, model: DecoderForCausalLM, max_seq_len: int) -> DecodeGraphs:
@@ -354,7 +357,10 @@ class TorchModelRunner:
             token_ids, logprobs = self._sample(model, rows, [s for s in sequences if s.sample])
         clock.mark()
         clock.add_to(self.timings)
-        return StepOutput(token_ids, logprobs, prompt_logprobs)
+        failed = None
+        if self.sampler.failed:
+            failed, self.sampler.failed = self.sampler.failed, {}
+        return StepOutput(token_ids, logprobs, prompt_logprobs, failed)
 
     def _sample(
         self, model: DecoderForCausalLM, rows: torch.Tensor, sequences: list[SequenceInput]

@@ -9,6 +9,9 @@ The stages, in vLLM's order:
 1. log-probabilities of the raw logits, kept for ``logprobs`` (before anything changes them);
 2. ``allowed_token_ids``, ``bad_words``, ``min_tokens`` (EOS and stop ids masked), ``logit_bias``;
 3. repetition (HF), presence and frequency (OpenAI) penalties;
+   then the grammar of ``structured_output``: one bitmask for every constrained row, filled by the
+   grammar engine in one call (in parallel), applied in one masked fill; a row the earlier stages
+   left with nothing the grammar allows takes the grammar's mask alone;
 4. greedy rows take the argmax; the others: ``temperature``, ``min_p``, ``top_k``/``top_p``, then a
    draw by the exponential race (``argmax(p / E)``, ``E ~ Exp(1)``).
 
@@ -30,6 +33,11 @@ also owns a slot in two tables kept on the device with one scatter per step for 
 its generated-token counts ([slots, vocab]) and its distinct tokens, prompt and output
 ([slots, width]); the penalties then touch only those tokens' logits (a gather and a scatter),
 not the whole vocabulary.
+
+A constrained request's matcher follows the same history: before its mask is computed it consumes
+the output tokens it has not seen (or rolls back those the history no longer holds), so it is right
+after preemption, recompute and prefix-cache hits, and with async scheduling (the device thread
+knows the previous step's token when the next step starts).
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ import torch
 
 from asyncllm.executor._runner import PositionLogprobs, SequenceInput
 from asyncllm.sampling_params import SamplingParams
+from asyncllm.structured import GrammarBackend, GrammarMatcher
 
 _NEG_INF = float("-inf")
 _PROMPT_LOGPROBS_CHUNK = 512  # rows of [rows, vocab] logits computed at once for prompt_logprobs
@@ -82,6 +91,9 @@ class _RequestState:
     tokens: list[int] | None  # by position; kept only when penalties or long bad words need it
     slot: int | None  # in the penalty tables (penalised requests only)
     generator: torch.Generator | None
+    matcher: GrammarMatcher | None = None  # structured output
+    num_matched: int = 0  # output tokens the matcher has consumed
+    grammar_failed: bool = False  # the matcher refused a token: the row goes unconstrained, the request ends
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     prompt_logprobs_sent: bool = False
 
@@ -240,6 +252,8 @@ class Sampler:
         self._states: dict[int, _RequestState] = {}
         self._penalties = _PenaltyTables(vocab_size, device)
         self._masks = _MaskTable(vocab_size, device)
+        self.failed: dict[int, str] = {}
+        """Requests whose grammar stopped matching, with why; the runner reports and clears them each step."""
 
     # -- per-request state -----------------------------------------------------------------------
 
@@ -277,6 +291,7 @@ class Sampler:
         if p.seed is not None and not p.greedy:
             generator = torch.Generator(device=device)
             generator.manual_seed(p.seed)
+        matcher = seq.grammar.matcher() if seq.grammar is not None else None
         return _RequestState(
             params=p,
             num_prompt=num_prompt_tokens(seq),
@@ -286,9 +301,10 @@ class Sampler:
             mask_row=self._masks.acquire(p.allowed_token_ids) if p.allowed_token_ids is not None else None,
             banned_ids=ids([w[0] for w in seq.bad_words_token_ids if len(w) == 1]),
             long_bad_words=long_bad_words,
-            tokens=[] if p.has_penalties or long_bad_words else None,
+            tokens=[] if p.has_penalties or long_bad_words or matcher is not None else None,
             slot=self._penalties.acquire() if p.has_penalties else None,
             generator=generator,
+            matcher=matcher,
         )
 
     def record(self, sequences: Sequence[SequenceInput]) -> None:
@@ -401,9 +417,12 @@ class Sampler:
         banned: list[tuple[int, torch.Tensor]] = []
         bias: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         penalised: list[int] = []
+        constrained: list[int] = []
         for row, (seq, state) in enumerate(zip(sequences, states)):
             if not _changes_logits(seq, state):
                 continue
+            if state.matcher is not None and self._sync_matcher(seq.request_id, state):
+                constrained.append(row)
             if state.mask_row is not None:
                 masked.append((row, state.mask_row))
             if state.banned_ids is not None:
@@ -418,8 +437,9 @@ class Sampler:
                 bias.append((row, state.bias_ids, state.bias_values))
             if state.slot is not None:
                 penalised.append(row)
-        if not (masked or banned or bias or penalised):
+        if not (masked or banned or bias or penalised or constrained):
             return logits
+        raw = logits
         logits = logits.clone()
         if masked:
             mask = self._masks.masks[self._index([mask_row for _, mask_row in masked])]
@@ -436,7 +456,56 @@ class Sampler:
             logits.index_put_((rows, columns), torch.cat([values for _, _, values in bias]), accumulate=True)
         if penalised:
             self._penalise(logits, penalised, [states[row] for row in penalised])
+        if constrained:
+            self._apply_grammars(raw, logits, constrained, [states[row] for row in constrained])
         return logits
+
+    def _sync_matcher(self, request_id: int, state: _RequestState) -> bool:
+        """Bring the matcher level with the request's output so far; False once it has failed."""
+        matcher, tokens = state.matcher, state.tokens
+        assert matcher is not None and tokens is not None
+        if state.grammar_failed:
+            return False
+        num_output = len(tokens) - state.num_prompt
+        if state.num_matched > num_output:  # the history was rewound past tokens the matcher consumed
+            matcher.rollback(state.num_matched - num_output)
+            state.num_matched = num_output
+        if state.num_matched < num_output:
+            new = tokens[state.num_prompt + state.num_matched :]
+            state.num_matched = num_output
+            if not matcher.consume(new):
+                state.grammar_failed = True
+                self.failed[request_id] = f"the output left its structured_output grammar: {matcher.error()}"
+                return False
+        return True
+
+    def _apply_grammars(
+        self, raw: torch.Tensor, logits: torch.Tensor, rows: list[int], states: list[_RequestState]
+    ) -> None:
+        """Mask the constrained rows of ``logits`` by their grammars (one bitmask for all of them)."""
+        bitmask = np.zeros((len(rows), (self.vocab_size + 31) // 32), dtype=np.int32)
+        by_backend: dict[int, tuple[GrammarBackend, list[int]]] = {}
+        for position, state in enumerate(states):
+            assert state.matcher is not None
+            backend = state.matcher.backend
+            by_backend.setdefault(id(backend), (backend, []))[1].append(position)
+        for backend, positions in by_backend.values():
+            if len(positions) == len(states):
+                backend.fill_bitmasks([state.matcher for state in states], bitmask)  # type: ignore[misc]
+            else:
+                part = np.zeros((len(positions), bitmask.shape[1]), dtype=np.int32)
+                backend.fill_bitmasks([states[p].matcher for p in positions], part)  # type: ignore[misc]
+                bitmask[positions] = part
+        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=self.vocab_size, bitorder="little")
+        refused = torch.from_numpy(bits.view(np.bool_)).logical_not_().to(self.device)
+        index = self._index(rows)
+        masked = logits[index].masked_fill_(refused, _NEG_INF)
+        # Where allowed_token_ids, bad words or min_tokens leave nothing the grammar allows (a grammar
+        # that can only end, before min_tokens), the grammar wins: its mask alone applies.
+        empty = torch.isneginf(masked).all(dim=-1)
+        if bool(empty.any()):
+            masked[empty] = raw[index][empty].masked_fill(refused[empty], _NEG_INF)
+        logits[index] = masked
 
     def _rows_and_columns(self, pairs: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Flatten (row, column ids) pairs into two index tensors, in one concatenation."""
@@ -631,6 +700,7 @@ def _changes_logits(seq: SequenceInput, state: _RequestState) -> bool:
         or (state.stop_ids is not None and _num_generated(seq, state) < state.params.min_tokens)
         or (state.bias_ids is not None and state.bias_values is not None)
         or state.slot is not None
+        or state.matcher is not None
     )
 
 

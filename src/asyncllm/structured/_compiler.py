@@ -1,0 +1,107 @@
+"""``GrammarCompiler``: compiles structured-output specs off the event loop, once each (a bounded LRU)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+import anyio
+
+from asyncllm.errors import StructuredOutputError
+from asyncllm.sampling_params import StructuredOutput
+from asyncllm.structured._grammar import CompiledGrammar, GrammarBackend
+
+
+class GrammarCompiler:
+    """Compiles ``StructuredOutput`` values with a backend and caches the results by value.
+
+    Compiling runs in a worker thread (``compile_async``); the event loop only looks up the cache
+    (``cached``). Concurrent requests for one uncompiled spec share a single compilation. Failures
+    are cached too, so a bad schema sent again is refused without compiling it again.
+
+    Args:
+        make_backend: Builds the backend on first use, in a worker thread (reading a tokenizer's
+            vocabulary takes a moment).
+        cache_size: The most compiled grammars (and failures) kept; the least recently used go first.
+    """
+
+    def __init__(self, make_backend: Callable[[], GrammarBackend], *, cache_size: int = 256) -> None:
+        self._make_backend = make_backend
+        self._backend: GrammarBackend | None = None
+        self._backend_lock = threading.Lock()
+        self.cache_size = cache_size
+        self._cache: OrderedDict[bytes, CompiledGrammar | StructuredOutputError] = OrderedDict()
+        self._in_flight: dict[bytes, anyio.Event] = {}
+        self.num_compiled = 0
+        """Specs compiled (successfully or not) since the engine started."""
+        self.num_cache_hits = 0
+        self.compile_seconds = 0.0
+        """Time spent compiling, summed (worker threads)."""
+
+    def cached(self, spec: StructuredOutput) -> CompiledGrammar | None:
+        """The compiled grammar of ``spec`` if it is cached (marking it recently used), else None.
+
+        Raises:
+            StructuredOutputError: ``spec`` failed to compile before.
+        """
+        key = spec.cache_key()
+        entry = self._cache.get(key)
+        if entry is None:
+            return None
+        self._cache.move_to_end(key)
+        self.num_cache_hits += 1
+        if isinstance(entry, StructuredOutputError):
+            raise StructuredOutputError(str(entry), param=entry.param)
+        return entry
+
+    async def compile_async(self, spec: StructuredOutput) -> CompiledGrammar:
+        """The compiled grammar of ``spec``: from the cache, or compiled in a worker thread.
+
+        Call it from the event loop. A cancellation while the thread compiles takes effect when
+        it is done (the result is cached all the same).
+
+        Raises:
+            StructuredOutputError: ``spec`` cannot be compiled; the message says why.
+        """
+        key = spec.cache_key()
+        while True:
+            grammar = self.cached(spec)
+            if grammar is not None:
+                return grammar
+            pending = self._in_flight.get(key)
+            if pending is None:
+                break
+            await pending.wait()  # another request compiles the same spec: share its result
+        done = self._in_flight[key] = anyio.Event()
+        try:
+            result = await anyio.to_thread.run_sync(self._compile, spec)
+            self._store(key, result)
+        finally:
+            del self._in_flight[key]
+            done.set()
+        if isinstance(result, StructuredOutputError):
+            raise StructuredOutputError(str(result), param=result.param)
+        return result
+
+    def _compile(self, spec: StructuredOutput) -> CompiledGrammar | StructuredOutputError:
+        # Worker thread. Errors are returned, not raised, so they can be cached with the successes.
+        started = time.perf_counter()
+        try:
+            with self._backend_lock:
+                if self._backend is None:
+                    self._backend = self._make_backend()
+                backend = self._backend
+            return backend.compile(spec)
+        except StructuredOutputError as exc:
+            return exc
+        finally:
+            self.compile_seconds += time.perf_counter() - started
+            self.num_compiled += 1
+
+    def _store(self, key: bytes, entry: CompiledGrammar | StructuredOutputError) -> None:
+        self._cache[key] = entry
+        self._cache.move_to_end(key)
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
