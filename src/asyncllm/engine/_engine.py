@@ -414,7 +414,7 @@ class Engine:
             EngineClosedError: The engine is not running.
         """
         _, inputs = self._require_running()
-        return plan_tools(tools, tool_choice, parallel_tool_calls, inputs.tool_format)
+        return plan_tools(tools, tool_choice, parallel_tool_calls, inputs.tool_format, inputs.grammars is not None)
 
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], *, tools: ToolPlan | None = None

@@ -37,6 +37,9 @@ TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 MAX_TOOLS = 128
 """The most tools one request may give (OpenAI's limit)."""
 
+JSON_WRITING = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""How the grammars have a call's JSON written (llguidance's ``x-guidance`` options)."""
+
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -441,7 +444,9 @@ class ToolCallParser:
         deltas: list[ToolCallDelta] = []
         if not self._header_sent:
             header = _HEADER.match(body)
-            if header is not None:
+            # Streamed piece by piece only when the value is an object (not yet known while whitespace
+            # may still grow; arguments given as JSON text are unwrapped when the block is whole).
+            if header is not None and body[header.end() : header.end() + 1] == "{":
                 try:
                     name = json.loads(header.group(1))
                 except ValueError:
@@ -541,6 +546,8 @@ class ToolPlan:
         name: The function ``tool_choice`` names, for ``"named"``.
         parallel: Whether the reply may hold several calls (``parallel_tool_calls``).
         format: How the model writes calls (its template's, or ``generic``).
+        can_constrain: Whether the engine applies grammars; without, ``"auto"`` is parsed
+            unconstrained and ``"required"``/named are refused.
     """
 
     functions: tuple[Function, ...]
@@ -548,6 +555,7 @@ class ToolPlan:
     name: str | None
     parallel: bool
     format: ToolFormat
+    can_constrain: bool = True
 
     @property
     def parses(self) -> bool:
@@ -577,7 +585,7 @@ class ToolPlan:
         ``llama3`` a ``{`` first) is written, is forced to name a tool and match its schema (a lazy
         lexeme ends the free text at the marker).
         """
-        if self.choice == "none":
+        if self.choice == "none" or (self.choice == "auto" and not self.can_constrain):
             return None
         functions = [f for f in self.functions if self.choice != "named" or f.name == self.name]
         key = "parameters" if self.format is ToolFormat.LLAMA3 else "arguments"
@@ -590,7 +598,10 @@ class ToolPlan:
             }
             for f in functions
         ]
-        schema = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+        schema: dict[str, Any] = dict(alternatives[0]) if len(alternatives) == 1 else {"anyOf": alternatives}
+        # Compact JSON, as structured_output's schemas are written: free whitespace would let a weak
+        # model pad a call forever.
+        schema["x-guidance"] = JSON_WRITING
         body = f"call_body: %json {_json_for_lark(schema)}"
         forced = self.choice != "auto"
         if self.format is ToolFormat.LLAMA3:
@@ -625,6 +636,13 @@ class ToolPlan:
         grammar = self.grammar()
         if grammar is None or (self.choice == "auto" and params.structured_output is not None):
             return params
+        if not self.can_constrain:
+            raise InvalidToolsError(
+                f"tool_choice={self.choice if self.choice != 'named' else self.name!r} needs grammar-constrained "
+                "decoding, which this engine's model runner does not do",
+                param="tool_choice",
+                code="unsupported_tool_choice",
+            )
         if params.structured_output is not None:
             raise InvalidToolsError(
                 f"tool_choice={self.choice if self.choice != 'named' else self.name!r} forces the reply into tool "
@@ -653,6 +671,7 @@ def plan_tools(
     tool_choice: str | Mapping[str, Any] | None,
     parallel_tool_calls: bool | None,
     fmt: Callable[[], ToolFormat],
+    can_constrain: bool = True,
 ) -> ToolPlan | None:
     """Check a chat's tool options and decide how to serve them; None when it has no tools.
 
@@ -662,6 +681,7 @@ def plan_tools(
             ``{"type": "function", "function": {"name": ...}}``.
         parallel_tool_calls: False: at most one call (None: True).
         fmt: Gives the model's tool-call format (called only when there are tools).
+        can_constrain: Whether the engine applies grammars (see ``ToolPlan.can_constrain``).
 
     Raises:
         InvalidToolsError: See ``check_tools``; ``tool_choice`` malformed, naming no given tool, or
@@ -707,7 +727,8 @@ def plan_tools(
             param="tool_choice",
             code="unknown_tool",
         )
-    return ToolPlan(functions, choice, name, True if parallel_tool_calls is None else parallel_tool_calls, fmt())
+    parallel = True if parallel_tool_calls is None else parallel_tool_calls
+    return ToolPlan(functions, choice, name, parallel, fmt(), can_constrain)
 
 
 def tools_error(exc: StructuredOutputError) -> StructuredOutputError:

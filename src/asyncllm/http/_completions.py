@@ -267,7 +267,9 @@ def structured_output(response_format: Any) -> StructuredOutput | None:
 
 def schema_error(exc: StructuredOutputError, param: str) -> HTTPError:
     """A schema (or grammar) the engine could not compile, as a 400 on ``param``."""
-    return HTTPError(400, str(exc), param=param, code="invalid_schema")
+    unsupported = "cannot apply structured_output" in str(exc)  # the runner masks nothing
+    code = "unsupported_response_format" if unsupported else "invalid_schema"
+    return HTTPError(400, str(exc), param=param, code=code)
 
 
 async def each_chunk(streams: Sequence[RequestStream], on_chunk: OnChunk) -> None:
