@@ -5,6 +5,7 @@ from asyncllm.engine._engine import Engine
 from asyncllm.engine._metrics import EngineMetrics
 from asyncllm.engine._options import EngineOptions
 from asyncllm.engine._stream import RequestStream
+from asyncllm.engine._tools import ToolCallDelta, ToolCallParser, ToolPlan
 from asyncllm.errors import (
     AsyncLLMError,
     ChatTemplateError,
@@ -16,6 +17,7 @@ from asyncllm.errors import (
     InvalidPromptError,
     InvalidRequestError,
     InvalidSamplingParamsError,
+    InvalidToolsError,
     ModelNotFoundError,
     PromptTooLongError,
     RequestFailedError,
@@ -23,7 +25,7 @@ from asyncllm.errors import (
     StructuredOutputError,
 )
 from asyncllm.executor._runner import ModelRunner
-from asyncllm.outputs import Completion, EngineStatistics, Logprobs, Sample, StreamChunk, TokenLogprob
+from asyncllm.outputs import Completion, EngineStatistics, Logprobs, Sample, StreamChunk, TokenLogprob, ToolCall
 from asyncllm.sampling_params import SamplingParams, StructuredOutput
 
 __version__ = "0.1.0"
@@ -44,6 +46,7 @@ __all__ = [
     "InvalidPromptError",
     "InvalidRequestError",
     "InvalidSamplingParamsError",
+    "InvalidToolsError",
     "Logprobs",
     "ModelNotFoundError",
     "ModelRunner",
@@ -58,5 +61,9 @@ __all__ = [
     "StructuredOutputError",
     "TokenLogprob",
     "Tokenizer",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolCallParser",
+    "ToolPlan",
     "__version__",
 ]

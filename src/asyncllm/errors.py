@@ -7,7 +7,8 @@ AsyncLLMError(Exception)
 │   │   └── StructuredOutputError           a schema, regex or grammar does not compile, or uses what is unsupported
 │   ├── InvalidPromptError                  empty prompt, or token ids outside the vocabulary
 │   ├── PromptTooLongError                  prompt (+ max_tokens) does not fit max_model_len
-│   └── ChatTemplateError                   the model has no chat template, or it rejected the messages
+│   ├── ChatTemplateError                   the model has no chat template, or it rejected the messages
+│   └── InvalidToolsError                   a chat's tools, tool_choice or parallel_tool_calls are malformed
 ├── ModelNotFoundError(FileNotFoundError)   the model folder or the default model's package is missing
 ├── EngineOverloadedError(RuntimeError)     the waiting queue is full (max_waiting_requests); retry later
 ├── EngineClosedError(RuntimeError)         the engine is not open (not entered yet, or already left)
@@ -66,6 +67,23 @@ class PromptTooLongError(InvalidRequestError):
 class ChatTemplateError(InvalidRequestError):
     """``Engine.chat()`` cannot build a prompt: the model's tokenizer has no chat template, the
     messages are malformed, or the template itself rejected them (e.g. roles that do not alternate)."""
+
+
+class InvalidToolsError(InvalidRequestError):
+    """A chat's ``tools``, ``tool_choice`` or ``parallel_tool_calls`` cannot be used: a tool is malformed
+    (no ``parameters`` schema, a bad or duplicate name), or ``tool_choice`` names no given tool.
+
+    Args:
+        message: What is wrong.
+        param: ``"tools"``, ``"tool_choice"`` or ``"parallel_tool_calls"``.
+        code: A short machine-readable code (the HTTP error's ``code``): ``"missing_parameters"``,
+            ``"invalid_tool_name"``, ``"duplicate_tool_name"``, ``"invalid_tool"``, ``"unknown_tool"``,
+            ``"invalid_tool_choice"`` or ``"invalid_parallel_tool_calls"``.
+    """
+
+    def __init__(self, message: str, *, param: str, code: str) -> None:
+        super().__init__(message, param=param)
+        self.code = code
 
 
 class ModelNotFoundError(AsyncLLMError, FileNotFoundError):

@@ -38,6 +38,23 @@ class Logprobs(msgspec.Struct, frozen=True):
     top: tuple[TokenLogprob, ...] = ()
 
 
+class ToolCall(msgspec.Struct, frozen=True):
+    """One function call the model made (``Engine.chat(..., tools=...)``).
+
+    Attributes:
+        id: A fresh identifier (``"call_"`` and 24 hex digits), to quote in the ``tool`` message
+            that carries the result.
+        name: The function's name (one of the tools given).
+        arguments: The arguments as JSON text, as the model wrote them (an object; under
+            ``tool_choice="required"`` or a named function it validates against the tool's
+            ``parameters`` schema).
+    """
+
+    id: str
+    name: str
+    arguments: str
+
+
 class StreamChunk(msgspec.Struct, frozen=True):
     """One step's worth of new output of a request (more when the consumer lagged).
 
@@ -75,6 +92,8 @@ class Sample(msgspec.Struct, frozen=True):
         finish_reason: "stop", "length" or "abort".
         logprobs: Per generated token, with ``SamplingParams.logprobs``; else None.
         stop_reason: The stop string or id that ended it, if one did.
+        tool_calls: The function calls parsed out of it, for a chat with tools (``text`` is then the
+            text outside the calls); else empty.
     """
 
     index: int
@@ -83,6 +102,7 @@ class Sample(msgspec.Struct, frozen=True):
     finish_reason: FinishReason
     logprobs: tuple[Logprobs, ...] | None = None
     stop_reason: int | str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 class Completion(msgspec.Struct, frozen=True):
@@ -100,6 +120,8 @@ class Completion(msgspec.Struct, frozen=True):
         prompt_logprobs: Per prompt token (None first), with ``SamplingParams.prompt_logprobs``; else None.
         stop_reason: The stop string or ``stop_token_ids`` id that ended it (None for EOS and the rest).
         samples: Every sample (one when n == 1).
+        tool_calls: For a chat with tools (``Engine.chat(..., tools=...)``): the function calls sample 0
+            made, in order; ``text`` is then the text outside the calls ("" when there is none). Else empty.
     """
 
     text: str
@@ -110,6 +132,7 @@ class Completion(msgspec.Struct, frozen=True):
     prompt_logprobs: tuple[Logprobs | None, ...] | None = None
     stop_reason: int | str | None = None
     samples: tuple[Sample, ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 class EngineStatistics(msgspec.Struct, frozen=True):

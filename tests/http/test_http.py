@@ -579,7 +579,7 @@ async def test_streamed_chat_starts_with_the_role_and_ends_with_done(chat_engine
     [
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, None),
         ({"messages": []}, "messages"),
         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true

@@ -21,6 +21,7 @@ from types import TracebackType
 from typing import Any
 
 import anyio
+import msgspec
 
 from asyncllm.core._engine_core import EngineCore
 from asyncllm.core._request import Request
@@ -32,7 +33,14 @@ from asyncllm.engine._metrics import EngineMetrics
 from asyncllm.engine._options import EngineOptions
 from asyncllm.engine._output_processor import OutputProcessor
 from asyncllm.engine._stream import RequestStream
-from asyncllm.errors import DeviceStepTimeoutError, EngineClosedError, EngineDeadError, EngineOverloadedError
+from asyncllm.engine._tools import ToolPlan, plan_tools, tools_error
+from asyncllm.errors import (
+    DeviceStepTimeoutError,
+    EngineClosedError,
+    EngineDeadError,
+    EngineOverloadedError,
+    StructuredOutputError,
+)
 from asyncllm.executor._device import DeviceWorker
 from asyncllm.executor._runner import ModelRunner, RunnerInfo
 from asyncllm.outputs import Completion, EngineStatistics, FinishReason, Logprobs, Sample, StreamChunk
@@ -381,14 +389,47 @@ class Engine:
         core, _ = self._require_running()
         return core.reset_prefix_cache()
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def tool_plan(
+        self,
+        tools: Sequence[Mapping[str, Any]] | None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
+    ) -> ToolPlan | None:
+        """Check a chat's tool options and decide how this model serves them (``chat`` calls it).
+
+        Args:
+            tools: OpenAI function tools: ``{"type": "function", "function": {"name", "description",
+                "parameters"}}``, ``parameters`` a JSON Schema (required: ``{"type": "object",
+                "properties": {}}`` for a function without arguments).
+            tool_choice: ``"none"``, ``"auto"`` (the default with tools), ``"required"``, or
+                ``{"type": "function", "function": {"name": ...}}``.
+            parallel_tool_calls: False: at most one call per reply (default True).
+
+        Returns:
+            The plan (the checked tools, the choice, the model's tool-call format), or None without tools.
+
+        Raises:
+            InvalidToolsError: A malformed tool or a duplicate name, a missing ``parameters`` schema,
+                ``tool_choice`` naming no given tool, ``parallel_tool_calls`` not a bool.
+            EngineClosedError: The engine is not running.
+        """
+        _, inputs = self._require_running()
+        return plan_tools(tools, tool_choice, parallel_tool_calls, inputs.tool_format, inputs.grammars is not None)
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], *, tools: ToolPlan | None = None
+    ) -> list[int]:
         """Render a conversation with the model's chat template, the assistant's turn opened.
 
         Rendering and tokenizing run in the caller's thread (bounded by ``max_prompt_bytes``);
         ``encode_chat`` is the twin that moves a long conversation to a worker thread.
 
         Args:
-            messages: ``{"role": ..., "content": ...}`` mappings (content a str), oldest first.
+            messages: ``{"role": ..., "content": ...}`` mappings, oldest first. Content is a str, a
+                list of ``{"type": "text", "text": ...}`` parts, or null on an assistant message
+                with ``tool_calls`` (OpenAI's shape); ``tool`` messages carry the results.
+            tools: A ``tool_plan``: its tools are rendered by the template, or by the generic tool
+                prompt when the template cannot render tools (docs/structured-output.md).
 
         Returns:
             The prompt's token ids (``add_generation_prompt=True``).
@@ -397,19 +438,20 @@ class Engine:
             ChatTemplateError: The model has no chat template, the messages are malformed (or
                 hold text that is not valid UTF-8), or the template rejected them (an
                 ``InvalidRequestError``).
-            PromptTooLongError: The messages hold more than ``max_prompt_bytes`` of text.
+            PromptTooLongError: The messages (and tools) hold more than ``max_prompt_bytes`` of text.
             EngineClosedError: The engine is not running.
             EngineDeadError: The engine died.
         """
         _, inputs = self._require_running()
-        return inputs.render_chat(messages)
+        return inputs.render_chat(messages, tools)
 
-    async def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    async def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, tools: ToolPlan | None = None) -> list[int]:
         """``apply_chat_template``, with a long conversation (8,192 characters or more) rendered and
         tokenized in a worker thread, so the event loop keeps running meanwhile.
 
         Args:
             messages: As for ``apply_chat_template``.
+            tools: As for ``apply_chat_template``.
 
         Returns:
             The prompt's token ids, as ``apply_chat_template`` returns them.
@@ -421,7 +463,7 @@ class Engine:
             EngineDeadError: The engine died.
         """
         _, inputs = self._require_running()
-        return await inputs.render_chat_async(messages)
+        return await inputs.render_chat_async(messages, tools)
 
     def chat_stream(
         self,
@@ -431,6 +473,9 @@ class Engine:
         cache_salt: str | None = None,
     ) -> RequestStream:
         """Submit a conversation (see ``apply_chat_template``) and return the reply's live output.
+
+        For tools, use ``chat`` (whole replies, calls parsed), or ``tool_plan`` with ``encode_chat``,
+        ``ToolPlan.constrain`` and ``ToolPlan.parser()`` over ``open_stream`` (what the HTTP app does).
 
         Args:
             messages: The conversation so far, oldest first.
@@ -454,25 +499,57 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: str | Mapping[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
     ) -> Completion:
         """Run a conversation's next assistant turn to the end (see ``chat_stream``); a long
         conversation is rendered in a worker thread (see ``encode_chat``).
 
+        With ``tools``, the reply is parsed for calls in the model's format: ``tool_calls`` holds
+        them and ``text`` the text outside them. ``tool_choice="required"`` or a named function
+        constrains the reply to calls whose arguments validate against their schemas; ``"auto"``
+        lets the model choose, and constrains a call once it has started.
+
         Args:
-            messages: The conversation so far, oldest first.
+            messages: The conversation so far, oldest first (see ``apply_chat_template``).
             params: How to sample.
             cache_salt: As for ``stream``.
+            tools: Functions the model may call (see ``tool_plan``).
+            tool_choice: See ``tool_plan``.
+            parallel_tool_calls: See ``tool_plan``.
 
         Returns:
             The reply as a ``Completion``. Cancelling the call aborts the request.
 
         Raises:
             ChatTemplateError: As for ``apply_chat_template``.
+            InvalidToolsError: See ``tool_plan``; or a forced ``tool_choice`` with a ``structured_output``.
+            StructuredOutputError: A tool's ``parameters`` schema cannot be enforced (``param="tools"``).
             InvalidRequestError: As for ``stream``.
             EngineClosedError: The engine is not running (or closed while the request ran).
             EngineDeadError: The engine died.
         """
-        return await self.generate(await self.encode_chat(messages), params, cache_salt=cache_salt)
+        plan = self.tool_plan(tools, tool_choice, parallel_tool_calls)
+        prompt = await self.encode_chat(messages, tools=plan)
+        if plan is None:
+            return await self.generate(prompt, params, cache_salt=cache_salt)
+        base = params if params is not None else SamplingParams()
+        constrained = plan.constrain(base)
+        try:
+            completion = await self.generate(prompt, constrained, cache_salt=cache_salt)
+        except StructuredOutputError as exc:
+            if constrained is base:  # the caller's own structured_output
+                raise
+            raise tools_error(exc) from exc
+        samples = []
+        for sample in completion.samples:
+            content, calls = plan.parse(sample.text)
+            samples.append(msgspec.structs.replace(sample, text=content, tool_calls=calls))
+        first = samples[0]
+        return msgspec.structs.replace(
+            completion, text=first.text, tool_calls=first.tool_calls, samples=tuple(samples)
+        )
 
     # -- introspection ---------------------------------------------------------------------------
 

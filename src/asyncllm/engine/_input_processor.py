@@ -32,6 +32,7 @@ import msgspec
 
 from asyncllm.core._request import Request
 from asyncllm.engine._detokenizer import Tokenizer
+from asyncllm.engine._tools import ToolFormat, ToolPlan, detect_format, generic_messages, native_messages
 from asyncllm.errors import (
     ChatTemplateError,
     InvalidPromptError,
@@ -141,6 +142,7 @@ class InputProcessor:
         )
         self._ids = itertools.count()
         self._limiter: anyio.CapacityLimiter | None = None
+        self._tool_format: ToolFormat | None = None
 
     # -- checks that cost nothing like tokenizing ------------------------------------------------
 
@@ -480,8 +482,18 @@ class InputProcessor:
 
     # -- conversations ---------------------------------------------------------------------------
 
-    def _check_messages(self, messages: Sequence[Mapping[str, Any]]) -> int:
-        # The shape, the text and the size of a conversation; returns its size in characters.
+    def tool_format(self) -> ToolFormat:
+        """How this model writes tool calls, read from its chat template once (see ``detect_format``)."""
+        if self._tool_format is None:
+            self._tool_format = detect_format(self.tokenizer)
+        return self._tool_format
+
+    def _check_messages(
+        self, messages: Sequence[Mapping[str, Any]], plan: ToolPlan | None = None
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, int]:
+        # The shape, the text and the size of a conversation (its tools' definitions included).
+        # Returns the messages as the template gets them, the tools for the template, and the size
+        # in characters.
         apply = getattr(self.tokenizer, "apply_chat_template", None)
         if apply is None or not getattr(self.tokenizer, "chat_template", None):
             raise ChatTemplateError(
@@ -491,40 +503,45 @@ class InputProcessor:
             raise ChatTemplateError(
                 "messages must be a non-empty list of {'role': ..., 'content': ...} mappings", param="messages"
             )
+        normalized = [_normalize_message(index, message) for index, message in enumerate(messages)]
+        tools = plan.template_tools() if plan is not None else None
         limit = self.max_prompt_bytes
         chars = size = 0
-        for index, message in enumerate(messages):
-            if not isinstance(message, Mapping) or not all(
-                isinstance(message.get(k), str) for k in ("role", "content")
-            ):
-                raise ChatTemplateError(
-                    f"messages[{index}] must be a mapping with str 'role' and 'content': {message!r}", param="messages"
+        strings = [(f"messages[{index}]", value) for index, m in enumerate(normalized) for value in _strings(m)]
+        if plan is not None:
+            strings += [("tools", value) for f in plan.functions for value in _strings(f.as_openai())]
+        for field, value in strings:
+            if size + len(value) > limit:  # a character is at least one byte: no need to encode the rest
+                raise PromptTooLongError(
+                    f"messages are more than {limit} bytes of text, more than this engine allows "
+                    f"(max_prompt_bytes={limit}); shorten them, or " + _raise_it("max_prompt_bytes"),
+                    param="messages",
                 )
-            for key, value in message.items():
-                if not isinstance(value, str):
-                    continue
-                if size + len(value) > limit:  # a character is at least one byte: no need to encode the rest
-                    raise PromptTooLongError(
-                        f"messages are more than {limit} bytes of text, more than this engine allows "
-                        f"(max_prompt_bytes={limit}); shorten them, or " + _raise_it("max_prompt_bytes"),
-                        param="messages",
-                    )
-                chars += len(value)
-                size += utf8_size(f"messages[{index}].{key}", value, ChatTemplateError, param="messages")
+            chars += len(value)
+            size += utf8_size(field, value, ChatTemplateError, param="messages")
         if size > limit:
             raise PromptTooLongError(
                 f"messages are {size} bytes of text, more than this engine allows (max_prompt_bytes={limit}); "
                 "shorten them, or " + _raise_it("max_prompt_bytes"),
                 param="messages",
             )
-        return chars
+        if plan is not None:
+            rendered = plan.messages(normalized)
+        elif any(m.get("tool_calls") or m["role"] == "tool" for m in normalized):
+            # A history with calls, and no tools this turn: written as the model's format would.
+            fmt = self.tool_format()
+            rendered = generic_messages(normalized, None) if fmt is ToolFormat.GENERIC else native_messages(normalized)
+        else:
+            rendered = normalized
+        return rendered, tools, chars
 
-    def _render(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         from jinja2 import TemplateError  # a dependency of transformers, whose tokenizers have chat templates
 
         apply = self.tokenizer.apply_chat_template  # type: ignore[attr-defined]  # checked by _check_messages
+        extra: dict[str, Any] = {} if tools is None else {"tools": tools}
         try:
-            encoded = apply([dict(m) for m in messages], add_generation_prompt=True, tokenize=True, return_dict=True)
+            encoded = apply(messages, add_generation_prompt=True, tokenize=True, return_dict=True, **extra)
         except (TemplateError, ValueError, TypeError, KeyError) as exc:
             # Templates refuse some conversations on purpose (``raise_exception``), e.g. roles that do not alternate.
             raise ChatTemplateError(f"the chat template rejected the messages: {exc}", param="messages") from exc
@@ -534,18 +551,25 @@ class InputProcessor:
             ) from exc
         return list(encoded["input_ids"])
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], tools: ToolPlan | None = None) -> list[int]:
         """A conversation's prompt ids, through the model's chat template, the assistant's turn opened.
+
+        Messages are ``{"role", "content"}`` mappings; content may be a str, a list of
+        ``{"type": "text", "text": ...}`` parts (joined), or null on an assistant message that has
+        ``tool_calls``; ``tool`` messages carry ``tool_call_id``. With ``tools`` (a ``ToolPlan``)
+        the tools are rendered by the template, or by the generic prompt for a template that cannot.
 
         Raises:
             ChatTemplateError: No chat template, malformed messages or text that is not valid
                 UTF-8, or the template rejected them.
             PromptTooLongError: The messages' text is larger than ``max_prompt_bytes``.
         """
-        self._check_messages(messages)
-        return self._render(messages)
+        rendered, template_tools, _ = self._check_messages(messages, tools)
+        return self._render(rendered, template_tools)
 
-    async def render_chat_async(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    async def render_chat_async(
+        self, messages: Sequence[Mapping[str, Any]], tools: ToolPlan | None = None
+    ) -> list[int]:
         """``render_chat``, rendered and tokenized in a worker thread when the conversation holds
         ``THREAD_MIN_CHARS`` characters or more. Always a schedule point, as ``process_async``.
 
@@ -554,6 +578,67 @@ class InputProcessor:
             PromptTooLongError: As ``render_chat`` raises.
         """
         await anyio.lowlevel.cancel_shielded_checkpoint()
-        if self._check_messages(messages) >= THREAD_MIN_CHARS:
-            return await anyio.to_thread.run_sync(self._render, messages, limiter=self._thread_limiter())
-        return self._render(messages)
+        rendered, template_tools, chars = self._check_messages(messages, tools)
+        if chars >= THREAD_MIN_CHARS:
+            return await anyio.to_thread.run_sync(
+                self._render, rendered, template_tools, limiter=self._thread_limiter()
+            )
+        return self._render(rendered, template_tools)
+
+
+def _strings(value: Any) -> list[str]:
+    # Every str in a JSON-like value (keys included): what a template may put into the prompt.
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, Mapping):
+        return [s for key, item in value.items() for s in (*_strings(key), *_strings(item))]
+    if isinstance(value, (list, tuple)):
+        return [s for item in value for s in _strings(item)]
+    return []
+
+
+def _normalize_message(index: int, message: object) -> dict[str, Any]:
+    """One message, checked, with a content-part list joined into its text.
+
+    Raises:
+        ChatTemplateError: Not a mapping with a str ``role``; content that is not a str, a list of
+            text parts, or null on an assistant message with ``tool_calls``; malformed ``tool_calls``.
+    """
+    where = f"messages[{index}]"
+    if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+        raise ChatTemplateError(f"{where} must be a mapping with a str 'role': {message!r}", param="messages")
+    result = dict(message)
+    content = message.get("content")
+    tool_calls = message.get("tool_calls")
+    if isinstance(content, list):
+        if not all(isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise ChatTemplateError(
+                f"{where}.content: only parts of type 'text' (with a str 'text') are understood", param="messages"
+            )
+        result["content"] = "".join(p["text"] for p in content)
+    elif content is None and message["role"] == "assistant" and tool_calls:
+        result["content"] = None
+    elif not isinstance(content, str):
+        raise ChatTemplateError(
+            f"{where} must have a str 'content' (null only on an assistant message with tool_calls): {message!r}",
+            param="messages",
+        )
+    if tool_calls is not None:
+        if message["role"] != "assistant" or not isinstance(tool_calls, list):
+            raise ChatTemplateError(f"{where}.tool_calls must be a list, on an assistant message", param="messages")
+        for call_index, call in enumerate(tool_calls):
+            function = call.get("function") if isinstance(call, Mapping) else None
+            if (
+                not isinstance(function, Mapping)
+                or not isinstance(function.get("name"), str)
+                or not isinstance(function.get("arguments"), (str, Mapping))
+            ):
+                raise ChatTemplateError(
+                    f"{where}.tool_calls[{call_index}] must be "
+                    '{"id": ..., "type": "function", "function": {"name": str, "arguments": JSON text}}',
+                    param="messages",
+                )
+        if not tool_calls:
+            result.pop("tool_calls")
+    return result

@@ -125,7 +125,10 @@ def error_for(exc: BaseException) -> HTTPError:
         return HTTPError(400, f"the body is not valid JSON: {exc}", code="invalid_json")
     if isinstance(exc, ValueError):  # every InvalidRequestError, and SamplingParams' checks
         param = exc.param if isinstance(exc, InvalidRequestError) and exc.param else _param_named_in(str(exc))
-        return HTTPError(400, str(exc), param=param, code="invalid_request")
+        if param == "structured_output":  # the HTTP request's field is response_format
+            param = "response_format"
+        code = getattr(exc, "code", None)
+        return HTTPError(400, str(exc), param=param, code=code if isinstance(code, str) else "invalid_request")
     logger.error("unexpected error while serving a request", exc_info=exc)
     return HTTPError(500, f"internal error: {type(exc).__name__}", type="server_error", code="internal_error")
 

@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
 from asyncllm.engine._stream import RequestStream
-from asyncllm.errors import PromptTooLongError
+from asyncllm.engine._tools import ToolCallDelta, ToolPlan
+from asyncllm.errors import PromptTooLongError, StructuredOutputError
 from asyncllm.http._app import Exchange, HTTPError
 from asyncllm.http._protocol import (
     AssistantMessage,
@@ -41,11 +43,15 @@ from asyncllm.http._protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunction,
     SamplingRequest,
+    ToolCallDeltaOut,
+    ToolCallFunction,
+    ToolCallOut,
     Usage,
 )
 from asyncllm.outputs import StreamChunk
-from asyncllm.sampling_params import SamplingParams
+from asyncllm.sampling_params import SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:
     from asyncllm.http._app import OpenAIApp
@@ -133,6 +139,18 @@ def sampling_params(body: SamplingRequest, *, max_tokens: int, **extra: Any) -> 
     return SamplingParams(**kwargs)
 
 
+def _params(body: CompletionRequest, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    return sampling_params(
+        body, max_tokens=max_tokens, logprobs=logprobs, structured_output=structured_output(body.response_format)
+    )
+
+
+def _delta_out(delta: ToolCallDelta) -> ToolCallDeltaOut:
+    if delta.id is not None:
+        return ToolCallDeltaOut(delta.index, delta.id, "function", DeltaFunction(name=delta.name, arguments=""))
+    return ToolCallDeltaOut(delta.index, function=DeltaFunction(arguments=delta.arguments))
+
+
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     if bias is None:
         return None
@@ -162,12 +180,12 @@ def _prompts(prompt: str | list[Any]) -> list[str | list[int]]:
     )
 
 
-def _message(index: int, message: ChatMessage) -> dict[str, str]:
-    if message.tool_calls:
-        raise _unsupported(f"messages[{index}].tool_calls", "tool calls")
+def _message(index: int, message: ChatMessage) -> dict[str, Any]:
+    # OpenAI's message as the engine's chat takes it (content parts joined; tool fields kept).
     content = message.content
+    text: str | None
     if content is None:
-        text = ""
+        text = None if message.tool_calls else ""
     elif isinstance(content, str):
         text = content
     else:
@@ -175,10 +193,83 @@ def _message(index: int, message: ChatMessage) -> dict[str, str]:
             if part.type != "text" or part.text is None:
                 raise _unsupported(f"messages[{index}].content", f"content of type {part.type!r}")
         text = "".join(part.text or "" for part in content)
-    result = {"role": message.role, "content": text}
+    result: dict[str, Any] = {"role": message.role, "content": text}
     if message.name is not None:
         result["name"] = message.name
+    if message.tool_calls:
+        result["tool_calls"] = message.tool_calls
+    if message.tool_call_id is not None:
+        result["tool_call_id"] = message.tool_call_id
     return result
+
+
+_SCHEMA_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
+def _response_format_error(message: str, code: str = "invalid_response_format") -> HTTPError:
+    return HTTPError(400, message, param="response_format", code=code)
+
+
+def structured_output(response_format: Any) -> StructuredOutput | None:
+    """The engine's ``StructuredOutput`` for OpenAI's ``response_format`` (None for text or none).
+
+    Raises:
+        HTTPError: 400 with ``param="response_format"``: a malformed value
+            (``invalid_response_format``), a type this server does not know
+            (``unsupported_response_format``), a json_schema without a ``schema`` (``missing_schema``),
+            or a schema that is not a JSON Schema object (``invalid_schema``). Whether the schema
+            compiles is checked by the engine (``StructuredOutputError``, see ``schema_error``).
+    """
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
+        raise _response_format_error(
+            'response_format must be {"type": "text"}, {"type": "json_object"} or '
+            '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}'
+        )
+    kind = response_format["type"]
+    extra = sorted(set(response_format) - ({"type", "json_schema"} if kind == "json_schema" else {"type"}))
+    if kind in ("text", "json_object", "json_schema") and extra:
+        raise _response_format_error(f"response_format of type {kind!r} has unknown field(s): {', '.join(extra)}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput(json_object=True)
+    if kind != "json_schema":
+        raise _response_format_error(
+            f"response_format type {kind!r} is not supported; use text, json_object or json_schema",
+            "unsupported_response_format",
+        )
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict):
+        raise _response_format_error('response_format.json_schema must be {"name": ..., "schema": {...}}')
+    unknown = sorted(set(spec) - {"name", "schema", "strict", "description"})
+    if unknown:
+        raise _response_format_error(f"response_format.json_schema has unknown field(s): {', '.join(unknown)}")
+    name = spec.get("name")
+    if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
+        raise _response_format_error(f"response_format.json_schema.name must match [a-zA-Z0-9_-]{{1,64}}, got {name!r}")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise _response_format_error("response_format.json_schema.strict must be a bool")
+    if spec.get("description") is not None and not isinstance(spec["description"], str):
+        raise _response_format_error("response_format.json_schema.description must be a string")
+    if spec.get("schema") is None:
+        raise _response_format_error("response_format.json_schema has no schema", "missing_schema")
+    schema = spec["schema"]
+    if not isinstance(schema, (dict, bool)):
+        raise _response_format_error(
+            f"response_format.json_schema.schema must be a JSON Schema object, got {type(schema).__name__}",
+            "invalid_schema",
+        )
+    # strict or not, the output is held to the schema: a looser reading would be no constraint at all.
+    return StructuredOutput(json_schema=schema)
+
+
+def schema_error(exc: StructuredOutputError, param: str) -> HTTPError:
+    """A schema (or grammar) the engine could not compile, as a 400 on ``param``."""
+    unsupported = "cannot apply structured_output" in str(exc)  # the runner masks nothing
+    code = "unsupported_response_format" if unsupported else "invalid_schema"
+    return HTTPError(400, str(exc), param=param, code=code)
 
 
 async def each_chunk(streams: Sequence[RequestStream], on_chunk: OnChunk) -> None:
@@ -316,7 +407,11 @@ class CompletionHandlers:
             )
 
     async def _open(
-        self, prompts: Sequence[str | list[int]], params: SamplingParams, cache_salt: str | None
+        self,
+        prompts: Sequence[str | list[int]],
+        params: SamplingParams,
+        cache_salt: str | None,
+        constraint_from: str = "response_format",
     ) -> list[RequestStream]:
         # open_stream tokenizes long prompts in a worker thread and is a checkpoint, so admitting
         # many prompts lets the other requests' streams run in between.
@@ -324,6 +419,10 @@ class CompletionHandlers:
         try:
             for prompt in prompts:
                 streams.append(await self.engine.open_stream(prompt, params, cache_salt=cache_salt))
+        except StructuredOutputError as exc:
+            for stream in streams:
+                await stream.aclose()
+            raise schema_error(exc, constraint_from) from exc
         except BaseException:
             for stream in streams:
                 await stream.aclose()
@@ -354,7 +453,7 @@ class CompletionHandlers:
                 "logprobs",
             )
         max_tokens = _COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
+        params = _params(body, max_tokens=max_tokens, logprobs=body.logprobs)
         streams = await self._open(prompts, params, body.cache_salt)
         request_id, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.app.model_name
         prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
@@ -398,17 +497,15 @@ class CompletionHandlers:
 
     # -- /v1/chat/completions --------------------------------------------------------------------
 
-    async def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        if body.tools or body.functions:
-            raise _unsupported("tools", "tool calling")
-        if body.tool_choice not in (None, "none") or body.function_call is not None:
-            raise _unsupported("tool_choice", "tool calling")
-        if body.response_format is not None and body.response_format.get("type", "text") != "text":
-            raise _unsupported("response_format", "a response_format other than text")
+    async def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], ToolPlan | None]:
+        if body.functions or body.function_call is not None:
+            raise _unsupported("functions", "the legacy `functions`/`function_call` (use `tools`/`tool_choice`)")
         if not body.messages:
             raise HTTPError(400, "messages must not be empty", param="messages")
-        messages: list[Mapping[str, str]] = [_message(i, m) for i, m in enumerate(body.messages)]
-        return await self.engine.encode_chat(messages)  # a long conversation is rendered in a worker thread
+        plan = self.engine.tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+        messages = [_message(i, m) for i, m in enumerate(body.messages)]
+        # A long conversation is rendered in a worker thread.
+        return await self.engine.encode_chat(messages, tools=plan), plan
 
     async def chat_completions(self, exchange: Exchange) -> None:
         """``POST /v1/chat/completions``."""
@@ -426,7 +523,8 @@ class CompletionHandlers:
                 "top_logprobs",
             )
         self._check_choices(1, body.n)
-        prompt_ids = await self._chat_prompt(body)
+        structured = structured_output(body.response_format)  # a malformed one is refused before rendering
+        prompt_ids, plan = await self._chat_prompt(body)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:  # OpenAI's default: as long as the context allows
             max_tokens = self.engine.max_model_len - len(prompt_ids)
@@ -437,8 +535,12 @@ class CompletionHandlers:
                     param="messages",
                 )
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs)
-        (stream,) = await self._open([prompt_ids], params, body.cache_salt)
+        base = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, structured_output=structured)
+        params = plan.constrain(base) if plan is not None else base
+        source = "response_format" if params is base else "tools"
+        (stream,) = await self._open([prompt_ids], params, body.cache_salt, source)
+        parsers = {i: plan.parser() for i in range(body.n)} if plan is not None and plan.parses else {}
+        single = plan is not None and not plan.parallel
         request_id, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.app.model_name
         prompt_tokens = len(stream.prompt_token_ids)
         choices = _Choices(body.n, body.n)
@@ -453,10 +555,20 @@ class CompletionHandlers:
 
             async def send_chunk(stream_index: int, chunk: StreamChunk) -> None:
                 index, entries = choices.add(stream_index, chunk, keep=False)
-                if chunk.text or chunk.finished or entries:
-                    delta = ChatDelta(content=chunk.text or None)
+                text, calls = chunk.text, []
+                reason: str | None = chunk.finish_reason
+                parser = parsers.get(index)
+                if parser is not None:
+                    text, deltas = parser.feed(chunk.text)
+                    if chunk.finished:
+                        rest, more = parser.finish()
+                        text, deltas = text + rest, deltas + more
+                    calls = [_delta_out(d) for d in deltas if not (single and d.index > 0)]
+                    reason = "tool_calls" if reason == "stop" and parser.num_calls else reason
+                if text or calls or chunk.finished or entries:
+                    delta = ChatDelta(content=text or None, tool_calls=calls or None)
                     logprobs = chat_logprobs(entries) if body.logprobs else None
-                    await exchange.event(chunk_of([ChatChunkChoice(index, delta, logprobs, chunk.finish_reason)]))
+                    await exchange.event(chunk_of([ChatChunkChoice(index, delta, logprobs, reason)]))
 
             await exchange.until_disconnect(lambda: each_chunk([stream], send_chunk))
             if body.stream_options is not None and body.stream_options.include_usage:
@@ -468,14 +580,18 @@ class CompletionHandlers:
             choices.add(stream_index, chunk, keep=True)
 
         await exchange.until_disconnect(lambda: each_chunk([stream], collect))
-        items = [
-            ChatChoice(
-                i,
-                AssistantMessage("".join(parts)),
-                chat_logprobs(choices.logprobs[i]) if body.logprobs else None,
-                choices.reasons[i],
-            )
-            for i, parts in choices.texts.items()
-        ]
+        items = []
+        for i, parts in choices.texts.items():
+            text = "".join(parts)
+            reason: str | None = choices.reasons[i]
+            message = AssistantMessage(text, "assistant")
+            if plan is not None:
+                content, calls = plan.parse(text)
+                if calls:
+                    out = [ToolCallOut(c.id, ToolCallFunction(c.name, c.arguments)) for c in calls]
+                    message = AssistantMessage(content or None, "assistant", tool_calls=out)
+                    reason = "tool_calls" if reason == "stop" else reason
+            entries = chat_logprobs(choices.logprobs[i]) if body.logprobs else None
+            items.append(ChatChoice(i, message, entries, reason))
         response = ChatCompletionResponse(request_id, created, model, items, choices.usage(prompt_tokens))
         await exchange.respond_json(200, response)

@@ -50,6 +50,9 @@ class SamplingRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     spaces_between_special_tokens: bool | None = None
     cache_salt: str | None = None
     """Requests share prefix-cache entries only with requests of the same salt (per tenant)."""
+    response_format: Any = None
+    """``{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}``, checked by hand
+    (``structured_output``) so that each mistake is a 400 naming it."""
 
 
 class CompletionRequest(SamplingRequest, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -78,6 +81,7 @@ class ChatMessage(msgspec.Struct, frozen=True):
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(SamplingRequest, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -87,10 +91,10 @@ class ChatCompletionRequest(SamplingRequest, frozen=True, kw_only=True, forbid_u
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
+    # Checked by the engine's tool plan (InvalidToolsError names the field and a code).
+    tools: Any = None
     tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
 
@@ -146,9 +150,37 @@ class ChatLogprobs(msgspec.Struct, frozen=True):
     content: list[ChatTokenLogprob]
 
 
-class AssistantMessage(msgspec.Struct, frozen=True):
-    content: str
-    role: Literal["assistant"] = "assistant"
+class ToolCallFunction(msgspec.Struct, frozen=True):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(msgspec.Struct, frozen=True):
+    id: str
+    function: ToolCallFunction
+    type: Literal["function"] = "function"
+
+
+class AssistantMessage(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The reply: ``content`` null when it is only tool calls; ``tool_calls`` left out when none."""
+
+    content: str | None
+    role: Literal["assistant"]  # no default: omit_defaults would leave it out
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class DeltaFunction(msgspec.Struct, frozen=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDeltaOut(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A piece of a streamed call: ``id``, ``type`` and ``function.name`` first, then argument text."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunction | None = None
 
 
 class ChatChoice(msgspec.Struct, frozen=True):
@@ -170,6 +202,7 @@ class ChatCompletionResponse(msgspec.Struct, frozen=True):
 class ChatDelta(msgspec.Struct, frozen=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDeltaOut] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, frozen=True):
