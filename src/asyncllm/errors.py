@@ -53,7 +53,18 @@ class StructuredOutputError(InvalidSamplingParamsError):
     """A request's ``structured_output`` cannot be enforced: its JSON Schema is invalid or uses a keyword the
     grammar engine does not support, its regex or grammar does not parse, or it is too large. The message
     names the problem. Raised at the call where the grammar compiles then (a cached grammar, or an async
-    call); otherwise the request's stream ends with it."""
+    call); otherwise the request's stream ends with it.
+
+    Args:
+        message: What is wrong.
+        param: The request field at fault.
+        code: ``"invalid_schema"`` (the spec is at fault) or ``"structured_output_unavailable"`` (this
+            engine cannot apply grammars at all: its runner or tokenizer).
+    """
+
+    def __init__(self, message: str, *, param: str | None = None, code: str = "invalid_schema") -> None:
+        super().__init__(message, param=param)
+        self.code = code
 
 
 class InvalidPromptError(InvalidRequestError):

@@ -79,6 +79,25 @@ async def test_response_format_json_schema_validates(asyncllm_engine: Engine) ->
         assert isinstance(json.loads(legacy.choices[0].text), dict)
 
 
+async def test_response_format_without_strict_is_lenient(asyncllm_engine: Engine) -> None:
+    # Not strict: what the grammar engine cannot enforce (dependencies, an unknown format) is ignored,
+    # the rest is enforced; with strict the same schema is a 400 (test_bad_input_is_a_specific_400).
+    schema = {
+        "type": "object",
+        "properties": {"code": {"type": "string", "format": "color", "pattern": "^[a-f]{3}$"}},
+        "required": ["code"],
+        "additionalProperties": False,
+        "dependencies": {"code": ["other"]},
+    }
+    async with openai_client(asyncllm_engine) as client:
+        reply = await client.chat.completions.create(
+            model="m", messages=MESSAGES, max_tokens=60, temperature=0.0,
+            response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+        )
+    document = json.loads(reply.choices[0].message.content or "")
+    assert list(document) == ["code"] and len(document["code"]) == 3 and set(document["code"]) <= set("abcdef")
+
+
 async def test_tool_choice_required_named_and_streamed(asyncllm_engine: Engine) -> None:
     async with openai_client(asyncllm_engine) as client:
         required = await client.chat.completions.create(
@@ -150,6 +169,9 @@ async def test_history_with_tool_calls_is_accepted(asyncllm_engine: Engine) -> N
         ({"response_format": {"type": "json_schema",
                               "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(["}}}},
          "response_format", "invalid_schema"),  # a regex that does not compile
+        ({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "strict": True, "schema": {"type": "object", "dependencies": {"a": ["b"]}}}}},
+         "response_format", "invalid_schema"),  # strict: a keyword the engine cannot enforce is refused
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
          "missing_schema"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "bad name", "schema": {}}}},

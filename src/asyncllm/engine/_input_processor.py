@@ -180,6 +180,7 @@ class InputProcessor:
                     "this engine cannot apply structured_output: its model runner does not mask tokens by a grammar, "
                     "or its tokenizer is not a Hugging Face fast tokenizer",
                     param="structured_output",
+                    code="structured_output_unavailable",
                 )
             size = len(spec.cache_key())
             if size > limits.max_structured_output_bytes:

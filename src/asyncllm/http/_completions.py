@@ -261,13 +261,14 @@ def structured_output(response_format: Any) -> StructuredOutput | None:
             f"response_format.json_schema.schema must be a JSON Schema object, got {type(schema).__name__}",
             "invalid_schema",
         )
-    # strict or not, the output is held to the schema: a looser reading would be no constraint at all.
-    return StructuredOutput(json_schema=schema)
+    # strict: the schema is enforced whole or refused. Otherwise OpenAI promises best effort: keywords the
+    # grammar engine cannot enforce are ignored rather than refused (StructuredOutput.lenient).
+    return StructuredOutput(json_schema=schema, lenient=spec.get("strict") is not True)
 
 
 def schema_error(exc: StructuredOutputError, param: str) -> HTTPError:
     """A schema (or grammar) the engine could not compile, as a 400 on ``param``."""
-    unsupported = "cannot apply structured_output" in str(exc)  # the runner masks nothing
+    unsupported = exc.code == "structured_output_unavailable"  # the runner or tokenizer masks nothing
     code = "unsupported_response_format" if unsupported else "invalid_schema"
     return HTTPError(400, str(exc), param=param, code=code)
 

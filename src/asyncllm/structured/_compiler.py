@@ -53,7 +53,7 @@ class GrammarCompiler:
         self._cache.move_to_end(key)
         self.num_cache_hits += 1
         if isinstance(entry, StructuredOutputError):
-            raise StructuredOutputError(str(entry), param=entry.param)
+            raise StructuredOutputError(str(entry), param=entry.param, code=entry.code)
         return entry
 
     async def compile_async(self, spec: StructuredOutput) -> CompiledGrammar:
@@ -82,7 +82,7 @@ class GrammarCompiler:
             del self._in_flight[key]
             done.set()
         if isinstance(result, StructuredOutputError):
-            raise StructuredOutputError(str(result), param=result.param)
+            raise StructuredOutputError(str(result), param=result.param, code=result.code)
         return result
 
     def _compile(self, spec: StructuredOutput) -> CompiledGrammar | StructuredOutputError:
