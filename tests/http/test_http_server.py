@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import re
 import signal
 import socket
@@ -166,6 +167,54 @@ def test_concurrent_client_example(server: Server) -> None:
     spec.loader.exec_module(example)
     texts = asyncio.run(example.main(f"{server.base_url}/v1", API_KEY, streams=32, max_tokens=8))
     assert len(texts) == 32 and all(texts)
+
+
+POINT = {
+    "type": "object",
+    "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}, "label": {"enum": ["a", "b"]}},
+    "required": ["x", "label"],
+    "additionalProperties": False,
+}
+TOOLS: list[openai.types.chat.ChatCompletionToolParam] = [
+    {"type": "function", "function": {"name": "plot", "description": "Plot a point.", "parameters": POINT}}
+]
+
+
+def test_structured_output_and_tools_over_tcp(server: Server) -> None:
+    import jsonschema
+
+    client = server.client()
+    messages: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "Plot a point"}]
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=40, seed=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "point", "schema": POINT, "strict": True}},
+    )  # fmt: skip
+    jsonschema.validate(json.loads(reply.choices[0].message.content or ""), POINT)
+    # A forced call, streamed: the client reassembles the tool_calls deltas into one call.
+    calls: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=200, seed=3, tools=TOOLS, tool_choice="required",
+        parallel_tool_calls=False, stream=True,
+    ):  # fmt: skip
+        choice = chunk.choices[0]
+        assert not (choice.delta.content or "").strip().startswith("<tool_call>")
+        for delta in choice.delta.tool_calls or ():
+            call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+            call["id"] += delta.id or ""
+            if delta.function is not None:
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+        finish = choice.finish_reason or finish
+    assert finish == "tool_calls" and list(calls) == [0]
+    assert calls[0]["name"] == "plot" and calls[0]["id"].startswith("call_")
+    jsonschema.validate(json.loads(calls[0]["arguments"]), POINT)
+    # auto: a random model rarely calls; whatever it answers is well formed (text, or parsed calls).
+    auto = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, seed=3, tools=TOOLS)
+    message = auto.choices[0].message
+    assert "<tool_call>" not in (message.content or "")
+    for call in message.tool_calls or ():
+        jsonschema.validate(json.loads(call.function.arguments), POINT)
 
 
 def test_sigterm_stops_the_server_cleanly(server: Server) -> None:
