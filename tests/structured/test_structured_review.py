@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
+import anyio
 import pytest
+import torch
+from transformers import AutoTokenizer
 
 import asyncllm
-from asyncllm import Engine, SamplingParams
+from asyncllm import Engine, SamplingParams, StructuredOutput
+from asyncllm.executor._runner import SequenceInput
+from asyncllm.structured._llguidance import LLGuidanceBackend
+from asyncllm.worker._sampler import Sampler
 
 pytestmark = pytest.mark.anyio
 
@@ -38,3 +45,58 @@ async def test_a_grammar_backend_that_cannot_be_built_fails_the_request_not_the_
                 async for _ in stream:
                     pass
         assert (await engine.generate("x", SamplingParams(max_tokens=3))).samples[0].finish_reason == "length"
+
+
+async def test_recomputes_whose_prefix_hit_covers_output_tokens_keep_the_engine_alive(tiny_llama: Path) -> None:
+    # Identical greedy constrained requests under a tight cache and token budget: a request is preempted
+    # mid-recompute (after one chunk), and its next recompute hits cached blocks that hold its own
+    # output beyond that chunk. The sampler's history must still know those positions; it used to cut
+    # them at the chunk and the engine died ("positions before 56 were never fed").
+    params = SamplingParams(max_tokens=150, temperature=0.0, structured_output={"regex": "[a-z]{40,120}"})
+    options = {"kv_cache_blocks": 40, "block_size": 8, "max_num_batched_tokens": 8, "max_model_len": 200}
+    async with Engine.open(tiny_llama, **options) as engine:  # type: ignore[arg-type]
+        texts: list[str] = []
+
+        async def one() -> None:
+            sample = (await engine.generate("hello hello", params)).samples[0]
+            assert sample.finish_reason == "stop"
+            texts.append(sample.text)
+
+        async with anyio.create_task_group() as group:
+            for _ in range(12):
+                group.start_soon(one)
+        assert engine.statistics().num_preemptions > 0
+    assert len(texts) == 12 and all(re.fullmatch("[a-z]{40,120}", text) for text in texts)
+
+
+def test_the_history_keeps_positions_past_a_recomputed_chunk(tiny_llama: Path) -> None:
+    # The sampler-level shape of the bug above: fed in full, recomputed from 48 for 4 tokens, then
+    # recomputed from a hit at 56 (past the chunk, in the output).
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    backend = LLGuidanceBackend(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    grammar = backend.compile(StructuredOutput(regex="[a-z]{40,120}"))
+    sampler = Sampler(torch.device("cpu"), backend.vocab_size, frozenset({tokenizer.eos_token_id}))
+    prompt = tokenizer.encode("hello hello", add_special_tokens=False)
+    output = tokenizer.encode("abcdefghij" * 8, add_special_tokens=False)[: 60 - len(prompt)]
+    history = prompt + output
+
+    def feed(start: int, end: int, sample: bool) -> None:
+        seq = SequenceInput(
+            request_id=1,
+            token_ids=history[start:end],
+            start_position=start,
+            block_table=[],
+            sample=sample,
+            params=SamplingParams(temperature=0.0, max_tokens=100),
+            num_generated=end - len(prompt) - (1 if sample else 0),
+            prompt_token_ids=prompt,
+            grammar=grammar,
+        )
+        sampler.record([seq])
+        if sample:
+            sampler.sample(torch.zeros(1, backend.vocab_size), [seq])
+
+    feed(0, 57, True)
+    feed(48, 52, False)
+    feed(56, 60, True)
+    assert not sampler.failed
