@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -100,3 +103,37 @@ def test_the_history_keeps_positions_past_a_recomputed_chunk(tiny_llama: Path) -
     feed(48, 52, False)
     feed(56, 60, True)
     assert not sampler.failed
+
+
+@pytest.fixture
+def held_compiles(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """Every grammar compile waits in its worker thread until the event is set (set at teardown)."""
+    release = threading.Event()
+    real_compile = LLGuidanceBackend.compile
+
+    def held_compile(self: LLGuidanceBackend, spec: StructuredOutput) -> Any:
+        assert release.wait(timeout=60)
+        return real_compile(self, spec)
+
+    monkeypatch.setattr(LLGuidanceBackend, "compile", held_compile)
+    try:
+        yield release
+    finally:
+        release.set()
+
+
+async def test_requests_waiting_for_their_grammar_count_against_max_waiting_requests(
+    tiny_llama: Path, held_compiles: threading.Event
+) -> None:
+    async with Engine.open(tiny_llama, max_waiting_requests=2) as engine:
+        first = engine.stream("x", SamplingParams(max_tokens=5, structured_output={"regex": "[0-9]{3}"}))
+        second = engine.stream("x", SamplingParams(max_tokens=5, structured_output={"regex": "[a-z]{3}"}, n=2))
+        assert engine.statistics().num_waiting == 2
+        with pytest.raises(asyncllm.EngineOverloadedError):
+            engine.stream("x", SamplingParams(max_tokens=5, structured_output={"regex": "[A-Z]{3}"}))
+        held_compiles.set()
+        for stream in (first, second):
+            async with stream:
+                async for _ in stream:
+                    pass
+        assert engine.statistics().num_waiting == 0
