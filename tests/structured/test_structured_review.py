@@ -137,3 +137,18 @@ async def test_requests_waiting_for_their_grammar_count_against_max_waiting_requ
                 async for _ in stream:
                     pass
         assert engine.statistics().num_waiting == 0
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"json_schema": False, "regex": "[0-9]+"}, "exactly one"),
+        ({"json_schema": False}, "allows no output"),
+        ({"json_schema": "false"}, "allows no output"),
+    ],
+)
+def test_json_schema_false_is_a_schema_not_an_unset_field(fields: dict[str, Any], message: str) -> None:
+    # It used to count as unset: with a regex beside it the spec was built as a regex, and the engine
+    # then compiled the schema false instead ("structured_output.json_schema: Expecting object schema").
+    with pytest.raises(asyncllm.InvalidSamplingParamsError, match=message):
+        StructuredOutput(**fields)
