@@ -151,6 +151,15 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
                 f"structured_output.json_schema must be a JSON Schema (an object or a bool), got {schema!r}",
                 param="structured_output",
             )
+        if isinstance(self.json_schema, dict):
+            # As JSON: the grammar engine reads it so, and the cache key must be that of the JSON.
+            try:
+                as_json = json.loads(json.dumps(self.json_schema, allow_nan=False))
+            except (TypeError, ValueError) as exc:
+                raise InvalidSamplingParamsError(
+                    f"structured_output.json_schema is not JSON: {exc}", param="structured_output"
+                ) from None
+            msgspec.structs.force_setattr(self, "json_schema", as_json)
         _check_bool("structured_output.json_object", self.json_object)
         for name in ("regex", "lark", "ebnf"):
             value = getattr(self, name)

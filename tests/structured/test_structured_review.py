@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import decimal
 import json
 import re
 import shutil
@@ -152,3 +153,24 @@ def test_json_schema_false_is_a_schema_not_an_unset_field(fields: dict[str, Any]
     # then compiled the schema false instead ("structured_output.json_schema: Expecting object schema").
     with pytest.raises(asyncllm.InvalidSamplingParamsError, match=message):
         StructuredOutput(**fields)
+
+
+def test_a_schema_that_is_not_json_is_refused_at_construction() -> None:
+    # A Decimal used to be encoded as the string "1.5" in the cache key (so it shared a cache entry
+    # with another schema) and reached the grammar engine only at the call.
+    schema = {"type": "object", "properties": {"a": {"maximum": decimal.Decimal("1.5")}}}
+    with pytest.raises(asyncllm.InvalidSamplingParamsError, match="not JSON"):
+        StructuredOutput(json_schema=schema)
+    with pytest.raises(asyncllm.InvalidSamplingParamsError, match="not JSON"):
+        StructuredOutput(json_schema={"type": "number", "maximum": float("nan")})
+
+
+async def test_a_schema_with_a_non_string_key_is_read_as_json(tiny_llama: Path) -> None:
+    # An int key passed construction, then every call raised a bare TypeError (the cache key could not
+    # be encoded) instead of running or refusing the request.
+    spec = StructuredOutput(json_schema={"type": "object", "properties": {1: {"type": "integer"}}, "required": ["1"]})
+    assert spec.json_schema == {"type": "object", "properties": {"1": {"type": "integer"}}, "required": ["1"]}
+    async with Engine.open(tiny_llama) as engine:
+        sample = (await engine.generate("x", SamplingParams(max_tokens=30, structured_output=spec))).samples[0]
+    if sample.finish_reason == "stop":
+        assert set(json.loads(sample.text)) == {"1"}
