@@ -100,11 +100,11 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
     ``stop`` string may hold an incomplete document.
 
     Attributes:
-        json_schema: A JSON Schema (a dict, a bool, or its JSON text): the output is one JSON value
-            that validates against it, written compactly (``", "`` and ``": "`` as separators, no
-            other whitespace). ``$ref``/``$defs``, ``anyOf``/``oneOf``/``allOf``, enums, patterns,
-            formats, bounds and ``additionalProperties`` are supported; a keyword the grammar engine
-            cannot enforce is refused rather than ignored.
+        json_schema: A JSON Schema (a dict, True for any value, or its JSON text; False, which allows
+            nothing, is refused): the output is one JSON value that validates against it, written
+            compactly (``", "`` and ``": "`` as separators, no other whitespace). ``$ref``/``$defs``,
+            ``anyOf``/``oneOf``/``allOf``, enums, patterns, formats, bounds and ``additionalProperties``
+            are supported; a keyword the grammar engine cannot enforce is refused rather than ignored.
         json_object: True for any JSON object (OpenAI's JSON mode).
         regex: A regular expression the whole output matches (Rust ``regex`` syntax, anchored).
         choice: The output is exactly one of these strings.
@@ -131,7 +131,7 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
     lenient: bool = False
 
     def __post_init__(self) -> None:
-        given = [name for name in _STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
+        given = self._given()
         if len(given) != 1:
             raise InvalidSamplingParamsError(
                 "structured_output must set exactly one of json_schema, json_object, regex, choice, lark, ebnf; "
@@ -147,11 +147,24 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
                     f"structured_output.json_schema is not valid JSON: {exc}", param="structured_output"
                 ) from None
             msgspec.structs.force_setattr(self, "json_schema", schema)
+        if self.json_schema is False:
+            raise InvalidSamplingParamsError(
+                "structured_output.json_schema is false: that schema allows no output", param="structured_output"
+            )
         if self.json_schema is not None and not isinstance(self.json_schema, (dict, bool)):
             raise InvalidSamplingParamsError(
                 f"structured_output.json_schema must be a JSON Schema (an object or a bool), got {schema!r}",
                 param="structured_output",
             )
+        if isinstance(self.json_schema, dict):
+            # As JSON: the grammar engine reads it so, and the cache key must be that of the JSON.
+            try:
+                as_json = json.loads(json.dumps(self.json_schema, allow_nan=False))
+            except (TypeError, ValueError) as exc:
+                raise InvalidSamplingParamsError(
+                    f"structured_output.json_schema is not JSON: {exc}", param="structured_output"
+                ) from None
+            msgspec.structs.force_setattr(self, "json_schema", as_json)
         _check_bool("structured_output.json_object", self.json_object)
         _check_bool("structured_output.lenient", self.lenient)
         if self.lenient and self.json_schema is None:
@@ -183,7 +196,16 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def kind(self) -> str:
         """The field that is set (``"json_schema"``, ``"regex"``, ...)."""
-        return next(name for name in _STRUCTURED_KINDS if getattr(self, name) not in (None, False))
+        return self._given()[0]
+
+    def _given(self) -> list[str]:
+        # json_object's unset value is False; every other field's is None (json_schema=False is a
+        # schema, refused in __post_init__, not an unset field that lets another kind pass).
+        return [
+            name
+            for name in _STRUCTURED_KINDS
+            if (self.json_object is not False if name == "json_object" else getattr(self, name) is not None)
+        ]
 
     def cache_key(self) -> bytes:
         """The value as canonical JSON (sorted keys): equal constraints share one compiled grammar."""

@@ -99,11 +99,13 @@ class EngineCore:
         self._loop_thread = threading.get_ident()
         self._task_group: TaskGroup | None = None
         self._compiling: set[int] = set()  # requests (every sample) waiting for their grammar, not scheduled
+        self._num_compiling = 0  # streams whose grammar compiles (aborted ones too, until the compile ends)
 
     @property
     def num_waiting(self) -> int:
-        """Requests queued and not running (held samples of a group not counted)."""
-        return len(self.scheduler.waiting)
+        """Requests queued and not running (held samples of a group not counted), those whose grammar
+        compiles included: they are queued as much as the others (``max_waiting_requests`` bounds them)."""
+        return len(self.scheduler.waiting) + self._num_compiling
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (running requests keep their blocks); return how many were listed."""
@@ -116,7 +118,7 @@ class EngineCore:
         runner_timings = getattr(self.runner, "timings", None) or RunnerTimings()
         return EngineStatistics(
             num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
+            num_waiting=self.num_waiting,
             kv_blocks_total=kv.pool.num_blocks,
             kv_blocks_free=kv.num_free_blocks,
             kv_usage=1.0 - kv.num_free_blocks / kv.pool.num_blocks,
@@ -155,6 +157,7 @@ class EngineCore:
             # every other request keeps running meanwhile.
             assert self._task_group is not None and self.grammars is not None
             self._compiling.update(sample.request_id for sample in request.group or [request])
+            self._num_compiling += 1
             self._task_group.start_soon(self._compile_then_add, request, spec)
             return
         self.scheduler.add(request)
@@ -165,11 +168,13 @@ class EngineCore:
         try:
             grammar = await self.grammars.compile_async(spec)
         except StructuredOutputError as exc:
+            self._num_compiling -= 1
             self._compiling.difference_update(sample.request_id for sample in request.group or [request])
             if request.request_id in self.requests:
                 self._fail_request(request, exc)
             return
         self._compiling.difference_update(sample.request_id for sample in request.group or [request])
+        self._num_compiling -= 1
         if request.request_id not in self.requests:  # aborted while it compiled
             return
         for sample in request.group or [request]:

@@ -86,16 +86,26 @@ class GrammarCompiler:
         return result
 
     def _compile(self, spec: StructuredOutput) -> CompiledGrammar | StructuredOutputError:
-        # Worker thread. Errors are returned, not raised, so they can be cached with the successes.
-        started = time.perf_counter()
+        # Worker thread. Errors are returned, not raised, so they can be cached with the successes;
+        # none may escape: on the core's path (a synchronous stream()) it would end the engine.
         try:
             with self._backend_lock:
                 if self._backend is None:
                     self._backend = self._make_backend()
                 backend = self._backend
+        except Exception as exc:  # a tokenizer the grammar engine cannot read, a model without EOS
+            return StructuredOutputError(
+                f"this engine cannot apply structured_output: {exc}", param="structured_output"
+            )
+        started = time.perf_counter()
+        try:
             return backend.compile(spec)
         except StructuredOutputError as exc:
             return exc
+        except Exception as exc:  # the grammar engine failed otherwise: this request fails, not the engine
+            return StructuredOutputError(
+                f"structured_output.{spec.kind} cannot be compiled: {exc!r}", param="structured_output"
+            )
         finally:
             self.compile_seconds += time.perf_counter() - started
             self.num_compiled += 1

@@ -319,15 +319,24 @@ class Sampler:
             if tokens is None:
                 continue
             start, slot, num_prompt = seq.start_position, state.slot, state.num_prompt
+            new = list(seq.token_ids)
+            # A recompute after preemption feeds known positions again, with the same tokens: the
+            # history keeps them (and what follows). Cut back to this chunk, it would miss the
+            # positions between the chunk's end and a later recompute's prefix-cache hit, which may
+            # cover output tokens (blocks this request, or an identical one, computed before).
+            known = tokens[start : start + len(new)]
+            if known and known == new[: len(known)]:
+                if len(known) == len(new):
+                    continue
+                start, new = len(tokens), new[len(known) :]
             rewound = start < len(tokens)
-            if rewound:  # recompute after preemption, or positions fed again: rewind first
+            if rewound:  # positions fed again with other tokens: rewind first
                 if slot is not None:
                     if start <= num_prompt:
                         updates.resets.append(slot)  # every generated token goes
                     else:
                         updates.count(slot, tokens[start:], -1)
                 del tokens[start:]
-            new = list(seq.token_ids)
             if start > len(tokens):  # positions whose KV came from elsewhere: the prompt holds them
                 gap = list(seq.prompt_token_ids[len(tokens) : start])
                 if len(tokens) + len(gap) != start:
