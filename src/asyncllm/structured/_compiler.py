@@ -13,6 +13,10 @@ from asyncllm.errors import StructuredOutputError
 from asyncllm.sampling_params import StructuredOutput
 from asyncllm.structured._grammar import CompiledGrammar, GrammarBackend
 
+COMPILE_THREADS = 2
+"""Grammars compiled at once: a burst of large schemas takes two cores at most from the device thread,
+and leaves anyio's shared worker threads (prompt tokenizing) alone."""
+
 
 class GrammarCompiler:
     """Compiles ``StructuredOutput`` values with a backend and caches the results by value.
@@ -34,6 +38,7 @@ class GrammarCompiler:
         self.cache_size = cache_size
         self._cache: OrderedDict[bytes, CompiledGrammar | StructuredOutputError] = OrderedDict()
         self._in_flight: dict[bytes, anyio.Event] = {}
+        self._limiter: anyio.CapacityLimiter | None = None
         self.num_compiled = 0
         """Specs compiled (successfully or not) since the engine started."""
         self.num_cache_hits = 0
@@ -75,8 +80,14 @@ class GrammarCompiler:
                 break
             await pending.wait()  # another request compiles the same spec: share its result
         done = self._in_flight[key] = anyio.Event()
+        if self._limiter is None:  # made on first use, in the event loop's own library
+            self._limiter = anyio.CapacityLimiter(COMPILE_THREADS)
         try:
-            result = await anyio.to_thread.run_sync(self._compile, spec)
+            started = time.perf_counter()
+            result = await anyio.to_thread.run_sync(self._compile, spec, limiter=self._limiter)
+            # Counted here, on the event loop: compiles run in several threads at once.
+            self.compile_seconds += time.perf_counter() - started
+            self.num_compiled += 1
             self._store(key, result)
         finally:
             del self._in_flight[key]
@@ -95,9 +106,10 @@ class GrammarCompiler:
                 backend = self._backend
         except Exception as exc:  # a tokenizer the grammar engine cannot read, a model without EOS
             return StructuredOutputError(
-                f"this engine cannot apply structured_output: {exc}", param="structured_output"
+                f"this engine cannot apply structured_output: {exc}",
+                param="structured_output",
+                code="structured_output_unavailable",
             )
-        started = time.perf_counter()
         try:
             return backend.compile(spec)
         except StructuredOutputError as exc:
@@ -106,9 +118,6 @@ class GrammarCompiler:
             return StructuredOutputError(
                 f"structured_output.{spec.kind} cannot be compiled: {exc!r}", param="structured_output"
             )
-        finally:
-            self.compile_seconds += time.perf_counter() - started
-            self.num_compiled += 1
 
     def _store(self, key: bytes, entry: CompiledGrammar | StructuredOutputError) -> None:
         self._cache[key] = entry
