@@ -4,6 +4,8 @@ request whose grammar fails mid-output."""
 from __future__ import annotations
 
 import json
+import os
+import threading
 from pathlib import Path
 
 import anyio
@@ -14,6 +16,7 @@ from transformers import AutoTokenizer
 from asyncllm import Engine, RequestFailedError, SamplingParams, StructuredOutput, StructuredOutputError
 from asyncllm.executor._runner import SequenceInput, StepBatch, StepOutput
 from asyncllm.structured import GrammarCompiler
+from asyncllm.structured._compiler import COMPILE_NICENESS, _low_priority
 from asyncllm.structured._llguidance import LLGuidanceBackend
 from asyncllm.testing import ByteTokenizer, ScriptedRunner
 from asyncllm.worker._sampler import Sampler
@@ -185,3 +188,20 @@ async def test_the_size_limit_is_checked_at_the_call(tiny_llama: Path) -> None:
     async with Engine.open(tiny_llama, max_structured_output_bytes=200) as engine:
         with pytest.raises(StructuredOutputError, match="max_structured_output_bytes=200"):
             engine.stream("x", SamplingParams(structured_output={"choice": ["y" * 50] * 5}))
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread priorities are a Linux feature here")
+def test_a_compiling_thread_yields_the_cpu_to_the_device() -> None:
+    # Where cores are scarce, a compile takes what the forward leaves rather than a core from it.
+    seen: list[int] = []
+
+    def compile_in_thread() -> None:
+        thread = threading.get_native_id()
+        before = os.getpriority(os.PRIO_PROCESS, thread)
+        with _low_priority():
+            seen.append(os.getpriority(os.PRIO_PROCESS, thread) - before)
+
+    worker = threading.Thread(target=compile_in_thread)
+    worker.start()
+    worker.join()
+    assert seen == [min(COMPILE_NICENESS, 19 - os.getpriority(os.PRIO_PROCESS, 0))]
