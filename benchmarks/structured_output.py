@@ -17,7 +17,8 @@ Parts, each in the same run:
   compiling. Compilation runs in a worker thread, so the loop keeps stepping.
 - ``coverage``: per JSONSchemaBench dataset, the fraction of schemas for which the engine accepts the
   schema and the model's greedy output (up to ``--coverage-max-tokens``) ends and validates against it
-  (``jsonschema``), strict and ``lenient``, next to the JSONSchemaBench paper's best figure where known
+  (``jsonschema``), greedy with ``--coverage-repetition-penalty`` (1.3), strict and ``lenient``, next
+  to the JSONSchemaBench paper's best figure where known
   (arXiv 2501.10868; GitHub-Hard).
 
 vLLM's CPU backend is not run here: this machine has no vLLM venv (docs/structured-output.md says so).
@@ -92,6 +93,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"))
     parser.add_argument("--per-dataset", type=int, default=None, help="schemas per dataset (0: all of the sample)")
     parser.add_argument("--coverage-max-tokens", type=int, default=384, help="output budget of a coverage answer")
+    parser.add_argument(
+        "--coverage-repetition-penalty",
+        type=float,
+        default=1.3,
+        help="repetition_penalty of the greedy coverage answers (1.3: a small model loops in strings without it)",
+    )
     parser.add_argument("--schema-chars", type=int, default=None, help="schema text shown in a coverage prompt (1500)")
     parser.add_argument("--data", type=Path, default=DATA, help="the JSONSchemaBench sample folder")
     args = parser.parse_args(argv)
@@ -287,7 +294,12 @@ def _validates(schema: Any, text: str) -> bool | None:
 
 
 async def measure_coverage(
-    engine: Any, datasets: dict[str, list[tuple[str, Any]]], max_tokens: int, lenient: bool, schema_chars: int
+    engine: Any,
+    datasets: dict[str, list[tuple[str, Any]]],
+    max_tokens: int,
+    lenient: bool,
+    schema_chars: int,
+    repetition_penalty: float,
 ) -> dict[str, dict[str, Any]]:
     """Per dataset: schemas accepted, answers that ended, answers that validate (greedy, SmolLM2's chat)."""
     import anyio
@@ -306,6 +318,7 @@ async def measure_coverage(
                 params = SamplingParams(
                     max_tokens=max_tokens,
                     temperature=0.0,
+                    repetition_penalty=repetition_penalty,
                     structured_output=StructuredOutput(json_schema=schema, lenient=lenient),
                 )
                 try:
@@ -352,7 +365,12 @@ async def _measure(args: argparse.Namespace, model_path: Path) -> dict[str, Any]
         if "coverage" in args.parts:
             for key, lenient in (("coverage", False), ("coverage_lenient", True)):
                 results[key] = await measure_coverage(
-                    engine, datasets, args.coverage_max_tokens, lenient, args.schema_chars
+                    engine,
+                    datasets,
+                    args.coverage_max_tokens,
+                    lenient,
+                    args.schema_chars,
+                    args.coverage_repetition_penalty,
                 )
     return results
 
