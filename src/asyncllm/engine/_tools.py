@@ -536,6 +536,23 @@ def _json_for_lark(schema: Mapping[str, Any]) -> str:
     return json.dumps(schema, ensure_ascii=True, separators=(",", ":"))
 
 
+def _rebase_refs(schema: Any, base: str) -> Any:
+    """``schema`` with its local ``$ref``s (``#/$defs/X``, ``#``) made to point under ``base``.
+
+    A tool's parameters are embedded in a larger schema (the call object), so a reference that was
+    relative to their root (as pydantic writes them) would otherwise point at the wrong place.
+    """
+    if isinstance(schema, Mapping):
+        return {
+            key: base + value[1:] if key == "$ref" and isinstance(value, str) and value.startswith("#")
+            else _rebase_refs(value, base)
+            for key, value in schema.items()
+        }
+    if isinstance(schema, list):
+        return [_rebase_refs(item, base) for item in schema]
+    return schema
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ToolPlan:
     """How one chat request uses its tools, decided before its prompt is rendered.
@@ -592,11 +609,16 @@ class ToolPlan:
         alternatives = [
             {
                 "type": "object",
-                "properties": {"name": {"const": f.name}, key: f.parameters},
+                "properties": {
+                    "name": {"const": f.name},
+                    key: _rebase_refs(
+                        f.parameters, f"#/properties/{key}" if len(functions) == 1 else f"#/anyOf/{i}/properties/{key}"
+                    ),
+                },
                 "required": ["name", key],
                 "additionalProperties": False,
             }
-            for f in functions
+            for i, f in enumerate(functions)
         ]
         schema: dict[str, Any] = dict(alternatives[0]) if len(alternatives) == 1 else {"anyOf": alternatives}
         # Compact JSON, as structured_output's schemas are written: free whitespace would let a weak

@@ -1,0 +1,57 @@
+"""Review of tool calling: schemas with references, adversarial streamed replies."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from asyncllm.engine._tools import ToolFormat, plan_tools
+
+# As pydantic writes a model with a nested one: the definitions at the top, referenced from the root.
+UNIT_REF = {
+    "type": "object",
+    "$defs": {"Unit": {"enum": ["C", "F"]}},
+    "properties": {"unit": {"$ref": "#/$defs/Unit"}, "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+    "required": ["unit"],
+    "additionalProperties": False,
+}
+REF_TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {"name": "set_unit", "parameters": UNIT_REF}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}},
+]
+
+
+def _accepts(tokenizer: PreTrainedTokenizerFast, grammar: str, text: str) -> bool:
+    import llguidance
+    import llguidance.hf
+
+    compiled = llguidance.LLMatcher.grammar_from_lark(grammar)
+    lltokenizer = llguidance.hf.from_tokenizer(tokenizer)
+    assert llguidance.LLMatcher.validate_grammar(compiled, lltokenizer) == ""
+    matcher = llguidance.LLMatcher(lltokenizer, compiled)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return bool(matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting())
+
+
+@pytest.mark.parametrize("fmt", list(ToolFormat))
+@pytest.mark.parametrize("tools", [REF_TOOLS[:1], REF_TOOLS])
+def test_a_schema_with_references_is_enforced(asyncllm_model_path: Path, fmt: ToolFormat, tools: Any) -> None:
+    tokenizer: PreTrainedTokenizerFast = AutoTokenizer.from_pretrained(asyncllm_model_path)
+    key = "parameters" if fmt is ToolFormat.LLAMA3 else "arguments"
+    wrap = {
+        ToolFormat.HERMES: lambda b: f"<tool_call>\n{b}\n</tool_call>",
+        ToolFormat.GENERIC: lambda b: f"<tool_call>{b}</tool_call>",
+        ToolFormat.LLAMA3: lambda b: b,
+    }[fmt]
+    plan = plan_tools(tools, "required", True, lambda: fmt)
+    assert plan is not None
+    grammar = plan.grammar()
+    assert grammar is not None
+    good = {"unit": "C", "next": {"unit": "F", "next": None}}
+    assert _accepts(tokenizer, grammar, wrap(json.dumps({"name": "set_unit", key: good})))
+    assert not _accepts(tokenizer, grammar, wrap(json.dumps({"name": "set_unit", key: {"unit": "K"}})))
+    assert not _accepts(tokenizer, grammar, wrap(json.dumps({"name": "set_unit", key: {"unit": "C", "next": {}}})))
