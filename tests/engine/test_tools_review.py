@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from asyncllm.engine._tools import ToolFormat, plan_tools
+from asyncllm.engine._tools import ToolCallParser, ToolFormat, parse_tool_calls, plan_tools
 
 # As pydantic writes a model with a nested one: the definitions at the top, referenced from the root.
 UNIT_REF = {
@@ -55,3 +55,33 @@ def test_a_schema_with_references_is_enforced(asyncllm_model_path: Path, fmt: To
     assert _accepts(tokenizer, grammar, wrap(json.dumps({"name": "set_unit", key: good})))
     assert not _accepts(tokenizer, grammar, wrap(json.dumps({"name": "set_unit", key: {"unit": "K"}})))
     assert not _accepts(tokenizer, grammar, wrap(json.dumps({"name": "set_unit", key: {"unit": "C", "next": {}}})))
+
+
+def _stream(fmt: ToolFormat, text: str, size: int) -> tuple[str, list[tuple[str, str]]]:
+    """Feed ``text`` in pieces of ``size`` characters; reassemble content and calls as an OpenAI client does."""
+    parser = ToolCallParser(fmt)
+    content: list[str] = []
+    calls: dict[int, list[str]] = {}
+    results = [parser.feed(text[i : i + size]) for i in range(0, len(text), size)] + [parser.finish()]
+    for out, deltas in results:
+        content.append(out)
+        for delta in deltas:
+            if delta.id is not None:
+                calls[delta.index] = [delta.name or "", ""]
+            calls[delta.index][1] += delta.arguments
+    return "".join(content), [(name, args) for name, args in (calls[i] for i in sorted(calls))]
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 1000])
+@pytest.mark.parametrize(
+    "text",
+    [
+        # A call object with a key after its arguments (an unconstrained model may add one).
+        '<tool_call>{"name": "f", "arguments": {"a":1}, "id": "x"}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": {"a": {"b": "}"}}, "id": "x"}</tool_call>',
+    ],
+)
+def test_streamed_arguments_stop_at_their_object(text: str, size: int) -> None:
+    _, whole = parse_tool_calls(text, ToolFormat.HERMES)
+    _, streamed = _stream(ToolFormat.HERMES, text, size)
+    assert [(name, json.loads(args)) for name, args in streamed] == [(c.name, json.loads(c.arguments)) for c in whole]

@@ -373,6 +373,15 @@ class ToolCallDelta:
     arguments: str = ""
 
 
+def _object_text(text: str) -> str | None:
+    # The JSON object at the start of ``text`` as written, or None while it is not whole (or not one).
+    try:
+        value, end = _DECODER.raw_decode(text)
+    except ValueError:
+        return None
+    return text[:end] if isinstance(value, dict) else None
+
+
 def _marker_prefix_length(text: str, marker: str) -> int:
     # The longest end of ``text`` that is a beginning of ``marker`` (text held back until it is known).
     for length in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -463,14 +472,15 @@ class ToolCallParser:
         if not self._header_sent:
             return deltas
         args = body[self._args_start :]
+        whole = _object_text(args)
         if closed:
-            found = split_call(body)
-            final = found[1] if found is not None else args.rstrip().removesuffix("}").rstrip()
+            final = whole if whole is not None else args.rstrip().removesuffix("}").rstrip()
             piece = final[self._args_sent :]
             self._args_sent = len(final)
         else:
+            # Once the arguments' object is whole, what follows it (more keys of the call) is not theirs.
             brace = args.rfind("}")
-            limit = len(args[: brace if brace >= 0 else len(args)].rstrip())
+            limit = len(whole) if whole is not None else len(args[: brace if brace >= 0 else len(args)].rstrip())
             piece = args[self._args_sent : limit] if limit > self._args_sent else ""
             self._args_sent += len(piece)
         if piece:
@@ -515,10 +525,10 @@ class ToolCallParser:
         # A block cut off (max_tokens): its call if it parses, else its text.
         self._in_call = False
         if self._header_sent:
-            found = split_call(buffer)
-            if found is None:
+            whole = _object_text(buffer[self._args_start :])
+            if whole is None:
                 return "", []  # its name and part of its arguments went out already
-            piece = found[1][self._args_sent :]
+            piece = whole[self._args_sent :]
             return "", [ToolCallDelta(self._call_index, arguments=piece)] if piece else []
         found = split_call(buffer)
         if found is None:
