@@ -85,3 +85,22 @@ def test_streamed_arguments_stop_at_their_object(text: str, size: int) -> None:
     _, whole = parse_tool_calls(text, ToolFormat.HERMES)
     _, streamed = _stream(ToolFormat.HERMES, text, size)
     assert [(name, json.loads(args)) for name, args in streamed] == [(c.name, json.loads(c.arguments)) for c in whole]
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+@pytest.mark.parametrize("fmt", [ToolFormat.HERMES, ToolFormat.GENERIC])
+def test_a_closing_marker_inside_an_argument_is_text(fmt: ToolFormat, size: int) -> None:
+    arguments = {"code": 'print("</tool_call>")\n', "note": 'a \\" and </tool_call> again'}
+    call = json.dumps({"name": "run", "arguments": arguments})
+    text = f"Running.\n<tool_call>{call}</tool_call>\n<tool_call>{call}</tool_call>"
+    content, whole = parse_tool_calls(text, fmt)
+    assert (content, [(c.name, json.loads(c.arguments)) for c in whole]) == ("Running.", [("run", arguments)] * 2)
+    streamed_content, streamed = _stream(fmt, text, size)
+    assert streamed_content.strip() == "Running."
+    assert [(name, json.loads(args)) for name, args in streamed] == [("run", arguments)] * 2
+
+
+def test_a_block_with_an_unclosed_string_stays_text() -> None:
+    text = '<tool_call>{"name": "f", "arguments": {"a": "' + "x" * 200_000
+    content, calls = parse_tool_calls(text + "</tool_call>", ToolFormat.HERMES)
+    assert calls == () and content.endswith("</tool_call>")

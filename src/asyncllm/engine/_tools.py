@@ -260,6 +260,20 @@ def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
+_BEFORE_CLOSE = re.compile(r'(?:[^"<]+|"(?:[^"\\]|\\.)*"|<(?!/tool_call>))*', re.DOTALL)
+"""Text up to a ``</tool_call>`` that is not inside a JSON string (or up to an unclosed string)."""
+
+
+def _find_close(text: str, start: int) -> int:
+    """Where the ``</tool_call>`` that ends a block opened before ``start`` is, or -1.
+
+    One inside a JSON string is an argument's text (code, markup), not the end of the block.
+    """
+    match = _BEFORE_CLOSE.match(text, start)
+    end = match.end() if match is not None else start
+    return end if text.startswith(CALL_CLOSE, end) else -1
+
+
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 _DECODER = json.JSONDecoder()
 
@@ -319,7 +333,7 @@ def parse_tool_calls(text: str, fmt: ToolFormat) -> tuple[str, tuple[ToolCall, .
             outside.append(text[position:])
             break
         outside.append(text[position:start])
-        end = text.find(CALL_CLOSE, start)
+        end = _find_close(text, start + len(CALL_OPEN))
         stop = len(text) if end < 0 else end + len(CALL_CLOSE)
         found = split_call(text[start + len(CALL_OPEN) : len(text) if end < 0 else end])
         if found is None:
@@ -432,7 +446,7 @@ class ToolCallParser:
                 self._buffer = self._buffer[start + len(CALL_OPEN) :]
                 self._in_call, self._header_sent, self._args_sent = True, False, 0
                 continue
-            end = self._buffer.find(CALL_CLOSE)
+            end = _find_close(self._buffer, 0)
             body = self._buffer if end < 0 else self._buffer[:end]
             deltas.extend(self._stream_call(body, closed=end >= 0))
             if end < 0:
