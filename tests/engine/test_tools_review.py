@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from asyncllm.engine._tools import ToolCallParser, ToolFormat, parse_tool_calls, plan_tools
+from asyncllm.engine._tools import (
+    ToolCallParser,
+    ToolFormat,
+    generic_messages,
+    native_messages,
+    parse_tool_calls,
+    plan_tools,
+)
 
 # As pydantic writes a model with a nested one: the definitions at the top, referenced from the root.
 UNIT_REF = {
@@ -104,3 +111,11 @@ def test_a_block_with_an_unclosed_string_stays_text() -> None:
     text = '<tool_call>{"name": "f", "arguments": {"a": "' + "x" * 200_000
     content, calls = parse_tool_calls(text + "</tool_call>", ToolFormat.HERMES)
     assert calls == () and content.endswith("</tool_call>")
+
+
+def test_history_arguments_deeper_than_the_decoder_goes_stay_text() -> None:
+    text = "[" * 100_000 + "]" * 100_000
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": text}}
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    assert native_messages(history)[1]["tool_calls"][0]["function"]["arguments"] == text
+    assert json.dumps(text)[1:-1] in generic_messages(history, None)[1]["content"]

@@ -37,6 +37,10 @@ TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 MAX_TOOLS = 128
 """The most tools one request may give (OpenAI's limit)."""
 
+MAX_JSON_DEPTH = 64
+"""The deepest nesting (objects and arrays) of a tool's schema or of a call's arguments in a history:
+they are walked recursively when checked and rendered, and no real schema comes near it."""
+
 JSON_WRITING = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """How the grammars have a call's JSON written (llguidance's ``x-guidance`` options)."""
 
@@ -74,6 +78,23 @@ def _tools_error(message: str, code: str, param: str = "tools") -> InvalidToolsE
     return InvalidToolsError(message, param=param, code=code)
 
 
+def too_deep(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether ``value`` nests objects and arrays more than ``limit`` levels deep (walked without recursing)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, Mapping):
+            children: Any = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
 def check_tools(tools: Sequence[Mapping[str, Any]]) -> tuple[Function, ...]:
     """The tools of a request, checked.
 
@@ -85,7 +106,7 @@ def check_tools(tools: Sequence[Mapping[str, Any]]) -> tuple[Function, ...]:
     Raises:
         InvalidToolsError: Not a list of such mappings, more than ``MAX_TOOLS``, a name that is not
             ``[a-zA-Z0-9_-]{1,64}`` or is given twice, a missing ``parameters`` schema, or one that
-            is not a JSON Schema object.
+            is not a JSON Schema object, or one nested more than ``MAX_JSON_DEPTH`` levels deep.
     """
     if isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence):
         raise _tools_error(f"tools must be a list of tools, got {type(tools).__name__}", "invalid_tool")
@@ -126,6 +147,10 @@ def check_tools(tools: Sequence[Mapping[str, Any]]) -> tuple[Function, ...]:
             raise _tools_error(
                 f"{where}.function.parameters must be a JSON Schema object, got {type(parameters).__name__}",
                 "invalid_tool",
+            )
+        if too_deep(parameters):
+            raise _tools_error(
+                f"{where}.function.parameters is nested more than {MAX_JSON_DEPTH} levels deep", "schema_too_deep"
             )
         checked.append(Function(name, description, dict(parameters)))
     return tuple(checked)
@@ -189,9 +214,10 @@ def _arguments_object(arguments: Any) -> Any:
     # History arguments arrive as JSON text (OpenAI); templates and the generic format want the object.
     if isinstance(arguments, str):
         try:
-            return json.loads(arguments)
-        except ValueError:
+            value = json.loads(arguments)
+        except (ValueError, RecursionError):  # the decoder recurses per level of nesting
             return arguments
+        return arguments if too_deep(value) else value
     return arguments
 
 
