@@ -119,3 +119,14 @@ def test_history_arguments_deeper_than_the_decoder_goes_stay_text() -> None:
     history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
     assert native_messages(history)[1]["tool_calls"][0]["function"]["arguments"] == text
     assert json.dumps(text)[1:-1] in generic_messages(history, None)[1]["content"]
+
+
+@pytest.mark.parametrize("fmt", list(ToolFormat))
+def test_a_reply_nested_deeper_than_the_decoder_goes_is_text(fmt: ToolFormat) -> None:
+    # A free-form argument ({"type": "object"}) lets a looping model open arrays until max_tokens.
+    key = "parameters" if fmt is ToolFormat.LLAMA3 else "arguments"
+    body = f'{{"name": "f", "{key}": {{"a": ' + "[" * 5000 + "]" * 5000 + "}}"
+    text = body if fmt is ToolFormat.LLAMA3 else f"<tool_call>{body}</tool_call>"
+    assert parse_tool_calls(text, fmt) == (text, ())
+    for size in (7, 1000, len(text)):
+        _stream(fmt, text, size)  # does not raise

@@ -316,7 +316,7 @@ def split_call(body: str) -> tuple[str, str] | None:
         try:
             _, end = _DECODER.raw_decode(body, header.end())
             name = json.loads(header.group(1))
-        except ValueError:
+        except (ValueError, RecursionError):  # the decoder recurses per level of nesting
             return None
         rest = body[end:].strip()
         if rest == "}" and isinstance(name, str):
@@ -331,7 +331,7 @@ def split_call(body: str) -> tuple[str, str] | None:
             return None
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # the decoder recurses per level of nesting
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
@@ -392,7 +392,7 @@ def _split_objects(body: str) -> list[str]:
     while position < len(body):
         try:
             _, end = _DECODER.raw_decode(body, position)
-        except ValueError:
+        except (ValueError, RecursionError):  # the decoder recurses per level of nesting
             return [*pieces, body[position:]]
         pieces.append(body[position:end])
         position = end
@@ -417,7 +417,7 @@ def _object_text(text: str) -> str | None:
     # The JSON object at the start of ``text`` as written, or None while it is not whole (or not one).
     try:
         value, end = _DECODER.raw_decode(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # the decoder recurses per level of nesting
         return None
     return text[:end] if isinstance(value, dict) else None
 
