@@ -130,3 +130,15 @@ def test_a_reply_nested_deeper_than_the_decoder_goes_is_text(fmt: ToolFormat) ->
     assert parse_tool_calls(text, fmt) == (text, ())
     for size in (7, 1000, len(text)):
         _stream(fmt, text, size)  # does not raise
+
+
+@pytest.mark.parametrize("fmt", [ToolFormat.HERMES, ToolFormat.GENERIC])
+def test_whitespace_tokens_in_text_after_a_call_are_content(fmt: ToolFormat) -> None:
+    call = '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
+    pieces = ["Checking.", "\n", call, "\n", "It", " ", "is", "\n\n", "noon."]
+    parser = ToolCallParser(fmt)
+    results = [parser.feed(piece) for piece in pieces] + [parser.finish()]
+    content = "".join(out for out, _ in results)
+    whole, calls = parse_tool_calls("".join(pieces), fmt)
+    assert len(calls) == 1 and whole == "Checking.\n\nIt is\n\nnoon."
+    assert content == "Checking.\nIt is\n\nnoon."  # the newline right after the call is not content

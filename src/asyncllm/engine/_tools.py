@@ -451,6 +451,7 @@ class ToolCallParser:
         self._args_sent = 0  # characters of the current block's arguments sent
         self._args_start = 0
         self._saw_text = False  # llama3: the reply is text, not calls
+        self._after_call = False  # only whitespace has followed the last call so far
         self.num_calls = 0
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
@@ -479,14 +480,18 @@ class ToolCallParser:
                 break
             if not self._header_sent:  # the block held no call: it stays text
                 content.append(CALL_OPEN + body + CALL_CLOSE)
+            self._after_call = self._header_sent
             self._buffer = self._buffer[end + len(CALL_CLOSE) :]
             self._in_call = False
         return "".join(content), deltas
 
     def _outside(self, text: str) -> str:
-        # Text after a call is content only when it says something (not the newline between calls).
-        if self.num_calls and not text.strip():
-            return ""
+        # Whitespace right after a call is not content (the newline between calls); once text has
+        # followed, whitespace is part of it (a lone "\n\n" token between two sentences).
+        if self._after_call:
+            if not text.strip():
+                return ""
+            self._after_call = False
         return text
 
     def _stream_call(self, body: str, *, closed: bool) -> list[ToolCallDelta]:
