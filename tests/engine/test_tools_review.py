@@ -142,3 +142,31 @@ def test_whitespace_tokens_in_text_after_a_call_are_content(fmt: ToolFormat) -> 
     whole, calls = parse_tool_calls("".join(pieces), fmt)
     assert len(calls) == 1 and whole == "Checking.\n\nIt is\n\nnoon."
     assert content == "Checking.\nIt is\n\nnoon."  # the newline right after the call is not content
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_a_tool_that_is_not_strict_is_enforced_as_far_as_possible(asyncllm_model_path: Path, choice: str) -> None:
+    # OpenAPI-derived schemas carry formats llguidance does not know (a file upload's "binary").
+    loose = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}, "data": {"type": "string", "format": "binary"}},
+        "required": ["n"],
+    }
+    tools: list[dict[str, Any]] = [
+        {"type": "function", "function": {"name": "count", "parameters": loose}},
+        {"type": "function", "function": {"name": "get_time", "strict": True, "parameters": REF_TOOLS[1]["function"]
+                                          ["parameters"]}},
+    ]
+    tokenizer: PreTrainedTokenizerFast = AutoTokenizer.from_pretrained(asyncllm_model_path)
+    plan = plan_tools(tools, choice, True, lambda: ToolFormat.GENERIC)
+    assert plan is not None and plan.grammar() is not None
+    grammar = plan.grammar() or ""
+    assert _accepts(tokenizer, grammar, '<tool_call>{"name": "count", "arguments": {"n": 3}}</tool_call>')
+    assert not _accepts(tokenizer, grammar, '<tool_call>{"name": "count", "arguments": {"n": "3"}}</tool_call>')
+    assert _accepts(tokenizer, grammar, '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    # strict: the same schema is refused whole.
+    tools[0]["function"]["strict"] = True
+    strict = plan_tools(tools, choice, True, lambda: ToolFormat.GENERIC)
+    assert strict is not None
+    with pytest.raises(AssertionError):
+        _accepts(tokenizer, strict.grammar() or "", "")

@@ -44,6 +44,9 @@ they are walked recursively when checked and rendered, and no real schema comes 
 JSON_WRITING = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """How the grammars have a call's JSON written (llguidance's ``x-guidance`` options)."""
 
+LENIENT = {"lenient": True, "coerce_one_of": True}
+"""The options for a function that is not ``strict``: what cannot be enforced is ignored, not refused."""
+
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -59,11 +62,13 @@ class ToolFormat(enum.Enum):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Function:
-    """One tool, checked: its name, description and JSON Schema of its arguments."""
+    """One tool, checked: its name, description, JSON Schema of its arguments, and whether that schema
+    must be enforced whole (``strict``) or as far as the grammar engine can."""
 
     name: str
     description: str | None
     parameters: dict[str, Any]
+    strict: bool = False
 
     def as_openai(self) -> dict[str, Any]:
         """The tool as OpenAI (and transformers' ``apply_chat_template(tools=...)``) spell it."""
@@ -152,7 +157,10 @@ def check_tools(tools: Sequence[Mapping[str, Any]]) -> tuple[Function, ...]:
             raise _tools_error(
                 f"{where}.function.parameters is nested more than {MAX_JSON_DEPTH} levels deep", "schema_too_deep"
             )
-        checked.append(Function(name, description, dict(parameters)))
+        strict = function.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise _tools_error(f"{where}.function.strict must be a bool", "invalid_tool")
+        checked.append(Function(name, description, dict(parameters), strict is True))
     return tuple(checked)
 
 
@@ -661,25 +669,24 @@ class ToolPlan:
             return None
         functions = [f for f in self.functions if self.choice != "named" or f.name == self.name]
         key = "parameters" if self.format is ToolFormat.LLAMA3 else "arguments"
-        alternatives = [
-            {
-                "type": "object",
-                "properties": {
-                    "name": {"const": f.name},
-                    key: _rebase_refs(
-                        f.parameters, f"#/properties/{key}" if len(functions) == 1 else f"#/anyOf/{i}/properties/{key}"
-                    ),
-                },
-                "required": ["name", key],
-                "additionalProperties": False,
-            }
+        # One %json rule per function, each with its own options: compact JSON, as structured_output's
+        # schemas are written (free whitespace would let a weak model pad a call forever), and, unless
+        # the function says "strict": true, keywords the grammar engine cannot enforce ignored (OpenAI's
+        # best effort, as for a response_format without strict).
+        rules = [
+            f"fn_{i}: %json "
+            + _json_for_lark(
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": f.name}, key: _rebase_refs(f.parameters, f"#/properties/{key}")},
+                    "required": ["name", key],
+                    "additionalProperties": False,
+                    "x-guidance": JSON_WRITING if f.strict else {**JSON_WRITING, **LENIENT},
+                }
+            )
             for i, f in enumerate(functions)
         ]
-        schema: dict[str, Any] = dict(alternatives[0]) if len(alternatives) == 1 else {"anyOf": alternatives}
-        # Compact JSON, as structured_output's schemas are written: free whitespace would let a weak
-        # model pad a call forever.
-        schema["x-guidance"] = JSON_WRITING
-        body = f"call_body: %json {_json_for_lark(schema)}"
+        body = "\n".join([f"call_body: {' | '.join(f'fn_{i}' for i in range(len(functions)))}", *rules])
         forced = self.choice != "auto"
         if self.format is ToolFormat.LLAMA3:
             calls = 'call_body ("; " call_body)*' if self.parallel else "call_body"
