@@ -170,3 +170,21 @@ def test_a_tool_that_is_not_strict_is_enforced_as_far_as_possible(asyncllm_model
     assert strict is not None
     with pytest.raises(AssertionError):
         _accepts(tokenizer, strict.grammar() or "", "")
+
+
+@pytest.mark.parametrize("fmt", list(ToolFormat))
+def test_a_schema_that_does_not_say_object_still_forces_an_object(asyncllm_model_path: Path, fmt: ToolFormat) -> None:
+    tokenizer: PreTrainedTokenizerFast = AutoTokenizer.from_pretrained(asyncllm_model_path)
+    key = "parameters" if fmt is ToolFormat.LLAMA3 else "arguments"
+    wrap = {
+        ToolFormat.HERMES: lambda b: f"<tool_call>\n{b}\n</tool_call>",
+        ToolFormat.GENERIC: lambda b: f"<tool_call>{b}</tool_call>",
+        ToolFormat.LLAMA3: lambda b: b,
+    }[fmt]
+    plan = plan_tools([{"type": "function", "function": {"name": "ping", "parameters": {}}}], "required", True,
+                      lambda: fmt)
+    assert plan is not None
+    for arguments, is_call in (({}, True), ({"x": 1}, True), (5, False), ("x", False), ([], False)):
+        text = wrap(json.dumps({"name": "ping", key: arguments}))
+        assert bool(parse_tool_calls(text, fmt)[1]) == is_call
+        assert _accepts(tokenizer, plan.grammar() or "", text) == is_call  # the grammar forces only calls

@@ -599,6 +599,12 @@ def _json_for_lark(schema: Mapping[str, Any]) -> str:
     return json.dumps(schema, ensure_ascii=True, separators=(",", ":"))
 
 
+def _an_object(schema: dict[str, Any]) -> dict[str, Any]:
+    # Arguments are an object: a schema that does not say so ({} is common for "no arguments") would
+    # let the grammar force a call whose arguments are 5 or "x", which no parser reads as a call.
+    return schema if "type" in schema else {**schema, "type": "object"}
+
+
 def _rebase_refs(schema: Any, base: str) -> Any:
     """``schema`` with its local ``$ref``s (``#/$defs/X``, ``#``) made to point under ``base``.
 
@@ -678,7 +684,10 @@ class ToolPlan:
             + _json_for_lark(
                 {
                     "type": "object",
-                    "properties": {"name": {"const": f.name}, key: _rebase_refs(f.parameters, f"#/properties/{key}")},
+                    "properties": {
+                        "name": {"const": f.name},
+                        key: _rebase_refs(_an_object(f.parameters), f"#/properties/{key}"),
+                    },
                     "required": ["name", key],
                     "additionalProperties": False,
                     "x-guidance": JSON_WRITING if f.strict else {**JSON_WRITING, **LENIENT},
