@@ -32,7 +32,15 @@ import msgspec
 
 from asyncllm.core._request import Request
 from asyncllm.engine._detokenizer import Tokenizer
-from asyncllm.engine._tools import ToolFormat, ToolPlan, detect_format, generic_messages, native_messages
+from asyncllm.engine._tools import (
+    MAX_JSON_DEPTH,
+    ToolFormat,
+    ToolPlan,
+    detect_format,
+    generic_messages,
+    native_messages,
+    too_deep,
+)
 from asyncllm.errors import (
     ChatTemplateError,
     InvalidPromptError,
@@ -634,10 +642,12 @@ def _normalize_message(index: int, message: object) -> dict[str, Any]:
                 not isinstance(function, Mapping)
                 or not isinstance(function.get("name"), str)
                 or not isinstance(function.get("arguments"), (str, Mapping))
+                or too_deep(function["arguments"])
             ):
                 raise ChatTemplateError(
                     f"{where}.tool_calls[{call_index}] must be "
-                    '{"id": ..., "type": "function", "function": {"name": str, "arguments": JSON text}}',
+                    '{"id": ..., "type": "function", "function": {"name": str, "arguments": JSON text}} '
+                    f"(arguments nested at most {MAX_JSON_DEPTH} levels deep)",
                     param="messages",
                 )
         if not tool_calls:

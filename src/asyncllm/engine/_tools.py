@@ -37,8 +37,15 @@ TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 MAX_TOOLS = 128
 """The most tools one request may give (OpenAI's limit)."""
 
+MAX_JSON_DEPTH = 64
+"""The deepest nesting (objects and arrays) of a tool's schema or of a call's arguments in a history:
+they are walked recursively when checked and rendered, and no real schema comes near it."""
+
 JSON_WRITING = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """How the grammars have a call's JSON written (llguidance's ``x-guidance`` options)."""
+
+LENIENT = {"lenient": True, "coerce_one_of": True}
+"""The options for a function that is not ``strict``: what cannot be enforced is ignored, not refused."""
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
@@ -55,11 +62,13 @@ class ToolFormat(enum.Enum):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Function:
-    """One tool, checked: its name, description and JSON Schema of its arguments."""
+    """One tool, checked: its name, description, JSON Schema of its arguments, and whether that schema
+    must be enforced whole (``strict``) or as far as the grammar engine can."""
 
     name: str
     description: str | None
     parameters: dict[str, Any]
+    strict: bool = False
 
     def as_openai(self) -> dict[str, Any]:
         """The tool as OpenAI (and transformers' ``apply_chat_template(tools=...)``) spell it."""
@@ -74,6 +83,23 @@ def _tools_error(message: str, code: str, param: str = "tools") -> InvalidToolsE
     return InvalidToolsError(message, param=param, code=code)
 
 
+def too_deep(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether ``value`` nests objects and arrays more than ``limit`` levels deep (walked without recursing)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, Mapping):
+            children: Any = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
 def check_tools(tools: Sequence[Mapping[str, Any]]) -> tuple[Function, ...]:
     """The tools of a request, checked.
 
@@ -85,7 +111,7 @@ def check_tools(tools: Sequence[Mapping[str, Any]]) -> tuple[Function, ...]:
     Raises:
         InvalidToolsError: Not a list of such mappings, more than ``MAX_TOOLS``, a name that is not
             ``[a-zA-Z0-9_-]{1,64}`` or is given twice, a missing ``parameters`` schema, or one that
-            is not a JSON Schema object.
+            is not a JSON Schema object, or one nested more than ``MAX_JSON_DEPTH`` levels deep.
     """
     if isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence):
         raise _tools_error(f"tools must be a list of tools, got {type(tools).__name__}", "invalid_tool")
@@ -127,7 +153,14 @@ def check_tools(tools: Sequence[Mapping[str, Any]]) -> tuple[Function, ...]:
                 f"{where}.function.parameters must be a JSON Schema object, got {type(parameters).__name__}",
                 "invalid_tool",
             )
-        checked.append(Function(name, description, dict(parameters)))
+        if too_deep(parameters):
+            raise _tools_error(
+                f"{where}.function.parameters is nested more than {MAX_JSON_DEPTH} levels deep", "schema_too_deep"
+            )
+        strict = function.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise _tools_error(f"{where}.function.strict must be a bool", "invalid_tool")
+        checked.append(Function(name, description, dict(parameters), strict is True))
     return tuple(checked)
 
 
@@ -189,9 +222,10 @@ def _arguments_object(arguments: Any) -> Any:
     # History arguments arrive as JSON text (OpenAI); templates and the generic format want the object.
     if isinstance(arguments, str):
         try:
-            return json.loads(arguments)
-        except ValueError:
+            value = json.loads(arguments)
+        except (ValueError, RecursionError):  # the decoder recurses per level of nesting
             return arguments
+        return arguments if too_deep(value) else value
     return arguments
 
 
@@ -260,6 +294,20 @@ def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
+_BEFORE_CLOSE = re.compile(r'(?:[^"<]+|"(?:[^"\\]|\\.)*"|<(?!/tool_call>))*', re.DOTALL)
+"""Text up to a ``</tool_call>`` that is not inside a JSON string (or up to an unclosed string)."""
+
+
+def _find_close(text: str, start: int) -> int:
+    """Where the ``</tool_call>`` that ends a block opened before ``start`` is, or -1.
+
+    One inside a JSON string is an argument's text (code, markup), not the end of the block.
+    """
+    match = _BEFORE_CLOSE.match(text, start)
+    end = match.end() if match is not None else start
+    return end if text.startswith(CALL_CLOSE, end) else -1
+
+
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 _DECODER = json.JSONDecoder()
 
@@ -276,7 +324,7 @@ def split_call(body: str) -> tuple[str, str] | None:
         try:
             _, end = _DECODER.raw_decode(body, header.end())
             name = json.loads(header.group(1))
-        except ValueError:
+        except (ValueError, RecursionError):  # the decoder recurses per level of nesting
             return None
         rest = body[end:].strip()
         if rest == "}" and isinstance(name, str):
@@ -291,7 +339,7 @@ def split_call(body: str) -> tuple[str, str] | None:
             return None
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # the decoder recurses per level of nesting
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
@@ -319,7 +367,7 @@ def parse_tool_calls(text: str, fmt: ToolFormat) -> tuple[str, tuple[ToolCall, .
             outside.append(text[position:])
             break
         outside.append(text[position:start])
-        end = text.find(CALL_CLOSE, start)
+        end = _find_close(text, start + len(CALL_OPEN))
         stop = len(text) if end < 0 else end + len(CALL_CLOSE)
         found = split_call(text[start + len(CALL_OPEN) : len(text) if end < 0 else end])
         if found is None:
@@ -352,7 +400,7 @@ def _split_objects(body: str) -> list[str]:
     while position < len(body):
         try:
             _, end = _DECODER.raw_decode(body, position)
-        except ValueError:
+        except (ValueError, RecursionError):  # the decoder recurses per level of nesting
             return [*pieces, body[position:]]
         pieces.append(body[position:end])
         position = end
@@ -371,6 +419,15 @@ class ToolCallDelta:
     id: str | None = None
     name: str | None = None
     arguments: str = ""
+
+
+def _object_text(text: str) -> str | None:
+    # The JSON object at the start of ``text`` as written, or None while it is not whole (or not one).
+    try:
+        value, end = _DECODER.raw_decode(text)
+    except (ValueError, RecursionError):  # the decoder recurses per level of nesting
+        return None
+    return text[:end] if isinstance(value, dict) else None
 
 
 def _marker_prefix_length(text: str, marker: str) -> int:
@@ -402,6 +459,7 @@ class ToolCallParser:
         self._args_sent = 0  # characters of the current block's arguments sent
         self._args_start = 0
         self._saw_text = False  # llama3: the reply is text, not calls
+        self._after_call = False  # only whitespace has followed the last call so far
         self.num_calls = 0
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
@@ -423,21 +481,25 @@ class ToolCallParser:
                 self._buffer = self._buffer[start + len(CALL_OPEN) :]
                 self._in_call, self._header_sent, self._args_sent = True, False, 0
                 continue
-            end = self._buffer.find(CALL_CLOSE)
+            end = _find_close(self._buffer, 0)
             body = self._buffer if end < 0 else self._buffer[:end]
             deltas.extend(self._stream_call(body, closed=end >= 0))
             if end < 0:
                 break
             if not self._header_sent:  # the block held no call: it stays text
                 content.append(CALL_OPEN + body + CALL_CLOSE)
+            self._after_call = self._header_sent
             self._buffer = self._buffer[end + len(CALL_CLOSE) :]
             self._in_call = False
         return "".join(content), deltas
 
     def _outside(self, text: str) -> str:
-        # Text after a call is content only when it says something (not the newline between calls).
-        if self.num_calls and not text.strip():
-            return ""
+        # Whitespace right after a call is not content (the newline between calls); once text has
+        # followed, whitespace is part of it (a lone "\n\n" token between two sentences).
+        if self._after_call:
+            if not text.strip():
+                return ""
+            self._after_call = False
         return text
 
     def _stream_call(self, body: str, *, closed: bool) -> list[ToolCallDelta]:
@@ -463,14 +525,15 @@ class ToolCallParser:
         if not self._header_sent:
             return deltas
         args = body[self._args_start :]
+        whole = _object_text(args)
         if closed:
-            found = split_call(body)
-            final = found[1] if found is not None else args.rstrip().removesuffix("}").rstrip()
+            final = whole if whole is not None else args.rstrip().removesuffix("}").rstrip()
             piece = final[self._args_sent :]
             self._args_sent = len(final)
         else:
+            # Once the arguments' object is whole, what follows it (more keys of the call) is not theirs.
             brace = args.rfind("}")
-            limit = len(args[: brace if brace >= 0 else len(args)].rstrip())
+            limit = len(whole) if whole is not None else len(args[: brace if brace >= 0 else len(args)].rstrip())
             piece = args[self._args_sent : limit] if limit > self._args_sent else ""
             self._args_sent += len(piece)
         if piece:
@@ -515,10 +578,10 @@ class ToolCallParser:
         # A block cut off (max_tokens): its call if it parses, else its text.
         self._in_call = False
         if self._header_sent:
-            found = split_call(buffer)
-            if found is None:
+            whole = _object_text(buffer[self._args_start :])
+            if whole is None:
                 return "", []  # its name and part of its arguments went out already
-            piece = found[1][self._args_sent :]
+            piece = whole[self._args_sent :]
             return "", [ToolCallDelta(self._call_index, arguments=piece)] if piece else []
         found = split_call(buffer)
         if found is None:
@@ -534,6 +597,29 @@ class ToolCallParser:
 
 def _json_for_lark(schema: Mapping[str, Any]) -> str:
     return json.dumps(schema, ensure_ascii=True, separators=(",", ":"))
+
+
+def _an_object(schema: dict[str, Any]) -> dict[str, Any]:
+    # Arguments are an object: a schema that does not say so ({} is common for "no arguments") would
+    # let the grammar force a call whose arguments are 5 or "x", which no parser reads as a call.
+    return schema if "type" in schema else {**schema, "type": "object"}
+
+
+def _rebase_refs(schema: Any, base: str) -> Any:
+    """``schema`` with its local ``$ref``s (``#/$defs/X``, ``#``) made to point under ``base``.
+
+    A tool's parameters are embedded in a larger schema (the call object), so a reference that was
+    relative to their root (as pydantic writes them) would otherwise point at the wrong place.
+    """
+    if isinstance(schema, Mapping):
+        return {
+            key: base + value[1:] if key == "$ref" and isinstance(value, str) and value.startswith("#")
+            else _rebase_refs(value, base)
+            for key, value in schema.items()
+        }
+    if isinstance(schema, list):
+        return [_rebase_refs(item, base) for item in schema]
+    return schema
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -589,20 +675,27 @@ class ToolPlan:
             return None
         functions = [f for f in self.functions if self.choice != "named" or f.name == self.name]
         key = "parameters" if self.format is ToolFormat.LLAMA3 else "arguments"
-        alternatives = [
-            {
-                "type": "object",
-                "properties": {"name": {"const": f.name}, key: f.parameters},
-                "required": ["name", key],
-                "additionalProperties": False,
-            }
-            for f in functions
+        # One %json rule per function, each with its own options: compact JSON, as structured_output's
+        # schemas are written (free whitespace would let a weak model pad a call forever), and, unless
+        # the function says "strict": true, keywords the grammar engine cannot enforce ignored (OpenAI's
+        # best effort, as for a response_format without strict).
+        rules = [
+            f"fn_{i}: %json "
+            + _json_for_lark(
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"const": f.name},
+                        key: _rebase_refs(_an_object(f.parameters), f"#/properties/{key}"),
+                    },
+                    "required": ["name", key],
+                    "additionalProperties": False,
+                    "x-guidance": JSON_WRITING if f.strict else {**JSON_WRITING, **LENIENT},
+                }
+            )
+            for i, f in enumerate(functions)
         ]
-        schema: dict[str, Any] = dict(alternatives[0]) if len(alternatives) == 1 else {"anyOf": alternatives}
-        # Compact JSON, as structured_output's schemas are written: free whitespace would let a weak
-        # model pad a call forever.
-        schema["x-guidance"] = JSON_WRITING
-        body = f"call_body: %json {_json_for_lark(schema)}"
+        body = "\n".join([f"call_body: {' | '.join(f'fn_{i}' for i in range(len(functions)))}", *rules])
         forced = self.choice != "auto"
         if self.format is ToolFormat.LLAMA3:
             calls = 'call_body ("; " call_body)*' if self.parallel else "call_body"
