@@ -136,6 +136,13 @@ def test_plan_defaults() -> None:
     assert plan is not None and (plan.choice, plan.parallel, plan.format) == ("auto", True, ToolFormat.HERMES)
     named = plan_tools(TOOLS, {"type": "function", "function": {"name": "get_time"}}, False, lambda: ToolFormat.GENERIC)
     assert named is not None and (named.choice, named.name, named.parallel) == ("named", "get_time", False)
+    # Unset, a named function is called once; other choices may call several tools.
+    get_time = {"type": "function", "function": {"name": "get_time"}}
+    once = plan_tools(TOOLS, get_time, None, lambda: ToolFormat.GENERIC)
+    several = plan_tools(TOOLS, get_time, True, lambda: ToolFormat.GENERIC)
+    required = plan_tools(TOOLS, "required", None, lambda: ToolFormat.GENERIC)
+    assert once is not None and several is not None and required is not None
+    assert (once.parallel, several.parallel, required.parallel) == (False, True, True)
 
 
 def test_format_detection(asyncllm_model_path: Path) -> None:

@@ -772,7 +772,7 @@ def plan_tools(
         tools: OpenAI tool definitions (see ``check_tools``), or None.
         tool_choice: ``"none"``, ``"auto"`` (the default with tools), ``"required"``, or
             ``{"type": "function", "function": {"name": ...}}``.
-        parallel_tool_calls: False: at most one call (None: True).
+        parallel_tool_calls: False: at most one call (None: one call for a named function, else True).
         fmt: Gives the model's tool-call format (called only when there are tools).
         can_constrain: Whether the engine applies grammars (see ``ToolPlan.can_constrain``).
 
@@ -820,7 +820,9 @@ def plan_tools(
             param="tool_choice",
             code="unknown_tool",
         )
-    parallel = True if parallel_tool_calls is None else parallel_tool_calls
+    # A named function is asked for once: several calls of it, unasked, would let a weak model repeat
+    # the call until max_tokens. Any other choice may call several tools unless told otherwise.
+    parallel = choice != "named" if parallel_tool_calls is None else parallel_tool_calls
     return ToolPlan(functions, choice, name, parallel, fmt(), can_constrain)
 
 
