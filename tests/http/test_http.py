@@ -262,7 +262,7 @@ async def test_stop_strings_end_the_completion_or_are_refused(scripted_engine: E
         ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
         ({"prompt": "x", "temperature": -1}, "temperature"),
         ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
-        ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
+        ({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": []}, "prompt"),
         ({"prompt": [1, "a"]}, "prompt"),
@@ -278,6 +278,34 @@ async def test_bad_parameters_are_400_naming_the_field(scripted_engine: Engine, 
     assert error["type"] == "invalid_request_error"
     assert error["param"] == param, error
     assert scripted_engine.statistics().num_waiting == 0  # nothing was queued
+
+
+async def test_unknown_fields_are_ignored_and_nulls_are_defaults(
+    scripted_engine: Engine, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncllm.http import _protocol
+
+    monkeypatch.setattr(_protocol, "_logged_unknown", set())  # names are logged once per process
+    # What newer SDKs and frameworks send: fields this server does not use, and explicit nulls.
+    extra = {"store": False, "metadata": {"a": "b"}, "service_tier": "auto", "reasoning_effort": "low",
+             "modalities": ["text"], "prediction": None, "user": "u-1"}  # fmt: skip
+    nulls = {"n": None, "stream": None, "logprobs": None, "stop": None, "seed": None, "temperature": None,
+             "top_p": None, "stream_options": None, "max_tokens": None, "presence_penalty": None}  # fmt: skip
+    async with client(create_app(scripted_engine)) as http:
+        with caplog.at_level("INFO", logger="asyncllm"):
+            for _ in range(2):
+                response = await http.post("/v1/completions", json={"prompt": "x", **extra, **nulls})
+                assert response.status_code == 200, response.text
+                assert len(response.json()["choices"]) == 1
+            streamed = await http.post(
+                "/v1/completions",
+                json={"prompt": "x", "max_tokens": 3, **extra, "stream": True,
+                      "stream_options": {"include_usage": None, "continuous_usage_stats": None, "other": 1}},
+            )  # fmt: skip
+            assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]"), streamed.text
+    logged = [r.getMessage() for r in caplog.records if "ignoring the request field" in r.getMessage()]
+    assert sorted(logged) == sorted(set(logged))  # each name once
+    assert any("'store'" in line for line in logged) and any("'service_tier'" in line for line in logged)
 
 
 async def test_malformed_json_unknown_model_route_and_method(scripted_engine: Engine) -> None:

@@ -31,7 +31,7 @@ from asyncllm.engine._engine import Engine
 from asyncllm.errors import EngineClosedError, EngineDeadError, InvalidRequestError, RequestFailedError
 from asyncllm.http._prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from asyncllm.http._prometheus import render_metrics
-from asyncllm.http._protocol import ErrorBody, ErrorResponse, ModelCard, ModelList
+from asyncllm.http._protocol import ErrorBody, ErrorResponse, ModelCard, ModelList, lenient_body
 from asyncllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("asyncllm.http")
@@ -65,7 +65,7 @@ _JSON = b"application/json"
 _CLOSE = (b"connection", b"close")
 _PREFLIGHT_MAX_AGE = b"600"  # seconds a browser may cache a preflight answer
 _UNCOUNTED = frozenset({"/health", "/metrics"})  # answered from memory at once; they must work when full
-_T = TypeVar("_T")
+_T = TypeVar("_T", bound=msgspec.Struct)
 
 
 class HTTPError(Exception):
@@ -201,7 +201,8 @@ class Exchange:
         )
 
     async def json(self, kind: type[_T]) -> _T:
-        """The body decoded as ``kind`` (a msgspec struct).
+        """The body decoded as ``kind`` (a msgspec struct), leniently: unknown fields and nulls dropped
+        (``lenient_body``).
 
         Raises:
             HTTPError: 415 unless the body is declared ``application/json``; 400 when it is empty or
@@ -223,7 +224,8 @@ class Exchange:
         if not raw.strip():
             raise HTTPError(400, "the request body is empty; send a JSON object", code="invalid_json")
         try:
-            return msgspec.json.decode(raw, type=kind)
+            # Decoded, then converted: unknown fields and nulls are dropped in between (lenient_body).
+            return msgspec.convert(lenient_body(msgspec.json.decode(raw), kind), type=kind)
         except RecursionError:  # msgspec recurses per level of nesting: [[[[... runs out of stack
             raise HTTPError(400, "the body is not valid JSON: nested too deeply", code="invalid_json") from None
 

@@ -106,6 +106,8 @@ def sampling_params(body: SamplingRequest, *, max_tokens: int, **extra: Any) -> 
         HTTPError: 400 for an unsupported field.
         InvalidSamplingParamsError: A value is out of range (a 400 too, via ``error_for``).
     """
+    if body.stream_options is not None and body.stream_options.continuous_usage_stats:
+        raise _unsupported("stream_options", "`stream_options.continuous_usage_stats`")
     requested: dict[str, Any] = {
         "temperature": body.temperature,
         "top_p": body.top_p,

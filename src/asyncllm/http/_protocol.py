@@ -1,28 +1,35 @@
 """The OpenAI wire format: request and response bodies as msgspec structs.
 
-Requests are decoded strictly (``forbid_unknown_fields``): a field this server does not know is a
-400 naming it, not a silently ignored option that changes what the client gets. Fields the OpenAI
-API defines but the engine cannot honour yet are declared here and refused by the handlers with a
-"not supported yet" 400 when given a non-neutral value. A few vLLM extensions (``top_k``,
-``ignore_eos``, ...) are accepted too, because clients of OpenAI-compatible servers send them.
+Requests are decoded leniently, as clients expect of an OpenAI-compatible server (``lenient_body``):
+a top-level field this server does not know (``store``, ``metadata``, ``service_tier``, ...: newer SDKs
+and frameworks send them) is ignored and its name logged once, and ``null`` stands for the default
+wherever the OpenAI API allows it. Fields the OpenAI API defines but the engine cannot honour yet are
+declared here and refused by the handlers with a "not supported yet" 400 when given a value that would
+change the output. A few vLLM extensions (``top_k``, ``ignore_eos``, ...) are accepted too, because
+clients of OpenAI-compatible servers send them.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 import msgspec
 
+logger = logging.getLogger("asyncllm")
+
 # -- requests ------------------------------------------------------------------------------------
 
 
-class StreamOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """``stream_options``: ``include_usage`` adds a last chunk carrying the usage."""
+class StreamOptions(msgspec.Struct, frozen=True):
+    """``stream_options``: ``include_usage`` adds a last chunk carrying the usage;
+    ``continuous_usage_stats`` (vLLM's, usage on every chunk) is not supported yet."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
-class SamplingRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class SamplingRequest(msgspec.Struct, frozen=True, kw_only=True):
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -55,7 +62,7 @@ class SamplingRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     (``structured_output``) so that each mistake is a 400 naming it."""
 
 
-class CompletionRequest(SamplingRequest, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class CompletionRequest(SamplingRequest, frozen=True, kw_only=True):
     """``POST /v1/completions``. ``prompt`` is a str, a list of str, a list of token ids or a
     list of lists of token ids (msgspec unions hold one array type, so it is checked by hand)."""
 
@@ -84,7 +91,7 @@ class ChatMessage(msgspec.Struct, frozen=True):
     tool_call_id: str | None = None
 
 
-class ChatCompletionRequest(SamplingRequest, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class ChatCompletionRequest(SamplingRequest, frozen=True, kw_only=True):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage]
@@ -97,6 +104,39 @@ class ChatCompletionRequest(SamplingRequest, frozen=True, kw_only=True, forbid_u
     parallel_tool_calls: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
+
+
+_NULLABLE_OBJECTS = ("stream_options",)
+"""Request fields whose own fields may be null too."""
+
+MAX_LOGGED_UNKNOWN_FIELDS = 256
+"""Unknown field names logged once each, up to this many (a client cannot grow the set without bound)."""
+
+_logged_unknown: set[str] = set()
+
+
+def lenient_body(document: object, kind: type[msgspec.Struct]) -> object:
+    """``document`` (a decoded JSON body) ready to convert to ``kind``: nulls dropped (the field's
+    default applies), unknown top-level fields dropped, each unknown name logged once.
+
+    Anything but an object is returned as it is (converting it then fails with a 400).
+    """
+    if not isinstance(document, dict):
+        return document
+    known = set(kind.__struct_fields__)
+    kept: dict[str, object] = {}
+    for key, value in document.items():
+        if key not in known:
+            if key not in _logged_unknown and len(_logged_unknown) < MAX_LOGGED_UNKNOWN_FIELDS:
+                _logged_unknown.add(key)
+                logger.info("asyncllm http: ignoring the request field %r, which this server does not use", key)
+            continue
+        if value is None:
+            continue
+        if key in _NULLABLE_OBJECTS and isinstance(value, dict):
+            value = {k: v for k, v in value.items() if v is not None}
+        kept[key] = value
+    return kept
 
 
 # -- responses -----------------------------------------------------------------------------------
