@@ -117,7 +117,7 @@ def error_for(exc: BaseException) -> HTTPError:
     if isinstance(exc, EngineClosedError):
         return HTTPError(503, f"the engine is not running: {exc}", type="server_error", code="engine_closed")
     if isinstance(exc, msgspec.ValidationError):
-        # "Expected `int`, got `str` - at `$.max_tokens`", "Object contains unknown field `frobnicate`"
+        # "Expected `int`, got `str` - at `$.max_tokens`", "Object missing required field `prompt`"
         message = str(exc)
         found = re.search(r"`\$\.(\w+)", message) or re.search(r"field `(\w+)`", message)
         return HTTPError(400, message, param=found.group(1) if found else None, code="invalid_parameter")
