@@ -55,3 +55,17 @@ def test_types_in_public_signatures_are_exported() -> None:
                     seen.add(kind)
                     assert kind in exported, f"Engine.{name} uses {kind.__qualname__}, which asyncllm does not export"
     assert {asyncllm.EngineMetrics, asyncllm.RequestStream, asyncllm.Completion, asyncllm.ModelRunner} <= seen
+
+
+def test_every_event_loop_serve_offers_comes_with_the_plain_install() -> None:
+    # `asyncllm serve --backend trio` must work after README's first set-up command, which installs
+    # only the base dependencies (a test extra would hide a missing one: CI installs it).
+    import tomllib
+
+    from asyncllm.cli import build_parser
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    base = {re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower() for requirement in project["dependencies"]}
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    backends = next(action.choices for action in serve._actions if action.dest == "backend")
+    assert set(backends) - {"asyncio"} <= base, f"serve offers {sorted(backends)}; base dependencies: {sorted(base)}"
