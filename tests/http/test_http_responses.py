@@ -28,7 +28,7 @@ pytestmark = pytest.mark.anyio
 
 BOUND_S = 60.0  # generous bound on any wait for the server; never a timing assertion
 MODEL = "m"
-EVENT = pydantic.TypeAdapter(ResponseStreamEvent)
+EVENT: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(ResponseStreamEvent)
 STREAM_ORDER = [
     "response.created",
     "response.in_progress",
@@ -191,8 +191,10 @@ async def test_message_list_with_instructions_is_the_prompt_the_model_sees(anyio
     )
     assert list(runner.steps[0].sequences[0].prompt_token_ids) == ByteTokenizer().encode(prompt)
     assert reply.status == "completed" and reply.incomplete_details is None and reply.completed_at is not None
-    assert reply.output_text == "Bonjour!" and reply.output[0].status == "completed"
-    assert reply.store is False and reply.usage is not None and reply.usage.input_tokens == len(prompt)
+    (item,) = reply.output
+    assert reply.output_text == "Bonjour!" and item.type == "message" and item.status == "completed"
+    assert reply.to_dict()["store"] is False  # nothing was kept, whatever `store` asked
+    assert reply.usage is not None and reply.usage.input_tokens == len(prompt)
 
 
 async def test_text_format_json_schema_constrains_the_output(asyncllm_engine: Engine, anyio_backend: str) -> None:
@@ -254,7 +256,7 @@ async def test_the_stream_helper_of_the_sync_client(anyio_backend: str) -> None:
 
             def run() -> tuple[list[str], Any]:
                 with sync_client(url) as client, client.responses.stream(model=MODEL, input="hi") as stream:
-                    kinds = [event.type for event in stream]
+                    kinds = [str(event.type) for event in stream]
                     return kinds, stream.get_final_response()
 
             kinds, final = await anyio.to_thread.run_sync(run)
