@@ -268,13 +268,14 @@ class Exchange:
         ]
         await self._send_whole({"type": "http.response.start", "status": 200, "headers": headers})
 
-    async def event(self, value: Any) -> None:
-        """Send one server-sent event whose data is ``value`` as JSON."""
-        await self._send_body(b"data: " + msgspec.json.encode(value) + b"\n\n", more=True)
+    async def event(self, value: Any, *, name: str | None = None) -> None:
+        """Send one server-sent event whose data is ``value`` as JSON (named ``name``: an ``event:`` line)."""
+        head = b"event: " + name.encode() + b"\n" if name is not None else b""
+        await self._send_body(head + b"data: " + msgspec.json.encode(value) + b"\n\n", more=True)
 
-    async def end_events(self) -> None:
-        """Send ``data: [DONE]`` and end the response."""
-        await self._send_body(b"data: [DONE]\n\n", more=False)
+    async def end_events(self, *, done: bool = True) -> None:
+        """End the response, after ``data: [DONE]`` unless ``done`` is False (the Responses API has none)."""
+        await self._send_body(b"data: [DONE]\n\n" if done else b"", more=False)
 
     async def _send_body(self, data: bytes, *, more: bool) -> None:
         try:
@@ -371,6 +372,7 @@ class OpenAIApp:
         max_top_logprobs: int = DEFAULT_MAX_TOP_LOGPROBS,
     ) -> None:
         from asyncllm.http._completions import CompletionHandlers
+        from asyncllm.http._responses import ResponsesHandler
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
         if max_choices < 1:
@@ -412,6 +414,7 @@ class OpenAIApp:
             "/models": {"GET": (self._models, True)},
             "/completions": {"POST": (handlers.completions, True)},
             "/chat/completions": {"POST": (handlers.chat_completions, True)},
+            "/responses": {"POST": (ResponsesHandler(self).create, True)},
             "/health": {"GET": (self._health, False)},
             "/metrics": {"GET": (self._metrics, False)},
         }
@@ -665,7 +668,8 @@ def create_app(
     Endpoints (each also without the ``/v1`` prefix, so the app can be mounted at ``/v1``):
     ``GET /v1/models``, ``GET /v1/models/{model}``, ``POST /v1/completions``,
     ``POST /v1/chat/completions`` (``stream: true`` answers with server-sent events ending in
-    ``data: [DONE]``), ``GET /health`` and ``GET /metrics`` (Prometheus text format). ``OPTIONS``
+    ``data: [DONE]``), ``POST /v1/responses`` (a minimal, stateless Responses API; see
+    docs/http.md), ``GET /health`` and ``GET /metrics`` (Prometheus text format). ``OPTIONS``
     is answered on each (CORS preflights).
 
     The app does not own a running engine: open it around the server (``async with engine:``
