@@ -371,6 +371,7 @@ class OpenAIApp:
         max_top_logprobs: int = DEFAULT_MAX_TOP_LOGPROBS,
     ) -> None:
         from asyncllm.http._completions import CompletionHandlers
+        from asyncllm.http._embeddings import EmbeddingHandlers
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
         if max_choices < 1:
@@ -412,6 +413,7 @@ class OpenAIApp:
             "/models": {"GET": (self._models, True)},
             "/completions": {"POST": (handlers.completions, True)},
             "/chat/completions": {"POST": (handlers.chat_completions, True)},
+            "/embeddings": {"POST": (EmbeddingHandlers(self).embeddings, True)},
             "/health": {"GET": (self._health, False)},
             "/metrics": {"GET": (self._metrics, False)},
         }
