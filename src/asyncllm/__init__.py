@@ -25,7 +25,16 @@ from asyncllm.errors import (
     StructuredOutputError,
 )
 from asyncllm.executor._runner import ModelRunner
-from asyncllm.outputs import Completion, EngineStatistics, Logprobs, Sample, StreamChunk, TokenLogprob, ToolCall
+from asyncllm.outputs import (
+    Completion,
+    Embedding,
+    EngineStatistics,
+    Logprobs,
+    Sample,
+    StreamChunk,
+    TokenLogprob,
+    ToolCall,
+)
 from asyncllm.sampling_params import SamplingParams, StructuredOutput
 
 __version__ = "0.1.0"
@@ -36,6 +45,7 @@ __all__ = [
     "Completion",
     "DeviceOutOfMemoryError",
     "DeviceStepTimeoutError",
+    "Embedding",
     "Engine",
     "EngineClosedError",
     "EngineDeadError",

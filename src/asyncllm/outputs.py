@@ -82,6 +82,19 @@ class StreamChunk(msgspec.Struct, frozen=True):
     stop_reason: int | str | None = None
 
 
+class Embedding(msgspec.Struct, frozen=True):
+    """One input's embedding, as ``Engine.embed`` returns it.
+
+    Attributes:
+        embedding: The pooled vector: L2-normalized unless asked otherwise, truncated to ``dimensions``
+            when asked.
+        prompt_token_ids: The input as the model saw it (``len`` is its token count, for usage).
+    """
+
+    embedding: tuple[float, ...]
+    prompt_token_ids: tuple[int, ...]
+
+
 class Sample(msgspec.Struct, frozen=True):
     """One of a request's ``n`` samples, whole.
 
@@ -169,6 +182,10 @@ class EngineStatistics(msgspec.Struct, frozen=True):
         grammars_compiled: ``structured_output`` specs compiled (successfully or not).
         grammar_cache_hits: Specs found already compiled (or already refused) in the grammar cache.
         grammar_compile_seconds: Seconds spent compiling grammars, in worker threads, in all.
+        num_embedding_requests: Embedding (pooling) requests that returned their vector (``Engine.embed``
+            makes one per input).
+        num_embedding_tokens: Prompt tokens of those requests (``num_prompt_tokens`` counts them too,
+            as computed).
     """
 
     num_running: int
@@ -196,3 +213,5 @@ class EngineStatistics(msgspec.Struct, frozen=True):
     grammars_compiled: int = 0
     grammar_cache_hits: int = 0
     grammar_compile_seconds: float = 0.0
+    num_embedding_requests: int = 0
+    num_embedding_tokens: int = 0

@@ -313,7 +313,7 @@ async def test_malformed_json_unknown_model_route_and_method(scripted_engine: En
         not_json = await http.post("/v1/completions", content=b"{nope")
         empty = await http.post("/v1/completions", content=b"")
         model = await http.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"})
-        route = await http.get("/v1/embeddings")
+        route = await http.get("/v1/no-such-route")
         method = await http.get("/v1/completions")
     assert error_of(not_json, 400)["code"] == "invalid_json"
     assert error_of(empty, 400)["code"] == "invalid_json"

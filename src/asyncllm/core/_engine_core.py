@@ -92,6 +92,8 @@ class EngineCore:
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
         self.num_finished = 0
+        self.num_embedding_requests = 0
+        self.num_embedding_tokens = 0
         self.dead: EngineDeadError | None = None
         self._aborts: deque[int] = deque()  # appended from any thread (a stream's __del__ may run anywhere)
         self._stopping = False
@@ -142,6 +144,8 @@ class EngineCore:
             grammars_compiled=0 if self.grammars is None else self.grammars.num_compiled,
             grammar_cache_hits=0 if self.grammars is None else self.grammars.num_cache_hits,
             grammar_compile_seconds=0.0 if self.grammars is None else self.grammars.compile_seconds,
+            num_embedding_requests=self.num_embedding_requests,
+            num_embedding_tokens=self.num_embedding_tokens,
         )
 
     def add(self, request: Request, stream: RequestStream) -> None:
@@ -288,6 +292,7 @@ class EngineCore:
                 bad_words_token_ids=s.request.bad_words_token_ids,
                 epoch=s.epoch,
                 grammar=s.request.grammar,
+                pooling=s.request.pooling,
             )
             for s in step.scheduled
         ]
@@ -303,8 +308,11 @@ class EngineCore:
             if failed is not None:  # its token is discarded by update(): the request has ended
                 self._fail_request(failed, RequestFailedError(reason))
         events = self.scheduler.update(step, sampled)
-        self.num_generated_tokens += len(events)
         for event in events:
+            self.num_generated_tokens += len(event.new_token_ids)
+            if event.embedding is not None:
+                self.num_embedding_requests += 1
+                self.num_embedding_tokens += len(event.request.prompt_token_ids)
             if event.finish_reason is not None:
                 self._forget(event.request)
         return events

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from asyncllm.executor._lookahead import PLACEHOLDER
+from asyncllm.executor._runner import Pooling
 from asyncllm.outputs import FinishReason
 from asyncllm.sampling_params import SamplingParams
 
@@ -70,6 +71,9 @@ class Request:
     grammar: CompiledGrammar | None = None
     """``params.structured_output`` compiled; None without one, or while it compiles (the core holds
     such a request back from the scheduler until it is set)."""
+    pooling: Pooling | None = None
+    """An embedding request: its prompt is computed (in chunks like any other) and pooled, nothing is
+    sampled, and it finishes with "stop" in the step that completes its prompt."""
 
     @property
     def num_tokens(self) -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from asyncllm.core._request import Request, RequestStatus
 from asyncllm.core.kv._manager import CacheHit, KVCacheManager
-from asyncllm.executor._runner import PositionLogprobs, StepOutput
+from asyncllm.executor._runner import PooledVector, PositionLogprobs, StepOutput
 from asyncllm.outputs import FinishReason
 
 
@@ -31,6 +31,8 @@ class ScheduledRequest:
     """True when this chunk reaches the end of the request's tokens, so a token is sampled."""
     epoch: int = 0
     """The request's preemption epoch when scheduled."""
+    pool: bool = False
+    """A pooling request's last prompt chunk: the step returns its pooled vector, and it finishes."""
 
 
 @dataclass(slots=True)
@@ -59,6 +61,8 @@ class TokenEvent:
     """Aligned with ``new_token_ids`` when the request asked for logprobs."""
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     """The whole prompt's logprobs, on the event of the step that completed the prompt."""
+    embedding: PooledVector | None = None
+    """A pooling request's vector, on the event that finishes it."""
 
 
 class Scheduler:
@@ -142,6 +146,8 @@ class Scheduler:
         return SchedulerOutput(scheduled, finished)
 
     def _fully_scheduled(self, request: Request) -> bool:
+        if request.pooling is not None:  # no output tokens: done once its prompt is
+            return request.num_tokens <= request.num_computed_tokens
         # Every token it may still produce is already in flight (it will finish with "length"):
         # one more step would only compute a token to throw away.
         in_hand = len(request.output_token_ids) + request.num_pending_tokens
@@ -157,15 +163,17 @@ class Scheduler:
         Args:
             output: The step's schedule, as ``schedule()`` returned it.
             step_output: What the runner returned: one token per scheduled request with
-                ``sample=True``, in order.
+                ``sample=True``, in order, and the vectors of the chunks with ``pool=True``.
 
         Returns:
-            One event per request that got a token; finished requests have freed their blocks.
+            One event per request that got a token, or its pooled vector; finished requests have
+            freed their blocks.
         """
         events: list[TokenEvent] = []
         samples = iter(step_output.sampled_token_ids)
         logprobs = iter(step_output.logprobs or ())
         prompt_logprobs = step_output.prompt_logprobs or {}
+        pooled = step_output.pooled or {}
         for item in output.scheduled:
             request = item.request
             if item.sample:
@@ -178,6 +186,9 @@ class Scheduler:
                 self.kv_cache.cache_computed_blocks(request)
                 if request.forks and request.num_confirmed_tokens >= len(request.prompt_token_ids):
                     self._release_samples(request)
+                if item.pool:
+                    events.append(self._pooled(request, pooled.get(request.request_id)))
+                    continue
             if not item.sample:
                 continue
             request.num_pending_tokens -= 1
@@ -194,6 +205,13 @@ class Scheduler:
                 )
             )
         return events
+
+    def _pooled(self, request: Request, vector: PooledVector | None) -> TokenEvent:
+        # The runner pools in the step that feeds the prompt's last token; a runner that returned no
+        # vector ends the request with "abort" and no embedding (the engine reports it as failed).
+        reason: FinishReason = "stop" if vector is not None else "abort"
+        self.finish(request, reason)
+        return TokenEvent(request, [], reason, embedding=vector)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """End a request (finished or aborted) and free its blocks; idempotent."""
@@ -240,11 +258,13 @@ class Scheduler:
         # Optimistic: the tokens count as computed from now on, so the next step can be scheduled
         # before this one's result arrives; a sampled token is pending until update() sees it.
         start = request.num_computed_tokens
-        sample = start + num_new == request.num_tokens + request.num_pending_tokens
+        last = start + num_new == request.num_tokens + request.num_pending_tokens
         request.num_computed_tokens += num_new
-        if sample:
+        if request.pooling is not None:  # its last chunk pools instead of sampling
+            return ScheduledRequest(request, start, num_new, False, request.epoch, pool=last)
+        if last:
             request.num_pending_tokens += 1
-        return ScheduledRequest(request, start, num_new, sample, request.epoch)
+        return ScheduledRequest(request, start, num_new, last, request.epoch)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)

@@ -32,6 +32,7 @@ from asyncllm.engine._input_processor import InputProcessor
 from asyncllm.engine._metrics import EngineMetrics
 from asyncllm.engine._options import EngineOptions
 from asyncllm.engine._output_processor import OutputProcessor
+from asyncllm.engine._pooling import BUILT_IN, PoolingDefaults, finish_vector, pooling_defaults
 from asyncllm.engine._stream import RequestStream
 from asyncllm.engine._tools import ToolPlan, plan_tools, tools_error
 from asyncllm.errors import (
@@ -39,11 +40,14 @@ from asyncllm.errors import (
     EngineClosedError,
     EngineDeadError,
     EngineOverloadedError,
+    InvalidPromptError,
+    InvalidRequestError,
+    RequestFailedError,
     StructuredOutputError,
 )
 from asyncllm.executor._device import DeviceWorker
-from asyncllm.executor._runner import ModelRunner, RunnerInfo
-from asyncllm.outputs import Completion, EngineStatistics, FinishReason, Logprobs, Sample, StreamChunk
+from asyncllm.executor._runner import ModelRunner, Pooling, RunnerInfo
+from asyncllm.outputs import Completion, Embedding, EngineStatistics, FinishReason, Logprobs, Sample, StreamChunk
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.structured import GrammarBackend, GrammarCompiler
 
@@ -68,6 +72,7 @@ class Engine:
         self._info: RunnerInfo | None = None
         self._max_model_len = 0
         self._closed = False
+        self._pooling: PoolingDefaults = BUILT_IN
 
     @classmethod
     def open(
@@ -128,12 +133,14 @@ class Engine:
 
     async def _start(self, stack: AsyncExitStack) -> None:
         runner, tokenizer = self._runner, self._tokenizer
+        model_path = None
         if runner is None or tokenizer is None:
             model_path = await anyio.to_thread.run_sync(_resolve_model, self.options.model)
             if tokenizer is None:
                 tokenizer = await anyio.to_thread.run_sync(_load_tokenizer, model_path)
             if runner is None:
                 runner = self._torch_runner(model_path)
+        self._pooling = await anyio.to_thread.run_sync(pooling_defaults, self.options.pooling, model_path)
         worker = DeviceWorker()
         # Closing is bounded by step_timeout too: a device that hangs in close (or in a step the
         # engine no longer waits for) is left behind rather than waited for forever.
@@ -376,6 +383,132 @@ class Engine:
             stop_reason=first.stop_reason,
             samples=samples,
         )
+
+    async def embed(
+        self,
+        inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        *,
+        pooling: Pooling | None = None,
+        normalize: bool | None = None,
+        dimensions: int | None = None,
+        cache_salt: str | None = None,
+    ) -> list[Embedding]:
+        """Embed each input: its prompt's final hidden states (after the final norm), pooled.
+
+        Each input is a request of its own that goes through the same scheduler and batches as
+        generation (chunked like any prompt, next to generating requests), computes its prompt and
+        nothing else, and frees its KV blocks at once. Every input is checked, and tokenized (long
+        texts in a worker thread), before any is queued.
+
+        Args:
+            inputs: A text, a list of texts, a list of token ids (one input), or a list of lists of
+                token ids.
+            pooling: "last" (the last token's hidden state) or "mean" (over every prompt token; such
+                a request skips the prefix cache, as it needs every position's hidden state). None:
+                the engine's default (``EngineOptions.pooling``: the model's sentence-transformers
+                config, else "last").
+            normalize: L2-normalize the vector. None: the default (True, unless the model's
+                sentence-transformers config has no Normalize module).
+            dimensions: Keep only the first ``dimensions`` values (Matryoshka truncation), normalized
+                afterwards when normalizing; None keeps the hidden size.
+            cache_salt: As for ``stream``.
+
+        Returns:
+            One ``Embedding`` per input, in order (a list even for one input). Cancelling the call
+            aborts every input's request and frees their blocks.
+
+        Raises:
+            InvalidPromptError: No input, an empty input, one of the wrong type or with ids outside the
+                vocabulary (``param`` "input"; the message names the input's index).
+            PromptTooLongError: An input is longer than ``max_model_len`` tokens, or its text larger
+                than ``max_prompt_bytes``.
+            InvalidRequestError: More inputs than ``max_embedding_inputs`` (or than
+                ``max_waiting_requests``), a bad ``pooling``, ``normalize`` or ``dimensions`` (outside
+                1..hidden size), no pooling to use, or a runner that cannot pool.
+            EngineOverloadedError: The inputs do not fit in the waiting queue now (``max_waiting_requests``).
+            EngineClosedError: The engine is not running (or closed while the inputs ran).
+            EngineDeadError: The engine died.
+            RequestFailedError: An input's request failed inside the engine.
+        """
+        core, processor = self._require_running()
+        prompts = _embedding_inputs(inputs, self.options.max_embedding_inputs)
+        chosen, normalize = self._embedding_options(pooling, normalize, dimensions)
+        self._check_room(core, len(prompts))
+        requests = []
+        for index, prompt in enumerate(prompts):
+            try:
+                requests.append(await processor.process_pooling_async(prompt, chosen, cache_salt=cache_salt))
+            except InvalidRequestError as exc:
+                param = "input" if exc.param in ("prompt", None) else exc.param
+                where = f"input {index}: " if len(prompts) > 1 else ""
+                raise type(exc)(f"{where}{exc}", param=param) from exc
+        core, _ = self._require_running()  # it may have closed or died while the inputs were tokenized
+        self._check_room(core, len(prompts))
+        results: list[Embedding] = []
+        async with AsyncExitStack() as stack:
+            streams = []
+            for request in requests:
+                stream = RequestStream(
+                    request.request_id, request.prompt_token_ids, core.abort_nowait, wake_at_end=True
+                )
+                stack.callback(stream._close)  # leaving early (cancelled, failed) aborts what is unfinished
+                core.add(request, stream)
+                streams.append(stream)
+            for stream in streams:
+                async for _ in stream:
+                    pass
+                if stream.embedding is None:
+                    self._require_running()
+                    raise RequestFailedError("the embedding request was aborted before its prompt was computed")
+                vector = finish_vector(stream.embedding, dimensions=dimensions, normalize=normalize)
+                results.append(Embedding(vector, tuple(stream.prompt_token_ids)))
+        return results
+
+    def _embedding_options(
+        self, pooling: Pooling | None, normalize: bool | None, dimensions: int | None
+    ) -> tuple[Pooling, bool]:
+        hidden_size = None if self._info is None else self._info.hidden_size
+        if hidden_size is None:
+            raise InvalidRequestError("this engine's model runner cannot compute embeddings")
+        if pooling is None:
+            pooling = self._pooling.pooling
+            if pooling is None:
+                raise InvalidRequestError(
+                    f"no default pooling: {self._pooling.problem}; pass pooling='last' or 'mean'", param="pooling"
+                )
+        elif pooling not in ("last", "mean"):
+            raise InvalidRequestError(f"pooling must be 'last' or 'mean', got {pooling!r}", param="pooling")
+        if normalize is None:
+            normalize = self._pooling.normalize
+        elif not isinstance(normalize, bool):
+            raise InvalidRequestError(f"normalize must be a bool, got {normalize!r}", param="normalize")
+        if dimensions is not None and (
+            isinstance(dimensions, bool) or not isinstance(dimensions, int) or not 1 <= dimensions <= hidden_size
+        ):
+            raise InvalidRequestError(
+                f"dimensions must be an int from 1 to the model's hidden size {hidden_size}, got {dimensions!r}",
+                param="dimensions",
+            )
+        return pooling, normalize
+
+    def _check_room(self, core: EngineCore, count: int) -> None:
+        limit = self.options.max_waiting_requests
+        if limit is None:
+            return
+        if count > limit:
+            raise InvalidRequestError(
+                f"{count} inputs are more than the waiting queue holds (max_waiting_requests={limit})", param="input"
+            )
+        if core.num_waiting + count > limit:
+            raise EngineOverloadedError(
+                f"{count} inputs do not fit in the waiting queue now (max_waiting_requests={limit}); retry later"
+            )
+
+    @property
+    def embedding_size(self) -> int | None:
+        """The size of ``embed``'s vectors before ``dimensions`` (the model's hidden size); None before the
+        engine is entered, or with a runner that cannot pool."""
+        return None if self._info is None else self._info.hidden_size
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (running requests keep their blocks).
@@ -624,6 +757,34 @@ class _SampleParts:
     def sample(self, index: int) -> Sample:
         logprobs = None if self.logprobs is None else tuple(self.logprobs)
         return Sample(index, "".join(self.texts), tuple(self.token_ids), self.finish_reason, logprobs, self.stop_reason)
+
+
+def _embedding_inputs(
+    inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]], limit: int
+) -> list[str | Sequence[int]]:
+    """``embed``'s inputs as a list of prompts (texts or token-id lists), checked for shape and count."""
+    if isinstance(inputs, str):
+        return [inputs]
+    if isinstance(inputs, (bytes, bytearray)) or not isinstance(inputs, Sequence):
+        raise InvalidPromptError(
+            f"input must be a str, a list of str, or token ids, got {type(inputs).__name__}", param="input"
+        )
+    if len(inputs) == 0:
+        raise InvalidPromptError("input is empty: give at least one text or token list", param="input")
+    if all(isinstance(item, int) and not isinstance(item, bool) for item in inputs):
+        return [inputs]  # type: ignore[list-item]  # one input of token ids
+    if len(inputs) > limit:
+        raise InvalidRequestError(
+            f"{len(inputs)} inputs are more than one call may give (max_embedding_inputs={limit})", param="input"
+        )
+    prompts: list[str | Sequence[int]] = []
+    for index, item in enumerate(inputs):
+        if isinstance(item, (bytes, bytearray)) or not isinstance(item, (str, Sequence)):
+            raise InvalidPromptError(
+                f"input {index} must be a str or a list of token ids, got {type(item).__name__}", param="input"
+            )
+        prompts.append(item)
+    return prompts
 
 
 async def _close_runner(worker: DeviceWorker, runner: ModelRunner, timeout: float | None) -> None:

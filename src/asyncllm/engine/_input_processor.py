@@ -49,8 +49,12 @@ from asyncllm.errors import (
     PromptTooLongError,
     StructuredOutputError,
 )
+from asyncllm.executor._runner import Pooling
 from asyncllm.sampling_params import SamplingParams, utf8_size
 from asyncllm.structured import CompiledGrammar, GrammarCompiler
+
+_POOLING_PARAMS = SamplingParams(max_tokens=1)
+"""The parameters an embedding request carries: it samples nothing, so only their defaults matter."""
 
 PROMPT_BYTES_PER_TOKEN = 16
 """With ``max_prompt_bytes=None`` a text prompt may hold this many UTF-8 bytes per token of
@@ -462,6 +466,45 @@ class InputProcessor:
         if params.n > 1:
             self._add_samples(request)
         return request
+
+    async def process_pooling_async(
+        self, prompt: str | Sequence[int], pooling: Pooling, *, cache_salt: str | None = None
+    ) -> Request:
+        """An embedding request for ``prompt``: tokenized as ``process_async`` does (a long text in a
+        worker thread), checked against ``max_model_len`` (the prompt alone: nothing is generated).
+
+        Raises:
+            InvalidPromptError: See ``tokenize``.
+            InvalidRequestError: ``cache_salt`` is not a str of valid text.
+            PromptTooLongError: The prompt is longer than ``max_model_len`` tokens, or its text is larger
+                than ``max_prompt_bytes``.
+        """
+        await anyio.lowlevel.cancel_shielded_checkpoint()
+        params = self.check(_POOLING_PARAMS, cache_salt)
+        if not isinstance(prompt, str) and isinstance(prompt, Sequence):
+            self._check_pooled_length(len(prompt))  # before looking at each id of an overlong prompt
+        if isinstance(prompt, str) and len(prompt) >= THREAD_MIN_CHARS:
+            self._check_text_prompt(prompt)
+            prompt_ids = await anyio.to_thread.run_sync(self._encode, prompt, limiter=self._thread_limiter())
+        else:
+            prompt_ids = self.tokenize(prompt)
+        self._check_pooled_length(len(prompt_ids))
+        return Request(
+            request_id=next(self._ids),
+            prompt_token_ids=prompt_ids,
+            params=params,
+            stop_token_ids=frozenset(),
+            max_total_tokens=self.max_model_len,
+            cache_salt=cache_salt,
+            pooling=pooling,
+        )
+
+    def _check_pooled_length(self, num_prompt_tokens: int) -> None:
+        if num_prompt_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"input of {num_prompt_tokens} tokens is longer than max_model_len={self.max_model_len}",
+                param="prompt",
+            )
 
     def _add_samples(self, first: Request) -> None:
         # Samples 1..n-1 are requests of their own (their own ids, stops and seeds) that start from

@@ -22,6 +22,9 @@ DEFAULT_MAX_WAITING_REQUESTS = 4096
 burst queues rather than fails, while the queue (each entry holds its prompt's ids, at most
 ``max_model_len`` of them) stays bounded; beyond it requests fail fast with ``EngineOverloadedError``."""
 
+DEFAULT_MAX_EMBEDDING_INPUTS = 2048
+"""``max_embedding_inputs``' default: OpenAI's limit on the inputs of one embeddings request."""
+
 DEFAULT_STEP_TIMEOUT = 300.0
 """Seconds a model step may take before the device counts as hung: far above any real step (a full
 ``max_num_batched_tokens`` prefill of a large model on a CPU takes a minute or two)."""
@@ -154,6 +157,18 @@ class EngineOptions:
         metadata=_doc("""The most compiled grammars (structured_output) kept for reuse; the least recently used
         are dropped first."""),
     )
+    pooling: str = field(
+        default="auto",
+        metadata=_doc("""How embed() pools a prompt's final hidden states when the call does not say: "last"
+        (the last token's) or "mean" (over every prompt token). "auto": the model folder's
+        sentence-transformers config (modules.json and the Pooling module's config.json; its Normalize
+        module sets the default normalize) where there is one, else "last", normalized."""),
+    )
+    max_embedding_inputs: int = field(
+        default=DEFAULT_MAX_EMBEDDING_INPUTS,
+        metadata=_doc("""The most inputs one embed() call (one /v1/embeddings request) may give; more is an
+        InvalidRequestError. Each input is a request of its own, bounded by max_model_len."""),
+    )
 
     def __post_init__(self) -> None:
         check_kv_cache_memory(self.kv_cache_memory)
@@ -177,7 +192,10 @@ class EngineOptions:
             raise ValueError(f"step_timeout must be a positive number of seconds or None, got {self.step_timeout!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32', 'float16' or 'bfloat16', got {self.dtype!r}")
+        if self.pooling not in ("auto", "last", "mean"):
+            raise ValueError(f"pooling must be 'auto', 'last' or 'mean', got {self.pooling!r}")
         for name in (
+            "max_embedding_inputs",
             "max_stop",
             "max_stop_bytes",
             "max_bad_words",

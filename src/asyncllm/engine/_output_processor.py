@@ -115,6 +115,9 @@ class OutputProcessor:
         output = self._outputs.get(request.request_id)
         if output is None:
             return
+        if request.pooling is not None:
+            self._deliver_embedding(event, output, now)
+            return
         params = request.params
         if output.detokenizer is None:
             output.detokenizer = IncrementalDetokenizer(
@@ -164,6 +167,19 @@ class OutputProcessor:
         if finish_reason is not None:  # routed until its last chunk is out, so a failure can still end it
             del self._outputs[request.request_id]
             self._record_finish(request, finish_reason, now)
+
+    def _deliver_embedding(self, event: TokenEvent, output: _Output, now: float) -> None:
+        # An embedding request has one event, the one that ends it: no text, no tokens.
+        if event.finish_reason is None:
+            return
+        request = event.request
+        stream = output.stream()
+        if stream is not None:
+            stream._push_embedding(event.embedding, event.finish_reason)
+        del self._outputs[request.request_id]
+        if event.embedding is not None:
+            self.metrics.prompt_tokens += len(request.prompt_token_ids)
+        self._record_finish(request, event.finish_reason, now)
 
     def _token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)

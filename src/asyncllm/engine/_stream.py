@@ -17,6 +17,7 @@ from types import TracebackType
 
 import anyio
 
+from asyncllm.executor._runner import PooledVector
 from asyncllm.outputs import FinishReason, Logprobs, StreamChunk
 
 
@@ -97,6 +98,8 @@ class RequestStream:
         # A consumer that only wants the whole output (``Engine.generate``) is woken once, at the end:
         # a wake-up per step and request is event-loop time the device waits for.
         self._wake_at_end = wake_at_end
+        self.embedding: PooledVector | None = None
+        """An embedding request's pooled vector (raw: not normalized), once it finished with "stop"."""
 
     @property
     def wakes_at_end(self) -> bool:
@@ -131,6 +134,11 @@ class RequestStream:
             pending.stop_reason = stop_reason
         if not self._wake_at_end or self.finished:
             self._wakeup.set()
+
+    def _push_embedding(self, vector: PooledVector | None, finish_reason: FinishReason) -> None:
+        """End an embedding request: its vector (None when it did not get one) and its one chunk."""
+        self.embedding = vector
+        self._push(0, "", [], finish_reason)
 
     def _fail(self, error: BaseException) -> None:
         self._error = error

@@ -9,12 +9,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import numpy as np
 
 from asyncllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from asyncllm.structured import CompiledGrammar
+
+Pooling = Literal["last", "mean"]
+"""How a pooling (embedding) request turns its prompt's final hidden states into one vector: the last
+token's, or the mean over every prompt token."""
+
+PooledVector = np.ndarray[Any, np.dtype[np.float32]]
+"""A pooled vector as the runner hands it over: [hidden_size] float32 on the host, not normalized."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +39,9 @@ class RunnerInfo:
     structured_output: bool = False
     """The runner's sampler applies grammar masks (``SequenceInput.grammar``); without it requests
     with ``structured_output`` are refused."""
+    hidden_size: int | None = None
+    """The size of the vectors the runner pools (``SequenceInput.pooling``); None when it cannot pool
+    (embedding requests are then refused)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +70,11 @@ class SequenceInput:
     step; a preempted request starts over, with new blocks, in a later epoch."""
     grammar: CompiledGrammar | None = None
     """``params.structured_output`` compiled: the sampler masks what it does not allow."""
+    pooling: Pooling | None = None
+    """A pooling (embedding) request: it never samples (``sample`` is False); the runner pools its
+    prompt's final hidden states and returns the vector in ``StepOutput.pooled`` in the step that feeds
+    the prompt's last token. Mean pooling sums each chunk's rows (from ``start_position`` 0, which
+    resets the sum: the scheduler gives such a request no prefix-cache hit)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +105,9 @@ class StepOutput:
     failed: dict[int, str] | None = None
     """Requests whose own work failed in this step (a grammar that stopped matching), with why: the
     engine ends each one with ``RequestFailedError`` and discards its sampled token."""
+    pooled: dict[int, PooledVector] | None = None
+    """Per pooling request id whose prompt this step completed, its pooled vector (see
+    ``SequenceInput.pooling``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -372,6 +372,7 @@ class OpenAIApp:
         max_top_logprobs: int = DEFAULT_MAX_TOP_LOGPROBS,
     ) -> None:
         from asyncllm.http._completions import CompletionHandlers
+        from asyncllm.http._embeddings import EmbeddingHandlers
         from asyncllm.http._responses import ResponsesHandler
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
@@ -415,6 +416,7 @@ class OpenAIApp:
             "/completions": {"POST": (handlers.completions, True)},
             "/chat/completions": {"POST": (handlers.chat_completions, True)},
             "/responses": {"POST": (ResponsesHandler(self).create, True)},
+            "/embeddings": {"POST": (EmbeddingHandlers(self).embeddings, True)},
             "/health": {"GET": (self._health, False)},
             "/metrics": {"GET": (self._metrics, False)},
         }

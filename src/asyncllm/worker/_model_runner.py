@@ -4,6 +4,8 @@ It runs on the engine's device thread only. Each step it turns the scheduler's p
 into flat tensors (input ids, positions, slot mapping, attention metadata) through a persistent
 ``InputBatch`` (block tables kept across steps; a step writes only what changed), runs the model once
 on the whole mixed prefill/decode batch, computes logits only at the positions that sample, and samples.
+Pooling (embedding) sequences ride in the same batch: their rows of the final hidden states (after the
+final norm, before the LM head) are pooled instead of sampled.
 """
 
 from __future__ import annotations
@@ -23,7 +25,15 @@ from asyncllm.backends import AttentionBackend, create_backend, resolve_attentio
 # The torch backend's metadata builder, under the name tests and benchmarks have imported it by.
 from asyncllm.engine._options import EngineOptions
 from asyncllm.errors import DeviceOutOfMemoryError
-from asyncllm.executor._runner import PositionLogprobs, RunnerInfo, RunnerTimings, SequenceInput, StepBatch, StepOutput
+from asyncllm.executor._runner import (
+    PooledVector,
+    PositionLogprobs,
+    RunnerInfo,
+    RunnerTimings,
+    SequenceInput,
+    StepBatch,
+    StepOutput,
+)
 from asyncllm.models import DecoderForCausalLM, build_model
 from asyncllm.models._linear import Linear, PackedFormat
 from asyncllm.models._rotary import RotaryEmbedding
@@ -149,6 +159,9 @@ class TorchModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler: Sampler | None = None
         self.input_batch = InputBatch(options.block_size, max_num_seqs=options.max_num_seqs)
+        self._pool_sums: dict[int, tuple[torch.Tensor, int]] = {}
+        """Mean-pooling requests part-way through their prompt: the float32 sum of their rows so far and
+        how many rows it holds."""
 
     def load(self) -> RunnerInfo:
         """Build the model, load its weights and allocate the KV cache (on the device thread)."""
@@ -228,6 +241,7 @@ class TorchModelRunner:
             f"{f', {self.packed_format} GEMM' if self.packed_format else ''}"
             f"{f', {self.num_threads} threads' if device.type == 'cpu' else ''})",
             structured_output=True,
+            hidden_size=spec.hidden_size,
         )
 
     def _capture_graphs(self, model: DecoderForCausalLM, max_seq_len: int) -> DecodeGraphs:
@@ -329,6 +343,8 @@ class TorchModelRunner:
         assert self.model is not None and self.sampler is not None, "load() first"
         self.sampler.forget(batch.finished_request_ids)
         self.input_batch.remove(batch.finished_request_ids)
+        for request_id in batch.finished_request_ids:
+            self._pool_sums.pop(request_id, None)
         if not batch.sequences:
             return StepOutput([])
         try:
@@ -347,9 +363,12 @@ class TorchModelRunner:
         hidden = self._replay(step) if meta is None else self._forward(step, meta)
         clock.mark()
         model = self.model
-        self.sampler.record(sequences)
+        pooling = any(s.pooling is not None for s in sequences)
+        # Pooling sequences never sample: the sampler keeps no state for them.
+        self.sampler.record([s for s in sequences if s.pooling is None] if pooling else sequences)
         offsets = step.query_start_loc[:-1].tolist()
         prompt_logprobs = self.sampler.prompt_logprobs(sequences, offsets, lambda rows: model.logits(hidden[rows]))
+        pooled, failed = self._pool(sequences, offsets, hidden) if pooling else (None, {})
         token_ids: list[int] = []
         logprobs = None
         if len(step.sample_index):
@@ -357,10 +376,51 @@ class TorchModelRunner:
             token_ids, logprobs = self._sample(model, rows, [s for s in sequences if s.sample])
         clock.mark()
         clock.add_to(self.timings)
-        failed = None
         if self.sampler.failed:
-            failed, self.sampler.failed = self.sampler.failed, {}
-        return StepOutput(token_ids, logprobs, prompt_logprobs, failed)
+            failed.update(self.sampler.failed)
+            self.sampler.failed = {}
+        return StepOutput(token_ids, logprobs, prompt_logprobs, failed or None, pooled)
+
+    def _pool(
+        self, sequences: list[SequenceInput], offsets: list[int], hidden: torch.Tensor
+    ) -> tuple[dict[int, PooledVector] | None, dict[int, str]]:
+        """The pooled vectors of the pooling sequences whose prompt this step completes, and failures.
+
+        "last" takes the prompt's last row (its final chunk's last); "mean" sums each chunk's rows in
+        float32 and divides at the final chunk. A mean chunk that does not continue the rows summed so
+        far (a prefix-cache hit, which the scheduler never gives such a request) fails the request
+        rather than return a mean over part of its prompt.
+        """
+        finals: list[tuple[int, torch.Tensor]] = []
+        failed: dict[int, str] = {}
+        for seq, offset in zip(sequences, offsets):
+            if seq.pooling is None:
+                continue
+            count = len(seq.token_ids)
+            last = seq.start_position + count == len(seq.prompt_token_ids)
+            if seq.pooling == "last":
+                if last:
+                    finals.append((seq.request_id, hidden[offset + count - 1].float()))
+                continue
+            total = hidden[offset : offset + count].sum(dim=0, dtype=torch.float32)
+            if seq.start_position > 0:  # 0 starts over: a first chunk, or a recompute after preemption
+                held = self._pool_sums.pop(seq.request_id, None)
+                if held is None or held[1] != seq.start_position:
+                    failed[seq.request_id] = (
+                        f"mean pooling got prompt tokens from position {seq.start_position} on, "
+                        "without the hidden states of those before (an engine bug)"
+                    )
+                    continue
+                total, count = held[0] + total, held[1] + count
+            if last:
+                self._pool_sums.pop(seq.request_id, None)
+                finals.append((seq.request_id, total / count))
+            else:
+                self._pool_sums[seq.request_id] = (total, count)
+        if not finals:
+            return None, failed
+        vectors = torch.stack([vector for _, vector in finals]).cpu().numpy()
+        return {request_id: vectors[index] for index, (request_id, _) in enumerate(finals)}, failed
 
     def _sample(
         self, model: DecoderForCausalLM, rows: torch.Tensor, sequences: list[SequenceInput]

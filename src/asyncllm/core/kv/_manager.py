@@ -55,9 +55,11 @@ class KVCacheManager:
 
         At least one token is always left to compute, so the step has logits to sample from.
         Nothing is taken yet: pass the hit to ``allocate_slots``. A request that wants
-        ``prompt_logprobs`` gets no hit: it needs the logits of every prompt position.
+        ``prompt_logprobs`` gets no hit: it needs the logits of every prompt position; nor does one that
+        mean-pools, which needs every prompt position's hidden state (a last-token pooling request
+        computes its last token, as any request does).
         """
-        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None or request.pooling == "mean":
             return NO_HIT
         self._hash_blocks(request, request.num_tokens)
         usable = (request.num_tokens - 1) // self.block_size
