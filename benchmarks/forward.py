@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         print(gemm_table(path, args.repeats, args.quick))
         return 0
 
-    from asyncllm.worker._compile import configure_cpu_threads
+    from asyncllm.worker._cpu_threads import configure_cpu_threads
     from asyncllm.worker._model_runner import TorchModelRunner
     scenarios = QUICK_SCENARIOS if args.quick else FULL_SCENARIOS
     variants = [v for v in VARIANTS if v in args.variants.split(",")]

@@ -540,3 +540,20 @@ def test_structured_output_quick(tiny_llama: Path, tmp_path: Path, capsys: pytes
         assert set(results[key]) == {p.stem for p in (BENCHMARKS / "data" / "jsonschemabench").glob("*.jsonl")}
         assert all(r["schemas"] == 1 for r in results[key].values())
     assert "## Coverage on the JSONSchemaBench sample, strict" in out and "0.41 (Guidance)" in out
+
+
+def test_serving_http_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Real `asyncllm serve` processes (the short spin and the runtime's default) under the openai client,
+    # alone and beside one spinning process.
+    out_json = tmp_path / "serving_http.json"
+    argv = ["--model", str(tiny_llama), "--quick", "--json", str(out_json), "--engine-opt", "kv_cache_blocks=64"]
+    assert load("serving_http").main([*argv, "--engine-opt", "device=cpu"]) == 0
+    out, result = capsys.readouterr().out, json.loads(out_json.read_text())
+    assert "| asyncllm-spin " in out and "asyncllm against each peer" in out
+    runs = result["runs"]
+    assert {(r["system"], r["background"]) for r in runs} == {
+        (system, background) for system in ("asyncllm", "asyncllm-spin") for background in (0, 1)
+    }
+    for run_ in runs:
+        assert run_["requests"] == 2 and run_["tokens"] == 2 * 4  # every request ran to max_tokens
+        assert positive(run_["tok_s"]) and positive(run_["ttft_p50"]) and positive(run_["itl_p50"])

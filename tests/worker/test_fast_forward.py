@@ -310,7 +310,7 @@ async def test_engine_num_threads_reaches_the_runner(tiny_llama: Path) -> None:
 
 
 def test_thread_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    from asyncllm.worker._compile import configure_cpu_threads
+    from asyncllm.worker._cpu_threads import configure_cpu_threads
     before = torch.get_num_threads()
     try:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

@@ -120,9 +120,11 @@ class EngineOptions:
     num_threads: int | None = field(
         default=None,
         metadata=_doc("""torch's intra-op threads for the forward on the CPU (set at start-up on the device
-        thread; torch's count is per process). None: OMP_NUM_THREADS if set, else every usable core
-        below 8 cores and all but one from 8 on (the spare core runs the event loop). On a machine
-        that other processes keep busy, fewer threads avoid OpenMP stalls."""),
+        thread; torch's count is per process). None: OMP_NUM_THREADS if set, else the CPUs the
+        process may use (its affinity mask, capped by its cgroup's CPU quota), less one from 8 on
+        (the spare one runs the event loop). The threads wait with a short spin
+        (``GOMP_SPINCOUNT``, set when asyncllm is imported before torch), so other processes on the
+        machine do not stall them (docs/performance.md, "Sharing the machine")."""),
     )
     max_logprobs: int = field(
         default=20,

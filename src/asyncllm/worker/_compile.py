@@ -1,4 +1,4 @@
-"""Start-up work that makes the forward fast: ``torch.compile`` of the dense parts, CPU threads.
+"""Start-up work that makes the forward fast: ``torch.compile`` of the dense parts.
 
 ``compile_dense_parts(model)`` compiles the two dense halves of a decoder layer
 (``DecoderLayer.pre_attention``: input norm, fused q/k/v matmul, q/k norms, rotary;
@@ -17,16 +17,12 @@ reads and writes the paged KV cache through its backend.
 - Cache: inductor's on-disk caches (``TORCHINDUCTOR_CACHE_DIR``, by default
   ``/tmp/torchinductor_<user>``) keep the generated code, so a second start-up with the same model
   shapes and torch version skips code generation (seconds instead of tens of seconds).
-
-``configure_cpu_threads`` decides torch's intra-op thread count on the CPU (the measurements behind
-the choice: docs/performance-log.md).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 import types
 from collections.abc import Callable
@@ -38,7 +34,7 @@ from asyncllm.models._llama import CompiledParts, DecoderForCausalLM, DecoderLay
 
 logger = logging.getLogger("asyncllm")
 
-__all__ = ["compile_dense_parts", "configure_cpu_threads", "inductor_cache_dir"]
+__all__ = ["compile_dense_parts", "inductor_cache_dir"]
 
 # Tokens of the warm-up call that compiles the dynamic graph: any size > 1 does (1 is specialized).
 _WARMUP_TOKENS = 8
@@ -111,44 +107,3 @@ def _private_copy(function: Callable[..., Any]) -> Callable[..., Any]:
     copy = types.FunctionType(code, function.__globals__, function.__name__, function.__defaults__)
     copy.__qualname__ = function.__qualname__
     return copy
-
-
-def configure_cpu_threads(requested: int | None) -> int:
-    """Set torch's intra-op threads for the calling (device) thread and return the count.
-
-    The automatic choice uses every usable core on small machines and leaves one core to the rest
-    of the process on larger ones. The event loop (scheduling, detokenization, streaming, the
-    application itself) runs while the device thread computes, and an OpenMP parallel region
-    waits at its barrier for its slowest thread, so a torch thread that shares its core with the
-    loop stalls the whole step a little. With 8 or more cores one core is a small price for
-    avoiding that; below, a reserved core costs far more than the stalls do. On a machine other
-    processes load heavily, fewer threads than cores avoid OpenMP stalls: pass ``num_threads``.
-
-    Args:
-        requested: A thread count; or None: ``OMP_NUM_THREADS`` if it is set (torch read it at
-            start-up; left as is), else ``default_cpu_threads()``.
-
-    Returns:
-        The thread count now in effect.
-
-    Note:
-        torch's thread count is per process for threads that start using torch later; the runner
-        calls this on its device thread at load.
-    """
-    if requested is None and os.environ.get("OMP_NUM_THREADS"):
-        return torch.get_num_threads()
-    threads = requested if requested is not None else default_cpu_threads()
-    threads = max(1, threads)
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
-    return threads
-
-
-RESERVE_CORE_FROM = 8
-"""From this many usable cores on, the automatic thread count leaves one core to the event loop."""
-
-
-def default_cpu_threads() -> int:
-    """The automatic intra-op thread count: the usable cores, minus one from ``RESERVE_CORE_FROM`` cores on."""
-    cores = len(os.sched_getaffinity(0))
-    return max(1, cores - 1 if cores >= RESERVE_CORE_FROM else cores)

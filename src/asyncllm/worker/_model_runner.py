@@ -170,7 +170,7 @@ class TorchModelRunner:
         requested_backend = self.attention_backend
         backend_name = resolve_attention_backend(requested_backend, device, cpu_kernel=True)
         if device.type == "cpu":
-            from asyncllm.worker._compile import configure_cpu_threads
+            from asyncllm.worker._cpu_threads import configure_cpu_threads
 
             self.num_threads = configure_cpu_threads(self.options.num_threads)
         if device.type == "cuda":
