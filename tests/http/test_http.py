@@ -122,7 +122,12 @@ async def test_completion_text_usage_and_finish_reasons(scripted_engine: Engine)
         whole = (await http.post("/v1/completions", json={"prompt": [104, 105], "max_tokens": 100})).json()
     assert short["object"] == "text_completion" and short["id"].startswith("cmpl-")
     assert short["choices"] == [{"index": 0, "text": "Hello", "logprobs": None, "finish_reason": "length"}]
-    assert short["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    assert short["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 5,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert whole["choices"][0]["text"] == SCRIPT_TEXT
     assert whole["choices"][0]["finish_reason"] == "stop"  # the script's EOS
     assert whole["usage"]["completion_tokens"] == len(SCRIPT_TEXT) + 1  # the EOS counts

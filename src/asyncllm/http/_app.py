@@ -21,7 +21,7 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import msgspec
@@ -33,6 +33,9 @@ from asyncllm.http._prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from asyncllm.http._prometheus import render_metrics
 from asyncllm.http._protocol import ErrorBody, ErrorResponse, ModelCard, ModelList, lenient_body
 from asyncllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from asyncllm.http._tokenize import TokenizerHandlers
 
 logger = logging.getLogger("asyncllm.http")
 
@@ -371,6 +374,7 @@ class OpenAIApp:
         max_top_logprobs: int = DEFAULT_MAX_TOP_LOGPROBS,
     ) -> None:
         from asyncllm.http._completions import CompletionHandlers
+        from asyncllm.http._tokenize import TokenizerHandlers
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
         if max_choices < 1:
@@ -415,6 +419,7 @@ class OpenAIApp:
             "/health": {"GET": (self._health, False)},
             "/metrics": {"GET": (self._metrics, False)},
         }
+        self._routes.update(_tokenizer_routes(TokenizerHandlers(self)))
 
     @property
     def requests_in_flight(self) -> int:
@@ -556,7 +561,10 @@ class OpenAIApp:
         if method not in methods:
             allowed = ", ".join(sorted(methods)).encode()
             raise HTTPError(
-                405, f"{method} is not allowed here; use {allowed.decode()}", headers=((b"allow", allowed),)
+                405,
+                f"{method} is not allowed here; use {allowed.decode()}",
+                code="method_not_allowed",
+                headers=((b"allow", allowed),),
             )
         handler, protected = methods[method]
         if protected:
@@ -627,6 +635,14 @@ class OpenAIApp:
     async def _metrics(self, exchange: Exchange) -> None:
         page = render_metrics(self.engine.metrics, self.engine.statistics())
         await exchange.respond(200, page.encode(), METRICS_CONTENT_TYPE.encode())
+
+
+def _tokenizer_routes(handlers: TokenizerHandlers) -> dict[str, dict[str, tuple[Handler, bool]]]:
+    # vLLM serves these without /v1; _route_path strips it, so /v1/tokenize works as well.
+    return {
+        "/tokenize": {"POST": (handlers.tokenize, True)},
+        "/detokenize": {"POST": (handlers.detokenize, True)},
+    }
 
 
 def _route_path(scope: Scope) -> str:
