@@ -393,7 +393,7 @@ def prompt_logprobs_out(entries: Sequence[Logprobs | None]) -> PromptLogprobs:
 
 
 def echo_logprobs(
-    entries: Sequence[Logprobs | None], first_token: str, num_top: int
+    entries: Sequence[Logprobs | None], num_prompt_tokens: int, first_token: str, num_top: int
 ) -> tuple[CompletionLogprobs, int]:
     """The legacy ``logprobs`` of an echoed prompt, from its ``prompt_logprobs`` (None first: nothing
     predicts the first token, whose text is ``first_token``), each position's alternatives cut to
@@ -402,6 +402,9 @@ def echo_logprobs(
     token_logprobs: list[float | None] = [None]
     top_logprobs: list[dict[str, float] | None] = [None]
     offset = len(first_token)
+    if len(entries) != num_prompt_tokens:
+        raise HTTPError(500, "the engine returned no logprobs for the prompt", type="server_error",
+                        code="internal_error")
     for entry in entries[1:]:
         if entry is None:  # not computed (cannot happen for a prompt_logprobs request)
             raise HTTPError(500, "the engine returned no logprobs for a prompt token", type="server_error",
@@ -591,7 +594,8 @@ class CompletionHandlers:
                 first_id = streams[stream_index].prompt_token_ids[0]
                 first = self.engine.tokenizer.decode([first_id], skip_special_tokens=False)
                 entries = prompt_entries.get(stream_index, ())
-                logprobs, end = echo_logprobs(entries, first, body.logprobs or 0)
+                num_prompt_tokens = len(streams[stream_index].prompt_token_ids)
+                logprobs, end = echo_logprobs(entries, num_prompt_tokens, first, body.logprobs or 0)
                 echoed = _Echo(prompt_texts[stream_index], logprobs, end)
             echoes[stream_index] = echoed
             return echoed
