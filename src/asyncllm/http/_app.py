@@ -681,8 +681,8 @@ def create_app(
     Endpoints (each also without the ``/v1`` prefix, so the app can be mounted at ``/v1``):
     ``GET /v1/models``, ``GET /v1/models/{model}``, ``POST /v1/completions``,
     ``POST /v1/chat/completions`` (``stream: true`` answers with server-sent events ending in
-    ``data: [DONE]``), ``GET /health`` and ``GET /metrics`` (Prometheus text format). ``OPTIONS``
-    is answered on each (CORS preflights).
+    ``data: [DONE]``), vLLM's ``POST /tokenize`` and ``POST /detokenize``, ``GET /health`` and
+    ``GET /metrics`` (Prometheus text format). ``OPTIONS`` is answered on each (CORS preflights).
 
     The app does not own a running engine: open it around the server (``async with engine:``
     then serve), or in the lifespan of the framework the app is mounted into. Served alone by an
