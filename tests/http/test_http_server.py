@@ -218,13 +218,6 @@ def test_structured_output_and_tools_over_tcp(server: Server) -> None:
         jsonschema.validate(json.loads(call.function.arguments), POINT)
 
 
-def test_sigterm_stops_the_server_cleanly(server: Server) -> None:
-    # Last in the module: the server is gone afterwards.
-    assert _stop(server.process) == 0
-    log = server.log.read_text()
-    assert "received SIGTERM, shutting down" in log and "Traceback" not in log
-
-
 def test_echo_cached_tokens_tokenize_and_errors_over_tcp(server: Server) -> None:
     """Issue 24's surface through the official client over TCP (vLLM extensions through extra_body)."""
     client = server.client()
@@ -275,3 +268,10 @@ def test_echo_cached_tokens_tokenize_and_errors_over_tcp(server: Server) -> None
     with pytest.raises(openai.BadRequestError, match="max_completion_logprobs") as capped:
         client.completions.create(model=MODEL, prompt="x", logprobs=49152)
     assert capped.value.param == "logprobs" and capped.value.code is not None
+
+
+def test_sigterm_stops_the_server_cleanly(server: Server) -> None:
+    # Last in the module: the server is gone afterwards.
+    assert _stop(server.process) == 0
+    log = server.log.read_text()
+    assert "received SIGTERM, shutting down" in log and "Traceback" not in log
