@@ -135,6 +135,8 @@ class Completion(msgspec.Struct, frozen=True):
         samples: Every sample (one when n == 1).
         tool_calls: For a chat with tools (``Engine.chat(..., tools=...)``): the function calls sample 0
             made, in order; ``text`` is then the text outside the calls ("" when there is none). Else empty.
+        num_cached_tokens: Prompt tokens found in the prefix cache when the request was first
+            scheduled (their KV was not computed again); None if it never was (aborted while waiting).
     """
 
     text: str
@@ -146,6 +148,7 @@ class Completion(msgspec.Struct, frozen=True):
     stop_reason: int | str | None = None
     samples: tuple[Sample, ...] = ()
     tool_calls: tuple[ToolCall, ...] = ()
+    num_cached_tokens: int | None = None
 
 
 class EngineStatistics(msgspec.Struct, frozen=True):

@@ -122,7 +122,12 @@ async def test_completion_text_usage_and_finish_reasons(scripted_engine: Engine)
         whole = (await http.post("/v1/completions", json={"prompt": [104, 105], "max_tokens": 100})).json()
     assert short["object"] == "text_completion" and short["id"].startswith("cmpl-")
     assert short["choices"] == [{"index": 0, "text": "Hello", "logprobs": None, "finish_reason": "length"}]
-    assert short["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+    assert short["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 5,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert whole["choices"][0]["text"] == SCRIPT_TEXT
     assert whole["choices"][0]["finish_reason"] == "stop"  # the script's EOS
     assert whole["usage"]["completion_tokens"] == len(SCRIPT_TEXT) + 1  # the EOS counts
@@ -149,6 +154,7 @@ async def test_streamed_completion_matches_and_ends_with_done(scripted_engine: E
         "prompt_tokens": 3,
         "completion_tokens": 32,
         "total_tokens": 35,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
 
 
@@ -158,7 +164,12 @@ async def test_batched_prompts_give_one_choice_each(scripted_engine: Engine) -> 
         ids = (await http.post("/v1/completions", json={"prompt": [[97], [98, 98]], "max_tokens": 3})).json()
         streamed = sse(await http.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 4, "stream": True}))
     assert [(c["index"], c["text"]) for c in texts["choices"]] == [(0, "He"), (1, "He"), (2, "He")]
-    assert texts["usage"] == {"prompt_tokens": 6, "completion_tokens": 6, "total_tokens": 12}
+    assert texts["usage"] == {
+        "prompt_tokens": 6,
+        "completion_tokens": 6,
+        "total_tokens": 12,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert [c["text"] for c in ids["choices"]] == ["Hel", "Hel"]
     by_index: dict[int, str] = {0: "", 1: ""}
     for event in streamed[:-1]:
@@ -192,7 +203,7 @@ async def test_cache_salt_separates_prefix_cache_entries(scripted_engine: Engine
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("echo", True), ("suffix", "tail"), ("best_of", 3)],
+    [("suffix", "tail"), ("best_of", 3)],
 )
 async def test_what_the_engine_cannot_do_yet_is_a_clean_400(scripted_engine: Engine, field: str, value: Any) -> None:
     if field in SamplingParams.__struct_fields__:

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,6 +216,58 @@ def test_structured_output_and_tools_over_tcp(server: Server) -> None:
     assert "<tool_call>" not in (message.content or "")
     for call in message.tool_calls or ():
         jsonschema.validate(json.loads(call.function.arguments), POINT)
+
+
+def test_echo_cached_tokens_tokenize_and_errors_over_tcp(server: Server) -> None:
+    """Issue 24's surface through the official client over TCP (vLLM extensions through extra_body)."""
+    client = server.client()
+    auth = {"authorization": f"Bearer {API_KEY}"}
+    # A prompt no other test sent (the server is shared): the first time nothing of it is cached.
+    prompt = f"{uuid.uuid4().hex} " + "the quick brown fox jumps over the lazy dog " * 6
+    counted = httpx.post(f"{server.base_url}/tokenize", json={"model": MODEL, "prompt": prompt}, headers=auth).json()
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage is not None and second.usage is not None
+    assert first.usage.prompt_tokens == counted["count"] == len(counted["tokens"])
+    assert first.usage.prompt_tokens_details is not None and second.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None and cached > 0 and cached % 16 == 0  # whole KV blocks of 16 tokens
+    back = httpx.post(f"{server.base_url}/v1/detokenize", json={"tokens": counted["tokens"]}, headers=auth).json()
+    assert prompt in back["prompt"]
+    # lm-evaluation-harness's loglikelihood request: the prompt alone, scored.
+    scored = client.completions.create(
+        model=MODEL, prompt=[counted["tokens"]], echo=True, logprobs=1, max_tokens=0, temperature=0, seed=1234
+    )
+    logprobs = scored.choices[0].logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None and logprobs.top_logprobs is not None
+    assert len(logprobs.token_logprobs) == counted["count"] and logprobs.token_logprobs[0] is None
+    assert scored.usage is not None and scored.usage.completion_tokens == 0
+    # vLLM's prompt_logprobs on chat, and the streamed usage's cached tokens.
+    messages: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": prompt}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, extra_body={"prompt_logprobs": 1}
+    )
+    assert (chat.model_extra or {})["prompt_logprobs"][0] is None
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=2, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert (usage.prompt_tokens_details.cached_tokens or 0) > 0
+    # Errors: an unknown model id, a role OpenAI does not have, logprobs beyond the cap.
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("no-such-model")
+    assert missing.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as role:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "hi"}])  # type: ignore[misc,list-item]
+    assert role.value.param == "messages[0].role" and role.value.code == "invalid_value"
+    with pytest.raises(openai.BadRequestError, match="max_completion_logprobs") as capped:
+        client.completions.create(model=MODEL, prompt="x", logprobs=49152)
+    assert capped.value.param == "logprobs" and capped.value.code is not None
 
 
 def test_sigterm_stops_the_server_cleanly(server: Server) -> None:

@@ -52,6 +52,9 @@ class Request:
     num_cached_blocks: int = 0
     """Leading blocks of the table already listed in the prefix cache."""
     first_scheduled_time: float | None = None
+    num_cached_tokens: int | None = None
+    """Prompt tokens whose KV was found computed (prefix cache, or the group's first sample) at the
+    request's first admission; None until then. A preempted request's recompute does not change it."""
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     """``params.bad_words`` tokenized (by the input processor, which has the tokenizer)."""
     stop_reason: int | str | None = None

@@ -133,6 +133,8 @@ class Scheduler:
             if shared is None:
                 self.kv_cache.record_lookup(request, hit)
             request.num_computed_tokens = start
+            if request.num_cached_tokens is None:  # the first admission counts, as vLLM reports it
+                request.num_cached_tokens = start
             self.waiting.popleft()
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()

@@ -385,6 +385,7 @@ class Engine:
             prompt_logprobs=prompt_logprobs,
             stop_reason=first.stop_reason,
             samples=samples,
+            num_cached_tokens=stream.num_cached_tokens,
         )
 
     async def embed(
@@ -581,13 +582,20 @@ class Engine:
         _, inputs = self._require_running()
         return inputs.render_chat(messages, tools)
 
-    async def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, tools: ToolPlan | None = None) -> list[int]:
+    async def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: ToolPlan | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
         """``apply_chat_template``, with a long conversation (8,192 characters or more) rendered and
         tokenized in a worker thread, so the event loop keeps running meanwhile.
 
         Args:
             messages: As for ``apply_chat_template``.
             tools: As for ``apply_chat_template``.
+            add_generation_prompt: False leaves the assistant's turn unopened (to count a history's tokens).
 
         Returns:
             The prompt's token ids, as ``apply_chat_template`` returns them.
@@ -599,7 +607,33 @@ class Engine:
             EngineDeadError: The engine died.
         """
         _, inputs = self._require_running()
-        return await inputs.render_chat_async(messages, tools)
+        return await inputs.render_chat_async(messages, tools, add_generation_prompt=add_generation_prompt)
+
+    async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s token ids, as the model's tokenizer gives them; a long text (8,192 characters or
+        more) is tokenized in a worker thread.
+
+        Args:
+            text: Any text up to ``max_prompt_bytes`` (empty included).
+            add_special_tokens: False leaves out what the tokenizer adds on its own (a BOS).
+
+        Raises:
+            PromptTooLongError: ``text`` is larger than ``max_prompt_bytes``.
+            InvalidPromptError: ``text`` is not valid UTF-8 text, or the tokenizer failed on it.
+            EngineClosedError: The engine is not running.
+        """
+        _, inputs = self._require_running()
+        return await inputs.encode_text_async(text, add_special_tokens=add_special_tokens)
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids``, special tokens written out; many ids are decoded in a worker thread.
+
+        Raises:
+            InvalidPromptError: An id is outside the vocabulary (``param="tokens"``).
+            EngineClosedError: The engine is not running.
+        """
+        _, inputs = self._require_running()
+        return await inputs.decode_async(token_ids)
 
     def chat_stream(
         self,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import itertools
 import os
 from collections.abc import Mapping, Sequence
@@ -587,13 +588,20 @@ class InputProcessor:
             rendered = normalized
         return rendered, tools, chars
 
-    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
         from jinja2 import TemplateError  # a dependency of transformers, whose tokenizers have chat templates
 
         apply = self.tokenizer.apply_chat_template  # type: ignore[attr-defined]  # checked by _check_messages
         extra: dict[str, Any] = {} if tools is None else {"tools": tools}
         try:
-            encoded = apply(messages, add_generation_prompt=True, tokenize=True, return_dict=True, **extra)
+            encoded = apply(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True, **extra
+            )
         except (TemplateError, ValueError, TypeError, KeyError) as exc:
             # Templates refuse some conversations on purpose (``raise_exception``), e.g. roles that do not alternate.
             raise ChatTemplateError(f"the chat template rejected the messages: {exc}", param="messages") from exc
@@ -620,10 +628,15 @@ class InputProcessor:
         return self._render(rendered, template_tools)
 
     async def render_chat_async(
-        self, messages: Sequence[Mapping[str, Any]], tools: ToolPlan | None = None
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: ToolPlan | None = None,
+        *,
+        add_generation_prompt: bool = True,
     ) -> list[int]:
         """``render_chat``, rendered and tokenized in a worker thread when the conversation holds
         ``THREAD_MIN_CHARS`` characters or more. Always a schedule point, as ``process_async``.
+        ``add_generation_prompt=False`` leaves the assistant's turn unopened (``/tokenize`` asks so).
 
         Raises:
             ChatTemplateError: As ``render_chat`` raises.
@@ -633,9 +646,64 @@ class InputProcessor:
         rendered, template_tools, chars = self._check_messages(messages, tools)
         if chars >= THREAD_MIN_CHARS:
             return await anyio.to_thread.run_sync(
-                self._render, rendered, template_tools, limiter=self._thread_limiter()
+                self._render, rendered, template_tools, add_generation_prompt, limiter=self._thread_limiter()
             )
-        return self._render(rendered, template_tools)
+        return self._render(rendered, template_tools, add_generation_prompt)
+
+    # -- tokenizer endpoints ---------------------------------------------------------------------
+
+    async def encode_text_async(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s token ids as the tokenizer gives them (no prompt checks beyond its size: it may be
+        empty), tokenized in a worker thread when it holds ``THREAD_MIN_CHARS`` characters or more.
+
+        Raises:
+            PromptTooLongError: ``text`` is larger than ``max_prompt_bytes``.
+            InvalidPromptError: ``text`` is not valid UTF-8 text, or the tokenizer failed on it.
+        """
+        await anyio.lowlevel.cancel_shielded_checkpoint()
+        self.check_text_size("prompt", text, InvalidPromptError, param="prompt")
+        encode = functools.partial(self._encode_text, text, add_special_tokens)
+        if len(text) >= THREAD_MIN_CHARS:
+            return await anyio.to_thread.run_sync(encode, limiter=self._thread_limiter())
+        return encode()
+
+    def _encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        try:
+            if add_special_tokens or not _takes_add_special_tokens(self.tokenizer):
+                # A tokenizer without the option adds no special tokens of its own.
+                return list(self.tokenizer.encode(text))
+            return list(self.tokenizer.encode(text, add_special_tokens=False))  # type: ignore[call-arg]
+        except Exception as exc:  # the tokenizer's own failure is this text's, not the engine's
+            raise InvalidPromptError(
+                f"the tokenizer failed on the prompt: {type(exc).__name__}: {exc}", param="prompt"
+            ) from exc
+
+    async def decode_async(self, token_ids: Sequence[int], *, param: str = "tokens") -> str:
+        """The text of ``token_ids`` (special tokens written out), checked against the vocabulary first,
+        decoded in a worker thread when there are ``THREAD_MIN_CHARS`` or more.
+
+        Raises:
+            InvalidPromptError: An id is not an int in ``[0, vocab_size)`` (``param`` names the field).
+        """
+        await anyio.lowlevel.cancel_shielded_checkpoint()
+        ids = list(token_ids)
+        for token_id in ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
+                raise InvalidPromptError(
+                    f"token id {token_id!r} is outside the vocabulary [0, {self.vocab_size})", param=param
+                )
+        decode = functools.partial(self.tokenizer.decode, ids, skip_special_tokens=False)
+        if len(ids) >= THREAD_MIN_CHARS:
+            return await anyio.to_thread.run_sync(decode, limiter=self._thread_limiter())
+        return decode()
+
+
+def _takes_add_special_tokens(tokenizer: Tokenizer) -> bool:
+    try:
+        parameters = inspect.signature(tokenizer.encode).parameters
+    except (TypeError, ValueError):
+        return False
+    return "add_special_tokens" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
 def _strings(value: Any) -> list[str]:

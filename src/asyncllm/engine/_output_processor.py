@@ -154,6 +154,8 @@ class OutputProcessor:
             output.prompt_logprobs_sent = True
             prompt_logprobs = tuple(None if e is None else self._logprobs(e) for e in event.prompt_logprobs)
         stream = output.stream()
+        if stream is not None and output.index == 0:
+            stream.num_cached_tokens = request.num_cached_tokens
         if stream is not None:  # else dropped by its consumer; its abort is on the way
             stream._push(
                 output.index,

@@ -89,6 +89,9 @@ class RequestStream:
         """The prompt as the model sees it."""
         self.num_samples = num_samples
         """How many samples (``SamplingParams.n``) the stream carries."""
+        self.num_cached_tokens: int | None = None
+        """Prompt tokens whose KV the request found already computed in the prefix cache when it was
+        first scheduled (a multiple of the block size; 0 without a hit); None until its first output."""
         self._abort = abort
         self._samples = [_Pending() for _ in range(num_samples)]
         self._next = 0  # round-robin start, so one busy sample cannot starve the others

@@ -21,7 +21,7 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import msgspec
@@ -33,6 +33,9 @@ from asyncllm.http._prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from asyncllm.http._prometheus import render_metrics
 from asyncllm.http._protocol import ErrorBody, ErrorResponse, ModelCard, ModelList, lenient_body
 from asyncllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from asyncllm.http._tokenize import TokenizerHandlers
 
 logger = logging.getLogger("asyncllm.http")
 
@@ -374,6 +377,7 @@ class OpenAIApp:
         from asyncllm.http._completions import CompletionHandlers
         from asyncllm.http._embeddings import EmbeddingHandlers
         from asyncllm.http._responses import ResponsesHandler
+        from asyncllm.http._tokenize import TokenizerHandlers
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
         if max_choices < 1:
@@ -420,6 +424,7 @@ class OpenAIApp:
             "/health": {"GET": (self._health, False)},
             "/metrics": {"GET": (self._metrics, False)},
         }
+        self._routes.update(_tokenizer_routes(TokenizerHandlers(self)))
 
     @property
     def requests_in_flight(self) -> int:
@@ -561,7 +566,10 @@ class OpenAIApp:
         if method not in methods:
             allowed = ", ".join(sorted(methods)).encode()
             raise HTTPError(
-                405, f"{method} is not allowed here; use {allowed.decode()}", headers=((b"allow", allowed),)
+                405,
+                f"{method} is not allowed here; use {allowed.decode()}",
+                code="method_not_allowed",
+                headers=((b"allow", allowed),),
             )
         handler, protected = methods[method]
         if protected:
@@ -634,6 +642,14 @@ class OpenAIApp:
         await exchange.respond(200, page.encode(), METRICS_CONTENT_TYPE.encode())
 
 
+def _tokenizer_routes(handlers: TokenizerHandlers) -> dict[str, dict[str, tuple[Handler, bool]]]:
+    # vLLM serves these without /v1; _route_path strips it, so /v1/tokenize works as well.
+    return {
+        "/tokenize": {"POST": (handlers.tokenize, True)},
+        "/detokenize": {"POST": (handlers.detokenize, True)},
+    }
+
+
 def _route_path(scope: Scope) -> str:
     path: str = scope["path"]
     root_path: str = scope.get("root_path", "")
@@ -671,8 +687,9 @@ def create_app(
     ``GET /v1/models``, ``GET /v1/models/{model}``, ``POST /v1/completions``,
     ``POST /v1/chat/completions`` (``stream: true`` answers with server-sent events ending in
     ``data: [DONE]``), ``POST /v1/responses`` (a minimal, stateless Responses API; see
-    docs/http.md), ``GET /health`` and ``GET /metrics`` (Prometheus text format). ``OPTIONS``
-    is answered on each (CORS preflights).
+    docs/http.md), ``POST /v1/embeddings``, vLLM's ``POST /tokenize`` and ``POST /detokenize``,
+    ``GET /health`` and ``GET /metrics`` (Prometheus text format). ``OPTIONS`` is answered on each
+    (CORS preflights).
 
     The app does not own a running engine: open it around the server (``async with engine:``
     then serve), or in the lifespan of the framework the app is mounted into. Served alone by an

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import msgspec
 from anyio.streams.memory import MemoryObjectSendStream
 
 from asyncllm.engine._stream import RequestStream
@@ -44,13 +45,16 @@ from asyncllm.http._protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaFunction,
+    PromptLogprob,
+    PromptLogprobs,
+    PromptTokensDetails,
     SamplingRequest,
     ToolCallDeltaOut,
     ToolCallFunction,
     ToolCallOut,
     Usage,
 )
-from asyncllm.outputs import StreamChunk
+from asyncllm.outputs import Logprobs, StreamChunk
 from asyncllm.sampling_params import SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:
@@ -141,9 +145,15 @@ def sampling_params(body: SamplingRequest, *, max_tokens: int, **extra: Any) -> 
     return SamplingParams(**kwargs)
 
 
-def _params(body: CompletionRequest, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _params(
+    body: CompletionRequest, *, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
+) -> SamplingParams:
     return sampling_params(
-        body, max_tokens=max_tokens, logprobs=logprobs, structured_output=structured_output(body.response_format)
+        body,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        structured_output=structured_output(body.response_format),
     )
 
 
@@ -159,7 +169,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     try:
         return {int(token): value for token, value in bias.items()}
     except ValueError:
-        raise HTTPError(400, "logit_bias keys must be token ids", param="logit_bias") from None
+        raise HTTPError(400, "logit_bias keys must be token ids", param="logit_bias", code="invalid_value") from None
 
 
 def _is_ids(value: object) -> bool:
@@ -179,7 +189,32 @@ def _prompts(prompt: str | list[Any]) -> list[str | list[int]]:
         400,
         "prompt must be a non-empty string, list of strings, list of token ids or list of lists of token ids",
         param="prompt",
+        code="invalid_value",
     )
+
+
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+"""The message roles OpenAI's API allows."""
+
+
+def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """OpenAI's messages as the engine's chat takes them.
+
+    Raises:
+        HTTPError: 400 for no messages, a role OpenAI does not have (``param`` ``messages[i].role``),
+            or content parts other than text.
+    """
+    if not messages:
+        raise HTTPError(400, "messages must not be empty", param="messages", code="invalid_value")
+    for index, message in enumerate(messages):
+        if message.role not in CHAT_ROLES:
+            raise HTTPError(
+                400,
+                f"messages[{index}].role is {message.role!r}; use one of {', '.join(sorted(CHAT_ROLES))}",
+                param=f"messages[{index}].role",
+                code="invalid_value",
+            )
+    return [_message(i, m) for i, m in enumerate(messages)]
 
 
 def _message(index: int, message: ChatMessage) -> dict[str, Any]:
@@ -343,6 +378,69 @@ def completion_logprobs(entries: Sequence[Any], offset: int) -> tuple[Completion
     return CompletionLogprobs(tokens, token_logprobs, top_logprobs, offsets), offset
 
 
+def prompt_logprobs_out(entries: Sequence[Logprobs | None]) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs`` for the engine's: per position, the prompt's token then its alternatives."""
+    out: PromptLogprobs = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        ranked = {entry.token.token_id: PromptLogprob(entry.token.logprob, entry.token.rank, entry.token.text)}
+        for alt in entry.top:
+            ranked.setdefault(alt.token_id, PromptLogprob(alt.logprob, alt.rank, alt.text))
+        out.append(ranked)
+    return out
+
+
+def echo_logprobs(
+    entries: Sequence[Logprobs | None], num_prompt_tokens: int, first_token: str, num_top: int
+) -> tuple[CompletionLogprobs, int]:
+    """The legacy ``logprobs`` of an echoed prompt, from its ``prompt_logprobs`` (None first: nothing
+    predicts the first token, whose text is ``first_token``), each position's alternatives cut to
+    ``num_top``; and the offset after its last token."""
+    tokens, offsets = [first_token], [0]
+    token_logprobs: list[float | None] = [None]
+    top_logprobs: list[dict[str, float] | None] = [None]
+    offset = len(first_token)
+    if len(entries) != num_prompt_tokens:
+        raise HTTPError(500, "the engine returned no logprobs for the prompt", type="server_error",
+                        code="internal_error")
+    for entry in entries[1:]:
+        if entry is None:  # not computed (cannot happen for a prompt_logprobs request)
+            raise HTTPError(500, "the engine returned no logprobs for a prompt token", type="server_error",
+                            code="internal_error")
+        top = {alt.text: alt.logprob for alt in entry.top[:num_top]}
+        top.setdefault(entry.token.text, entry.token.logprob)
+        tokens.append(entry.token.text)
+        token_logprobs.append(entry.token.logprob)
+        top_logprobs.append(top)
+        offsets.append(offset)
+        offset += len(entry.token.text)
+    return CompletionLogprobs(tokens, token_logprobs, top_logprobs, offsets), offset
+
+
+def _cut(entry: Logprobs, num_top: int) -> Logprobs:
+    # The engine computed as many alternatives as the most any field asked for; each field shows its own.
+    return entry if len(entry.top) <= num_top else msgspec.structs.replace(entry, top=entry.top[:num_top])
+
+
+def _joined(first: CompletionLogprobs, second: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(
+        first.tokens + second.tokens,
+        first.token_logprobs + second.token_logprobs,
+        first.top_logprobs + second.top_logprobs,
+        first.text_offset + second.text_offset,
+    )
+
+
+class _Echo(msgspec.Struct, frozen=True):
+    """What each choice of one prompt starts with under ``echo``."""
+
+    text: str
+    logprobs: CompletionLogprobs | None
+    end_offset: int  # where the generated tokens' text_offset starts
+
+
 def chat_logprobs(entries: Sequence[Any]) -> ChatLogprobs:
     """The chat ``logprobs`` object for ``entries`` (``asyncllm.outputs.Logprobs``)."""
     return ChatLogprobs(
@@ -388,8 +486,9 @@ class _Choices:
             self.reasons[index] = chunk.finish_reason
         return index, entries
 
-    def usage(self, prompt_tokens: int) -> Usage:
-        return Usage(prompt_tokens, self.generated, prompt_tokens + self.generated)
+    def usage(self, prompt_tokens: int, streams: Sequence[RequestStream]) -> Usage:
+        cached = sum(stream.num_cached_tokens or 0 for stream in streams)
+        return Usage(prompt_tokens, self.generated, prompt_tokens + self.generated, PromptTokensDetails(cached))
 
 
 class CompletionHandlers:
@@ -438,75 +537,146 @@ class CompletionHandlers:
         """``POST /v1/completions``."""
         body = await exchange.json(CompletionRequest)
         self.app.check_model(body.model)
-        if body.echo:
-            raise _unsupported("echo")
         if body.suffix:
             raise _unsupported("suffix")
         if body.best_of is not None and body.best_of != body.n:
             raise _unsupported("best_of")
         if body.n < 1:
-            raise HTTPError(400, f"n must be >= 1, got {body.n}", param="n")
+            raise HTTPError(400, f"n must be >= 1, got {body.n}", param="n", code="invalid_value")
         prompts = _prompts(body.prompt)
         self._check_choices(len(prompts), body.n)
-        if body.logprobs is not None and body.logprobs > self.app.max_completion_logprobs:
-            raise _over_limit(
-                f"logprobs={body.logprobs} asks for more alternatives per token",
-                "max_completion_logprobs",
-                self.app.max_completion_logprobs,
-                "logprobs",
-            )
+        for name, value in (("logprobs", body.logprobs), ("prompt_logprobs", body.prompt_logprobs)):
+            if value is not None and value > self.app.max_completion_logprobs:
+                raise _over_limit(
+                    f"{name}={value} asks for more alternatives per token",
+                    "max_completion_logprobs",
+                    self.app.max_completion_logprobs,
+                    name,
+                )
         max_tokens = _COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        params = _params(body, max_tokens=max_tokens, logprobs=body.logprobs)
+        # OpenAI's echo with max_tokens=0 scores the prompt alone (lm-evaluation-harness's loglikelihood).
+        # The engine always samples once, from the prompt's last logits, which the prefill computes
+        # anyway: that one token is dropped here, so it costs no extra step.
+        echo_only = body.echo and max_tokens == 0
+        want_logprobs = body.logprobs is not None
+        engine_prompt_logprobs = body.prompt_logprobs
+        if body.echo and body.logprobs is not None:
+            engine_prompt_logprobs = max(body.logprobs, body.prompt_logprobs or 0)
+        params = _params(
+            body,
+            max_tokens=1 if echo_only else max_tokens,
+            logprobs=None if echo_only else body.logprobs,
+            prompt_logprobs=engine_prompt_logprobs,
+        )
         streams = await self._open(prompts, params, body.cache_salt)
         request_id, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.app.model_name
         prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
         choices = _Choices(len(prompts) * body.n, body.n)
-        want_logprobs = body.logprobs is not None
+        prompt_entries: dict[int, tuple[Logprobs | None, ...]] = {}  # stream index -> its prompt's logprobs
+        prompt_texts: list[str] = []
+        if body.echo:
+            try:  # token ids are decoded (long ones in a worker thread); their streams are open already
+                for prompt in prompts:
+                    prompt_texts.append(prompt if isinstance(prompt, str) else await self.engine.detokenize(prompt))
+            except BaseException:
+                for stream in streams:
+                    await stream.aclose()
+                raise
+
+        echoes: dict[int, _Echo] = {}
+
+        def echo(stream_index: int) -> _Echo:  # built once per prompt, shared by its n choices
+            found = echoes.get(stream_index)
+            if found is not None:
+                return found
+            echoed = _Echo(prompt_texts[stream_index], None, 0)
+            if want_logprobs:
+                first_id = streams[stream_index].prompt_token_ids[0]
+                first = self.engine.tokenizer.decode([first_id], skip_special_tokens=False)
+                entries = prompt_entries.get(stream_index, ())
+                num_prompt_tokens = len(streams[stream_index].prompt_token_ids)
+                logprobs, end = echo_logprobs(entries, num_prompt_tokens, first, body.logprobs or 0)
+                echoed = _Echo(prompt_texts[stream_index], logprobs, end)
+            echoes[stream_index] = echoed
+            return echoed
+
+        def vllm_prompt_logprobs(stream_index: int) -> PromptLogprobs | msgspec.UnsetType:
+            if body.prompt_logprobs is None:
+                return msgspec.UNSET
+            entries = prompt_entries.get(stream_index, ())
+            return prompt_logprobs_out([None if e is None else _cut(e, body.prompt_logprobs) for e in entries])
+
+        def engine_chunk(stream_index: int, chunk: StreamChunk) -> StreamChunk:
+            if chunk.prompt_logprobs is not None:
+                prompt_entries[stream_index] = chunk.prompt_logprobs
+            if echo_only:  # drop the one sampled token: the choice is the prompt alone
+                reason = "length" if chunk.finished and chunk.finish_reason != "abort" else chunk.finish_reason
+                return StreamChunk("", (), chunk.finished, reason, index=chunk.index)
+            return chunk
 
         def response(items: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
             return CompletionResponse(request_id, created, model, items, usage)
 
         if body.stream:
             await exchange.start_events()
+            started: set[int] = set()
 
-            async def send_chunk(stream_index: int, chunk: StreamChunk) -> None:
+            async def send_chunk(stream_index: int, raw: StreamChunk) -> None:
+                chunk = engine_chunk(stream_index, raw)
                 index, entries = choices.add(stream_index, chunk, keep=False)
+                extra: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET
+                if index not in started and chunk.finish_reason != "abort":
+                    # A choice's first event: its echoed prompt (OpenAI's), its prompt_logprobs (vLLM's).
+                    started.add(index)
+                    extra = vllm_prompt_logprobs(stream_index)
+                    if body.echo:
+                        echoed = echo(stream_index)
+                        choices.offsets[index] = echoed.end_offset
+                        await exchange.event(
+                            response([CompletionChoice(index, echoed.text, echoed.logprobs, None, extra)])
+                        )
+                        extra = msgspec.UNSET
                 logprobs = None
                 if want_logprobs:
                     logprobs, choices.offsets[index] = completion_logprobs(entries, choices.offsets[index])
-                if chunk.text or chunk.finished or entries:
-                    await exchange.event(response([CompletionChoice(index, chunk.text, logprobs, chunk.finish_reason)]))
+                if chunk.text or chunk.finished or entries or extra is not msgspec.UNSET:
+                    item = CompletionChoice(index, chunk.text, logprobs, chunk.finish_reason, extra)
+                    await exchange.event(response([item]))
 
             await exchange.until_disconnect(lambda: each_chunk(streams, send_chunk))
             if body.stream_options is not None and body.stream_options.include_usage:
-                await exchange.event(response([], choices.usage(prompt_tokens)))
+                await exchange.event(response([], choices.usage(prompt_tokens, streams)))
             await exchange.end_events()
             return
 
         async def collect(stream_index: int, chunk: StreamChunk) -> None:
-            choices.add(stream_index, chunk, keep=True)
+            choices.add(stream_index, engine_chunk(stream_index, chunk), keep=True)
 
         await exchange.until_disconnect(lambda: each_chunk(streams, collect))
-        items = [
-            CompletionChoice(
-                i,
-                "".join(parts),
-                completion_logprobs(choices.logprobs[i], 0)[0] if want_logprobs else None,
-                choices.reasons[i],
-            )
-            for i, parts in choices.texts.items()
-        ]
-        await exchange.respond_json(200, response(items, choices.usage(prompt_tokens)))
+        items = []
+        for i, parts in choices.texts.items():
+            stream_index = i // body.n
+            text = "".join(parts)
+            logprobs = None
+            if body.echo:
+                echoed = echo(stream_index)
+                text = echoed.text + text
+                if echoed.logprobs is not None:
+                    generated, _ = completion_logprobs(choices.logprobs[i], echoed.end_offset)
+                    logprobs = _joined(echoed.logprobs, generated)
+            elif want_logprobs:
+                logprobs = completion_logprobs(choices.logprobs[i], 0)[0]
+            extra = vllm_prompt_logprobs(stream_index)
+            items.append(CompletionChoice(i, text, logprobs, choices.reasons[i], extra))
+        await exchange.respond_json(200, response(items, choices.usage(prompt_tokens, streams)))
 
     # -- /v1/chat/completions --------------------------------------------------------------------
 
     async def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[list[int], ToolPlan | None]:
         if body.functions or body.function_call is not None:
             raise _unsupported("functions", "the legacy `functions`/`function_call` (use `tools`/`tool_choice`)")
-        if not body.messages:
-            raise HTTPError(400, "messages must not be empty", param="messages")
+        messages = chat_messages(body.messages)
         plan = self.engine.tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
-        messages = [_message(i, m) for i, m in enumerate(body.messages)]
         # A long conversation is rendered in a worker thread.
         return await self.engine.encode_chat(messages, tools=plan), plan
 
@@ -515,16 +685,17 @@ class CompletionHandlers:
         body = await exchange.json(ChatCompletionRequest)
         self.app.check_model(body.model)
         if body.n < 1:
-            raise HTTPError(400, f"n must be >= 1, got {body.n}", param="n")
+            raise HTTPError(400, f"n must be >= 1, got {body.n}", param="n", code="invalid_value")
         if body.top_logprobs is not None and not body.logprobs:
-            raise HTTPError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        if body.top_logprobs is not None and body.top_logprobs > self.app.max_top_logprobs:
-            raise _over_limit(
-                f"top_logprobs={body.top_logprobs} asks for more alternatives per token",
-                "max_top_logprobs",
-                self.app.max_top_logprobs,
-                "top_logprobs",
-            )
+            raise HTTPError(400, "top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+        for name, value in (("top_logprobs", body.top_logprobs), ("prompt_logprobs", body.prompt_logprobs)):
+            if value is not None and value > self.app.max_top_logprobs:
+                raise _over_limit(
+                    f"{name}={value} asks for more alternatives per token",
+                    "max_top_logprobs",
+                    self.app.max_top_logprobs,
+                    name,
+                )
         self._check_choices(1, body.n)
         structured = structured_output(body.response_format)  # a malformed one is refused before rendering
         prompt_ids, plan = await self._chat_prompt(body)
@@ -538,7 +709,13 @@ class CompletionHandlers:
                     param="messages",
                 )
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        base = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, structured_output=structured)
+        base = sampling_params(
+            body,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=body.prompt_logprobs,
+            structured_output=structured,
+        )
         params = plan.constrain(base) if plan is not None else base
         source = "response_format" if params is base else "tools"
         (stream,) = await self._open([prompt_ids], params, body.cache_salt, source)
@@ -547,6 +724,12 @@ class CompletionHandlers:
         request_id, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.app.model_name
         prompt_tokens = len(stream.prompt_token_ids)
         choices = _Choices(body.n, body.n)
+        prompt_entries: list[tuple[Logprobs | None, ...]] = []
+
+        def vllm_prompt_logprobs() -> PromptLogprobs | msgspec.UnsetType:
+            if body.prompt_logprobs is None or not prompt_entries:
+                return msgspec.UNSET
+            return prompt_logprobs_out(prompt_entries[0])
 
         def chunk_of(items: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
             return ChatCompletionChunk(request_id, created, model, items, usage)
@@ -558,6 +741,10 @@ class CompletionHandlers:
 
             async def send_chunk(stream_index: int, chunk: StreamChunk) -> None:
                 index, entries = choices.add(stream_index, chunk, keep=False)
+                extra: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET
+                if chunk.prompt_logprobs is not None:  # sample 0's first chunk: vLLM's prompt_logprobs
+                    prompt_entries.append(chunk.prompt_logprobs)
+                    extra = vllm_prompt_logprobs()
                 text, calls = chunk.text, []
                 reason: str | None = chunk.finish_reason
                 parser = parsers.get(index)
@@ -568,19 +755,24 @@ class CompletionHandlers:
                         text, deltas = text + rest, deltas + more
                     calls = [_delta_out(d) for d in deltas if not (single and d.index > 0)]
                     reason = "tool_calls" if reason == "stop" and parser.num_calls else reason
-                if text or calls or chunk.finished or entries:
+                if text or calls or chunk.finished or entries or extra is not msgspec.UNSET:
                     delta = ChatDelta(content=text or None, tool_calls=calls or None)
                     logprobs = chat_logprobs(entries) if body.logprobs else None
-                    await exchange.event(chunk_of([ChatChunkChoice(index, delta, logprobs, reason)]))
+                    item = ChatChunkChoice(index, delta, logprobs, reason)
+                    await exchange.event(
+                        ChatCompletionChunk(request_id, created, model, [item], prompt_logprobs=extra)
+                    )
 
             await exchange.until_disconnect(lambda: each_chunk([stream], send_chunk))
             if body.stream_options is not None and body.stream_options.include_usage:
-                await exchange.event(chunk_of([], choices.usage(prompt_tokens)))
+                await exchange.event(chunk_of([], choices.usage(prompt_tokens, [stream])))
             await exchange.end_events()
             return
 
         async def collect(stream_index: int, chunk: StreamChunk) -> None:
             choices.add(stream_index, chunk, keep=True)
+            if chunk.prompt_logprobs is not None:
+                prompt_entries.append(chunk.prompt_logprobs)
 
         await exchange.until_disconnect(lambda: each_chunk([stream], collect))
         items = []
@@ -596,5 +788,8 @@ class CompletionHandlers:
                     reason = "tool_calls" if reason == "stop" else reason
             entries = chat_logprobs(choices.logprobs[i]) if body.logprobs else None
             items.append(ChatChoice(i, message, entries, reason))
-        response = ChatCompletionResponse(request_id, created, model, items, choices.usage(prompt_tokens))
+        usage = choices.usage(prompt_tokens, [stream])
+        response = ChatCompletionResponse(
+            request_id, created, model, items, usage, prompt_logprobs=vllm_prompt_logprobs()
+        )
         await exchange.respond_json(200, response)

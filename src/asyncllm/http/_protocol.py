@@ -57,6 +57,8 @@ class SamplingRequest(msgspec.Struct, frozen=True, kw_only=True):
     spaces_between_special_tokens: bool | None = None
     cache_salt: str | None = None
     """Requests share prefix-cache entries only with requests of the same salt (per tenant)."""
+    prompt_logprobs: int | None = None
+    """vLLM's: the log-probabilities of each prompt token and of this many alternatives."""
     response_format: Any = None
     """``{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}``, checked by hand
     (``structured_output``) so that each mistake is a 400 naming it."""
@@ -142,10 +144,29 @@ def lenient_body(document: object, kind: type[msgspec.Struct]) -> object:
 # -- responses -----------------------------------------------------------------------------------
 
 
-class Usage(msgspec.Struct, frozen=True):
+class PromptTokensDetails(msgspec.Struct, frozen=True):
+    cached_tokens: int
+    """Prompt tokens found in the prefix cache (a multiple of the KV block size)."""
+
+
+class Usage(msgspec.Struct, frozen=True, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class PromptLogprob(msgspec.Struct, frozen=True):
+    """vLLM's ``prompt_logprobs`` entry for one token at one prompt position."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+"""vLLM's ``prompt_logprobs``: per prompt position (None first), token id -> its logprob, the
+prompt's token and the alternatives asked for."""
 
 
 class CompletionLogprobs(msgspec.Struct, frozen=True):
@@ -160,6 +181,8 @@ class CompletionChoice(msgspec.Struct, frozen=True):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET
+    """Only with the request's ``prompt_logprobs`` (left out otherwise)."""
 
 
 class CompletionResponse(msgspec.Struct, frozen=True):
@@ -237,6 +260,8 @@ class ChatCompletionResponse(msgspec.Struct, frozen=True):
     choices: list[ChatChoice]
     usage: Usage
     object: Literal["chat.completion"] = "chat.completion"
+    prompt_logprobs: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET
+    """Only with the request's ``prompt_logprobs`` (left out otherwise), as vLLM puts it."""
 
 
 class ChatDelta(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -259,6 +284,8 @@ class ChatCompletionChunk(msgspec.Struct, frozen=True):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    prompt_logprobs: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET
+    """On the first chunk with output, with the request's ``prompt_logprobs``."""
 
 
 class ModelCard(msgspec.Struct, frozen=True):
@@ -285,3 +312,36 @@ class ErrorResponse(msgspec.Struct, frozen=True):
     """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
 
     error: ErrorBody
+
+
+# -- tokenizer endpoints (vLLM's) ----------------------------------------------------------------
+
+
+class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """``POST /tokenize``: a ``prompt`` (text), or ``messages`` rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    """Default: True for a prompt, False for messages (the template writes its own), as vLLM."""
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(msgspec.Struct, frozen=True, omit_defaults=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """``POST /detokenize``."""
+
+    tokens: list[int]
+    model: str | None = None
+
+
+class DetokenizeResponse(msgspec.Struct, frozen=True):
+    prompt: str
