@@ -130,3 +130,25 @@ async def test_replayed_output_items_are_accepted(anyio_backend: str) -> None:
     ]
     error = caught.value.body
     assert isinstance(error, dict) and error["param"] == "input[0].content[0]", error
+
+
+@pytest.mark.parametrize(
+    ("item", "param"),
+    [
+        ({"role": ["user"], "content": "x"}, "input[0].role"),
+        ({"role": {"name": "user"}, "content": "x"}, "input[0].role"),
+        ({"role": "user", "content": [{"type": ["input_text"], "text": "x"}]}, "input[0].content[0]"),
+        ({"role": "user", "content": [{"type": {"t": "input_text"}, "text": "x"}]}, "input[0].content[0]"),
+    ],
+)
+async def test_a_role_or_part_type_that_is_not_a_string_is_a_400(
+    anyio_backend: str, item: dict[str, Any], param: str
+) -> None:
+    # Was: a 500 (TypeError: unhashable type), from looking the value up in a dict.
+    async with scripted([*b"ok", EOS_ID]) as (engine, _):
+        async with serving(create_app(engine, model_name=MODEL), anyio_backend) as url:
+            async with httpx.AsyncClient(timeout=BOUND_S) as http:
+                response = await http.post(f"{url}/v1/responses", json={"input": [item]})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == (param, "invalid_request"), error

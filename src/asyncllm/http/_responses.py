@@ -234,7 +234,7 @@ def _text_of(content: Any, param: str, role: str) -> str:
     texts = []
     for index, part in enumerate(content):
         where = f"{param}[{index}]"
-        kind = part.get("type") if isinstance(part, dict) else None
+        kind = part.get("type") if isinstance(part, dict) and isinstance(part.get("type"), str) else None
         if kind in ("input_image", "input_file", "input_audio"):
             raise _unsupported(where, f"content of type {kind!r} (this server reads text only)")
         if kind not in _TEXT_PARTS or not isinstance(part.get(_TEXT_PARTS[kind]), str):
@@ -270,7 +270,7 @@ def chat_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
         if kind not in (None, "message"):  # None: unset, as clients that serialise every field send it
             raise _unsupported(where, f"input items of type {kind!r}")
         role = item.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:  # a list or an object cannot be looked up
             raise _invalid(f"{where}.role", f"{where}.role must be user, assistant, system or developer, got {role!r}")
         messages.append({"role": _ROLES[role], "content": _text_of(item.get("content"), f"{where}.content", role)})
     return messages
