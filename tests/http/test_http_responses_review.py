@@ -152,3 +152,32 @@ async def test_a_role_or_part_type_that_is_not_a_string_is_a_400(
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert (error["param"], error["code"]) == (param, "invalid_request"), error
+
+
+# -- streams -------------------------------------------------------------------------------------
+
+
+async def test_multibyte_text_streams_whole_characters_next_to_a_stream_that_goes_away(anyio_backend: str) -> None:
+    # A guard: one token per byte, so every character is split across tokens; deltas carry whole
+    # characters only, and one client leaving mid-stream does not touch the other's stream.
+    async with scripted([*"é😀".encode()]) as (engine, _):  # cycles, never ends on its own
+        async with serving(create_app(engine, model_name=MODEL), anyio_backend) as url:
+            async with async_client(url) as client, httpx.AsyncClient(timeout=BOUND_S) as http:
+                leaving = await client.responses.create(model=MODEL, input="go", max_output_tokens=1500, stream=True)
+                async for event in leaving:
+                    if event.type == "response.output_text.delta":
+                        break  # the other stream is running now
+                body = {"input": "go", "max_output_tokens": 12, "stream": True}
+                async with http.stream("POST", f"{url}/v1/responses", json=body) as response:
+                    await leaving.close()
+                    raw = "".join([text async for text in response.aiter_text()])
+            with anyio.fail_after(BOUND_S):  # a bounded poll of the engine's state, not a timing assumption
+                while engine.metrics.finished_requests["abort"] != 1:
+                    await anyio.sleep(0.01)
+    events = parse_events(raw)
+    deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+    assert deltas and all(d and "\ufffd" not in d for d in deltas)
+    *_, text_done, part_done, item_done, final = events
+    assert "".join(deltas) == text_done["text"] == "é😀é😀"  # 12 bytes
+    assert part_done["part"]["text"] == item_done["item"]["content"][0]["text"] == "é😀é😀"
+    assert final["type"] == "response.incomplete" and final["response"]["usage"]["output_tokens"] == 12
