@@ -162,6 +162,9 @@ class Exchange:
         self._response_headers = list(response_headers)  # added to every response (CORS)
         self.started = False  # response headers sent: errors from now on go into the body
         self.finished = False  # the response is complete: nothing more can be said
+        # How a started event stream ends on an error (None: the chat endpoints' last
+        # `data: {"error": ...}` and `data: [DONE]`); the Responses API ends its own way.
+        self.end_events_with_error: Callable[[HTTPError], Awaitable[None]] | None = None
         self.headers: dict[bytes, bytes] = {bytes(k).lower(): bytes(v) for k, v in scope.get("headers", [])}
 
     def close_headers(self) -> tuple[tuple[bytes, bytes], ...]:
@@ -252,10 +255,13 @@ class Exchange:
         await self.respond(status, msgspec.json.encode(value))
 
     async def respond_error(self, error: HTTPError) -> None:
-        """Send ``error`` as a response, or, when the response has started, as a last SSE event."""
+        """Send ``error`` as a response, or, when the response has started, as the last SSE events
+        (``end_events_with_error``'s, when the handler set it)."""
         if self.finished:
             return  # e.g. shutdown cancelled a request just after its last byte went out
-        if self.started:
+        if self.started and self.end_events_with_error is not None:
+            await self.end_events_with_error(error)
+        elif self.started:
             await self.event(error.body)
             await self.end_events()
         else:

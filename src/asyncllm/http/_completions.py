@@ -58,6 +58,7 @@ from asyncllm.outputs import Logprobs, StreamChunk
 from asyncllm.sampling_params import SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:
+    from asyncllm.engine._engine import Engine
     from asyncllm.http._app import OpenAIApp
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -303,6 +304,22 @@ def structured_output(response_format: Any) -> StructuredOutput | None:
     return StructuredOutput(json_schema=schema, lenient=spec.get("strict") is not True)
 
 
+def reply_room(engine: Engine, prompt_tokens: int, param: str) -> int:
+    """The most tokens a reply to a prompt of ``prompt_tokens`` can have within ``max_model_len``
+    (the chat endpoints' default length).
+
+    Raises:
+        PromptTooLongError: There is no room for one token; ``param`` names the conversation's field.
+    """
+    room = engine.max_model_len - prompt_tokens
+    if room < 1:
+        raise PromptTooLongError(
+            f"{prompt_tokens} tokens of {param} leave no room to reply within max_model_len={engine.max_model_len}",
+            param=param,
+        )
+    return room
+
+
 def schema_error(exc: StructuredOutputError, param: str) -> HTTPError:
     """A schema (or grammar) the engine could not compile, as a 400 on ``param``."""
     unsupported = exc.code == "structured_output_unavailable"  # the runner or tokenizer masks nothing
@@ -356,7 +373,8 @@ async def each_chunk(streams: Sequence[RequestStream], on_chunk: OnChunk) -> Non
         raise error
 
 
-def _aborted() -> HTTPError:
+def aborted() -> HTTPError:
+    """The 503 for a stream the engine aborted (it is shutting down)."""
     return HTTPError(503, "the request was aborted: the engine is shutting down", type="server_error", code="aborted")
 
 
@@ -475,7 +493,7 @@ class _Choices:
             HTTPError: 503 when the engine aborted the request (it is shutting down).
         """
         if chunk.finish_reason == "abort":
-            raise _aborted()
+            raise aborted()
         index = stream_index * self.n + chunk.index
         self.generated += len(chunk.token_ids)
         entries: Sequence[Any] = getattr(chunk, "logprobs", None) or ()
@@ -701,13 +719,7 @@ class CompletionHandlers:
         prompt_ids, plan = await self._chat_prompt(body)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:  # OpenAI's default: as long as the context allows
-            max_tokens = self.engine.max_model_len - len(prompt_ids)
-            if max_tokens < 1:
-                raise PromptTooLongError(
-                    f"messages of {len(prompt_ids)} tokens leave no room to reply within "
-                    f"max_model_len={self.engine.max_model_len}",
-                    param="messages",
-                )
+            max_tokens = reply_room(self.engine, len(prompt_ids), "messages")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         base = sampling_params(
             body,

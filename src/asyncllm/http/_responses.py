@@ -23,8 +23,8 @@ import msgspec
 
 from asyncllm.engine._stream import RequestStream
 from asyncllm.errors import InvalidRequestError, PromptTooLongError, StructuredOutputError
-from asyncllm.http._app import ClientDisconnected, Exchange, HTTPError, error_for
-from asyncllm.http._completions import each_chunk, schema_error, structured_output
+from asyncllm.http._app import Exchange, HTTPError
+from asyncllm.http._completions import aborted, each_chunk, reply_room, schema_error, structured_output
 from asyncllm.outputs import StreamChunk
 from asyncllm.sampling_params import SamplingParams, StructuredOutput
 
@@ -35,7 +35,9 @@ _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "develop
 """Input roles and the chat role each is rendered as: ``developer`` is OpenAI's newer name for
 ``system``, which chat templates know (many reject a role they do not)."""
 
-_TEXT_PARTS = {"input_text", "output_text"}
+_TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
+"""The content parts read as text, and the key of each part's text."""
+_ASSISTANT_PARTS = {"output_text", "refusal"}  # what only the model says; earlier output sent back
 
 
 # -- the wire format -----------------------------------------------------------------------------
@@ -232,14 +234,16 @@ def _text_of(content: Any, param: str, role: str) -> str:
     texts = []
     for index, part in enumerate(content):
         where = f"{param}[{index}]"
-        kind = part.get("type") if isinstance(part, dict) else None
+        kind = part.get("type") if isinstance(part, dict) and isinstance(part.get("type"), str) else None
         if kind in ("input_image", "input_file", "input_audio"):
             raise _unsupported(where, f"content of type {kind!r} (this server reads text only)")
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise _invalid(where, f'{where} must be {{"type": "input_text" or "output_text", "text": ...}}')
-        if role != "assistant" and kind == "output_text":
-            raise _invalid(where, f"{where}: output_text parts belong to assistant messages")
-        texts.append(part["text"])
+        if kind not in _TEXT_PARTS or not isinstance(part.get(_TEXT_PARTS[kind]), str):
+            raise _invalid(
+                where, f'{where} must be {{"type": "input_text" or "output_text", "text": ...}} or a refusal part'
+            )
+        if role != "assistant" and kind in _ASSISTANT_PARTS:
+            raise _invalid(where, f"{where}: {kind} parts belong to assistant messages")
+        texts.append(part[_TEXT_PARTS[kind]])
     return "".join(texts)
 
 
@@ -262,11 +266,11 @@ def chat_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
         where = f"input[{index}]"
         if not isinstance(item, dict):
             raise _invalid(where, f'{where} must be a message: {{"role": ..., "content": ...}}')
-        kind = item.get("type", "message")
-        if kind != "message":
+        kind = item.get("type")
+        if kind not in (None, "message"):  # None: unset, as clients that serialise every field send it
             raise _unsupported(where, f"input items of type {kind!r}")
         role = item.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:  # a list or an object cannot be looked up
             raise _invalid(f"{where}.role", f"{where}.role must be user, assistant, system or developer, got {role!r}")
         messages.append({"role": _ROLES[role], "content": _text_of(item.get("content"), f"{where}.content", role)})
     return messages
@@ -311,15 +315,14 @@ class ResponsesHandler:
         if body.max_output_tokens is not None and body.max_output_tokens < 1:
             raise _invalid("max_output_tokens", f"max_output_tokens must be >= 1, got {body.max_output_tokens}")
         prompt_ids = await self._prompt(chat_messages(body))
-        max_tokens = body.max_output_tokens
-        if max_tokens is None:  # as chat: as long as the context allows
-            max_tokens = self.engine.max_model_len - len(prompt_ids)
-            if max_tokens < 1:
-                raise PromptTooLongError(
-                    f"input of {len(prompt_ids)} tokens leaves no room to reply within "
-                    f"max_model_len={self.engine.max_model_len}",
-                    param="input",
-                )
+        room = reply_room(self.engine, len(prompt_ids), "input")
+        max_tokens = room if body.max_output_tokens is None else body.max_output_tokens  # default: as chat's
+        if max_tokens > room:  # checked here, where the engine's message would name max_tokens and the prompt
+            raise PromptTooLongError(
+                f"input of {len(prompt_ids)} tokens plus max_output_tokens={max_tokens} is "
+                f"{len(prompt_ids) + max_tokens} tokens, more than max_model_len={self.engine.max_model_len}",
+                param="max_output_tokens",
+            )
         sampling: dict[str, Any] = {"max_tokens": max_tokens, "structured_output": constraint}
         if body.temperature is not None:
             sampling["temperature"] = body.temperature
@@ -347,6 +350,19 @@ class ResponsesHandler:
         events = _Events(exchange)
         where = {"item_id": reply.message_id, "output_index": 0}
 
+        async def fail(error: HTTPError) -> None:
+            # The stream has started: a failure is its last events (the precise code, then the
+            # response in its failed state, whose error code is one OpenAI's clients know).
+            body = error.body.error
+            await events.send("error", code=body.code, message=body.message, param=body.param)
+            failed = ResponseError("server_error", f"{body.code}: {body.message}")
+            await events.send("response.failed", response=reply.response("failed", failed))
+            await exchange.end_events(done=False)
+
+        # The app answers every error once the stream has started this way: the engine's failures
+        # raised below, and a shutdown that cancels the request.
+        exchange.end_events_with_error = fail
+
         async def run() -> None:
             async with stream:  # closed whatever happens, which aborts the request if it has not ended
                 await exchange.start_events()
@@ -361,21 +377,7 @@ class ResponsesHandler:
                             "response.output_text.delta", **where, content_index=0, delta=chunk.text, logprobs=[]
                         )
 
-        try:
-            await exchange.until_disconnect(run)
-        except ClientDisconnected:
-            raise
-        except Exception as exc:
-            if not exchange.started:
-                raise  # nothing sent yet: the app answers it as a plain error response
-            # The stream has started: the failure is its last events (the precise code, then the
-            # response in its failed state, whose error code is one OpenAI's clients know).
-            error = error_for(exc).body.error
-            await events.send("error", code=error.code, message=error.message, param=error.param)
-            failed = ResponseError("server_error", f"{error.code}: {error.message}")
-            await events.send("response.failed", response=reply.response("failed", failed))
-            await exchange.end_events(done=False)
-            return
+        await exchange.until_disconnect(run)
         text = reply.text()
         status = reply.final_status()
         await events.send("response.output_text.done", **where, content_index=0, text=text, logprobs=[])
@@ -411,9 +413,7 @@ class _Reply:
             HTTPError: 503 when the engine aborted the request (it is shutting down).
         """
         if chunk.finish_reason == "abort":
-            raise HTTPError(
-                503, "the request was aborted: the engine is shutting down", type="server_error", code="aborted"
-            )
+            raise aborted()
         self.parts.append(chunk.text)
         self.output_tokens += len(chunk.token_ids)
         if chunk.finished:
