@@ -140,7 +140,9 @@ async def test_text_input_sync_and_async_match_engine_chat(asyncllm_engine: Engi
     assert reply.usage is not None
     assert reply.usage.input_tokens == len(expected.prompt_token_ids)
     assert (reply.usage.output_tokens, reply.usage.total_tokens) == (6, len(expected.prompt_token_ids) + 6)
-    assert reply.usage.input_tokens_details.cached_tokens == 0
+    # engine.chat() computed the same prompt first: its whole blocks are prefix-cache hits.
+    block_size = asyncllm_engine.options.block_size
+    assert reply.usage.input_tokens_details.cached_tokens == (reply.usage.input_tokens - 1) // block_size * block_size
     assert reply.usage.output_tokens_details.reasoning_tokens == 0
 
 
@@ -366,3 +368,21 @@ async def test_the_api_key_guards_responses(anyio_backend: str) -> None:
                     await right.responses.create(model="other", input="hi")
     assert isinstance(caught.value.body, dict) and caught.value.body["code"] == "invalid_api_key"
     assert reply.output_text == "ok"
+
+
+async def test_cached_tokens_report_prefix_cache_hits(asyncllm_engine: Engine, anyio_backend: str) -> None:
+    asyncllm_engine.reset_prefix_cache()
+    instructions = "You answer in one word. " * 12  # several KV blocks of the same prompt prefix
+    request: dict[str, Any] = {"model": MODEL, "input": "hi", "instructions": instructions, "max_output_tokens": 2}
+    async with serving(create_app(asyncllm_engine, model_name=MODEL), anyio_backend) as url:
+        async with async_client(url) as client:
+            first = await client.responses.create(**request)
+            second = await client.responses.create(**request)
+            events = [event async for event in await client.responses.create(**request, stream=True)]
+            streamed = events[-1].response  # response.incomplete: max_output_tokens ends it
+    assert first.usage is not None and second.usage is not None and streamed.usage is not None
+    block_size = asyncllm_engine.options.block_size
+    assert first.usage.input_tokens_details.cached_tokens == 0
+    cached = second.usage.input_tokens_details.cached_tokens
+    assert 0 < cached < second.usage.input_tokens and cached % block_size == 0
+    assert streamed.usage.input_tokens_details.cached_tokens == cached

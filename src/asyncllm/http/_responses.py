@@ -87,7 +87,7 @@ class OutputMessage(msgspec.Struct, frozen=True):
 
 
 class InputTokensDetails(msgspec.Struct, frozen=True):
-    cached_tokens: int = 0  # the engine does not report per-request prefix-cache hits
+    cached_tokens: int = 0
     cache_write_tokens: int = 0
 
 
@@ -335,7 +335,7 @@ class ResponsesHandler:
             raise schema_error(exc, "text.format") from exc
         except PromptTooLongError as exc:
             raise HTTPError(400, str(exc), param="input", code="invalid_request") from exc
-        reply = _Reply(body, self.app.model_name, text_config, len(stream.prompt_token_ids))
+        reply = _Reply(body, self.app.model_name, text_config, stream)
         if body.stream:
             await self._stream(exchange, stream, reply)
             return
@@ -394,11 +394,12 @@ def _item_status(status: str) -> str:
 class _Reply:
     """What one response said so far, and the ``response`` objects that tell it."""
 
-    def __init__(self, body: ResponsesRequest, model: str, text_config: dict[str, Any], input_tokens: int) -> None:
+    def __init__(self, body: ResponsesRequest, model: str, text_config: dict[str, Any], stream: RequestStream) -> None:
         self.body = body
         self.model = model
         self.text_config = text_config
-        self.input_tokens = input_tokens
+        self.stream = stream
+        self.input_tokens = len(stream.prompt_token_ids)
         self.id = f"resp_{uuid.uuid4().hex}"
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
@@ -430,12 +431,15 @@ class _Reply:
         """The output message at ``status`` (``in_progress``: no content part yet)."""
         return OutputMessage(self.message_id, status, [] if status == "in_progress" else [OutputText(self.text())])
 
+    def _usage(self) -> ResponseUsage:
+        cached = InputTokensDetails(self.stream.num_cached_tokens or 0)
+        return ResponseUsage(self.input_tokens, self.output_tokens, self.input_tokens + self.output_tokens, cached)
+
     def response(self, status: str, error: ResponseError | None = None) -> ResponseObject:
         """The ``response`` object at ``status`` (``in_progress``: no output or usage yet)."""
         body = self.body
         done = status != "in_progress"
         output = [self.message(_item_status(status))] if done else []
-        total = self.input_tokens + self.output_tokens
         return ResponseObject(
             id=self.id,
             created_at=self.created_at,
@@ -450,7 +454,7 @@ class _Reply:
             metadata=body.metadata or {},
             store=False,  # nothing is kept, whatever `store` asked
             user=body.user,
-            usage=ResponseUsage(self.input_tokens, self.output_tokens, total) if done else None,
+            usage=self._usage() if done else None,
             incomplete_details=IncompleteDetails("max_output_tokens") if status == "incomplete" else None,
             error=error,
             completed_at=int(time.time()) if status == "completed" else None,
