@@ -45,7 +45,7 @@ import anyio, torch
 from asyncllm import Engine, SamplingParams
 from asyncllm.testing.tiny_models import tiny_model_path
 
-path = tiny_model_path(Path(tempfile.mkdtemp()), "llama", torch_dtype="bfloat16")
+path = tiny_model_path(Path(tempfile.mkdtemp()), "llama")  # float32 weights, run in bfloat16
 prompts = [[(7 * i + 3 * j) % 200 + 5 for j in range(5 + 9 * i)] for i in range(8)]
 
 async def run(backend, eager):

@@ -557,3 +557,22 @@ def test_serving_http_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.Cap
     for run_ in runs:
         assert run_["requests"] == 2 and run_["tokens"] == 2 * 4  # every request ran to max_tokens
         assert positive(run_["tok_s"]) and positive(run_["ttft_p50"]) and positive(run_["itl_p50"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the check runs for real (minutes), not as a smoke test")
+def test_gpu_check_flow_without_a_device(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Without CUDA every device step is recorded as skipped, and the report is still written whole.
+    assert load("gpu_check").main(["--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["cuda"] is False and (tmp_path / "gpu_check.log").exists()
+    assert list(report["steps"]) == [
+        "nvidia-smi",
+        "kernel tests, compiled",
+        "compute-sanitizer memcheck, attention",
+        "CUDA graphs",
+        "engine parity, bfloat16",
+        "benchmarks/gpu.py --quick",
+    ]
+    assert all(step["status"].startswith("skipped") for name, step in report["steps"].items() if name != "nvidia-smi")
+    assert report["triton_variants_compiled"] == 0
+    assert "engine parity, bfloat16: skipped: no CUDA device" in capsys.readouterr().out
