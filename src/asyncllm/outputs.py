@@ -166,7 +166,8 @@ class EngineStatistics(msgspec.Struct, frozen=True):
         num_finished_requests: Requests that ended, for any reason.
         kv_usage: Fraction of KV blocks held by requests (0.0-1.0).
         num_cached_blocks: Blocks listed in the prefix cache (held or evictable).
-        prefix_cache_queries: Prompt tokens looked up in the prefix cache.
+        prefix_cache_queries: Prompt tokens looked up in the prefix cache (requests that skip it, mean
+            pooling and ``prompt_logprobs``, are not lookups).
         prefix_cache_hits: Of those, tokens whose KV was found cached.
         prefix_cache_hit_rate: hits / queries (0.0 before any query).
         time_schedule: Seconds the step loop spent scheduling, in all.

@@ -36,14 +36,19 @@ async def base_url(engine: Engine, anyio_backend: str) -> AsyncIterator[str]:
         yield url
 
 
-def _client(base_url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=60)
+@pytest.fixture
+async def client(base_url: str) -> AsyncIterator[openai.AsyncOpenAI]:
+    # Closed here, in this test's event loop: one left to the garbage collector closes its connections
+    # in whichever test's loop is running then (another backend's, or a closed one).
+    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=60) as opened:
+        yield opened
 
 
-async def test_float_and_base64_through_the_openai_client(engine: Engine, base_url: str) -> None:
+async def test_float_and_base64_through_the_openai_client(
+    engine: Engine, base_url: str, client: openai.AsyncOpenAI
+) -> None:
     texts = ["hello world", "a second, longer input to embed"]
     expected = await engine.embed(texts)
-    client = _client(base_url)
     as_float = await client.embeddings.create(model="tiny", input=texts, encoding_format="float")
     # The client's own default: it asks for base64 (numpy is installed) and decodes it to floats.
     default = await client.embeddings.create(model="tiny", input=texts)
@@ -63,8 +68,7 @@ async def test_float_and_base64_through_the_openai_client(engine: Engine, base_u
     assert np.allclose(decoded, expected[0].embedding, atol=1e-6)
 
 
-async def test_token_inputs_and_dimensions(engine: Engine, base_url: str) -> None:
-    client = _client(base_url)
+async def test_token_inputs_and_dimensions(engine: Engine, client: openai.AsyncOpenAI) -> None:
     ids = [[5, 6, 7], [8, 9, 10, 11]]
     one = await client.embeddings.create(model="tiny", input=ids[0], encoding_format="float")
     many = await client.embeddings.create(model="tiny", input=ids, encoding_format="float", dimensions=8)
@@ -78,7 +82,7 @@ async def test_token_inputs_and_dimensions(engine: Engine, base_url: str) -> Non
     assert many.usage.prompt_tokens == 7
 
 
-async def test_errors_are_400_with_code_and_param(engine: Engine, base_url: str) -> None:
+async def test_errors_are_400_with_code_and_param(engine: Engine, base_url: str, client: openai.AsyncOpenAI) -> None:
     hidden = engine.embedding_size
     assert hidden is not None
     cases: list[tuple[dict[str, Any], str]] = [
@@ -105,7 +109,7 @@ async def test_errors_are_400_with_code_and_param(engine: Engine, base_url: str)
         other_model = await http.post("/v1/embeddings", json={"input": "x", "model": "other"})
         assert other_model.status_code == 404
     with pytest.raises(openai.BadRequestError) as caught:
-        await _client(base_url).embeddings.create(model="tiny", input="x", dimensions=0)
+        await client.embeddings.create(model="tiny", input="x", dimensions=0)
     assert caught.value.code == "invalid_request" and caught.value.param == "dimensions"
     stats = engine.statistics()
     assert stats.kv_blocks_free == stats.kv_blocks_total and stats.num_waiting == 0

@@ -496,6 +496,12 @@ class Engine:
         return pooling, normalize
 
     def _check_room(self, core: EngineCore, count: int) -> None:
+        """Refuse ``count`` requests that the waiting queue could never hold, or cannot hold now.
+
+        Raises:
+            InvalidRequestError: ``count`` is more than ``max_waiting_requests``.
+            EngineOverloadedError: They do not fit next to the requests already waiting.
+        """
         limit = self.options.max_waiting_requests
         if limit is None:
             return
@@ -799,7 +805,12 @@ class _SampleParts:
 def _embedding_inputs(
     inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]], limit: int
 ) -> list[str | Sequence[int]]:
-    """``embed``'s inputs as a list of prompts (texts or token-id lists), checked for shape and count."""
+    """``embed``'s inputs as a list of prompts (texts or token-id lists), checked for shape and count.
+
+    Raises:
+        InvalidPromptError: No input, or an input that is neither a str nor a sequence of token ids.
+        InvalidRequestError: More inputs than ``limit``.
+    """
     if isinstance(inputs, str):
         return [inputs]
     if isinstance(inputs, (bytes, bytearray)) or not isinstance(inputs, Sequence):

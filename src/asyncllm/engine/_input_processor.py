@@ -303,7 +303,11 @@ class InputProcessor:
         if not ids:
             raise InvalidPromptError("prompt is empty", param="prompt")
         for token_id in ids:
-            if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < self.vocab_size:
+            if isinstance(token_id, bool) or not isinstance(token_id, int):
+                raise InvalidPromptError(
+                    f"prompt token ids must be ints, got {type(token_id).__name__} {token_id!r}", param="prompt"
+                )
+            if not 0 <= token_id < self.vocab_size:
                 raise InvalidPromptError(
                     f"prompt token id {token_id!r} is outside the vocabulary [0, {self.vocab_size})", param="prompt"
                 )

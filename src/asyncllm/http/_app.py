@@ -239,10 +239,28 @@ class Exchange:
         self, status: int, body: bytes, content_type: bytes = _JSON, headers: tuple[tuple[bytes, bytes], ...] = ()
     ) -> None:
         """Send a complete response."""
+        await self.respond_parts(status, [body], content_type, headers)
+
+    async def respond_parts(
+        self,
+        status: int,
+        parts: Sequence[bytes],
+        content_type: bytes = _JSON,
+        headers: tuple[tuple[bytes, bytes], ...] = (),
+    ) -> None:
+        """Send a complete response whose body is ``parts`` joined, one ASGI message per part.
+
+        A large body (a full embeddings response is over 100 MB) is never copied into one piece, which
+        alone would hold the event loop for a second; its ``Content-Length`` is still exact.
+        """
         self.started = True
-        start = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()), *headers]
+        size = sum(len(part) for part in parts)
+        start = [(b"content-type", content_type), (b"content-length", str(size).encode()), *headers]
         await self._send_whole({"type": "http.response.start", "status": status, "headers": start})
-        await self._send_whole({"type": "http.response.body", "body": body, "more_body": False})
+        for index, part in enumerate(parts):
+            last = index == len(parts) - 1
+            if part or last:
+                await self._send_whole({"type": "http.response.body", "body": part, "more_body": not last})
 
     async def respond_empty(self, status: int, headers: Sequence[tuple[bytes, bytes]]) -> None:
         """Send a response without a body (204 to a preflight)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import msgspec
 import numpy as np
 
@@ -23,6 +24,14 @@ if TYPE_CHECKING:
     from asyncllm.http._app import OpenAIApp
 
 ENCODING_FORMATS = ("float", "base64")
+
+SLICE_FLOATS = 65_536
+"""A response's vectors are encoded in slices of about this many floats (about 10 ms of encoding and
+copying), the event loop running other tasks between them."""
+SLICE_VECTORS = 64
+"""And of at most this many vectors, so that many small vectors are sliced too."""
+
+_ENCODER = msgspec.json.Encoder()
 
 
 class EmbeddingRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -77,14 +86,37 @@ class EmbeddingHandlers:
             results.extend(await self.app.engine.embed(body.input, dimensions=body.dimensions))
 
         await exchange.until_disconnect(work)
-        encode = _base64 if body.encoding_format == "base64" else list
         tokens = sum(len(result.prompt_token_ids) for result in results)
-        response = EmbeddingResponse(
-            data=[EmbeddingData(index=i, embedding=encode(r.embedding)) for i, r in enumerate(results)],
-            model=self.app.model_name,
-            usage=EmbeddingUsage(tokens, tokens),
-        )
-        await exchange.respond_json(200, response)
+        head = EmbeddingResponse(data=[], model=self.app.model_name, usage=EmbeddingUsage(tokens, tokens))
+        await exchange.respond_parts(200, await _response_body(head, results, body.encoding_format))
+
+
+async def _response_body(head: EmbeddingResponse, results: list[Embedding], encoding_format: str) -> list[bytes]:
+    """``head`` as JSON with ``results`` as its ``data``, in parts, encoded a slice at a time.
+
+    A full request's vectors (2,048 of thousands of floats) take a second or more to encode, and as
+    much again to copy into one piece: either would hold the event loop, and every other request's
+    stream with it. Each part holds a slice of about ``SLICE_FLOATS`` floats (at most
+    ``SLICE_VECTORS`` vectors), and the loop runs other tasks between slices.
+    """
+    encode = _base64 if encoding_format == "base64" else list
+    # The data list goes inside the encoded head's empty one: the same JSON as encoding it whole.
+    encoded = _ENCODER.encode(head)
+    marker = b'"data":['
+    at = encoded.index(marker) + len(marker)
+    parts = [encoded[:at]]
+    items: list[bytes] = []
+    in_slice = 0
+    for index, result in enumerate(results):
+        if in_slice >= SLICE_FLOATS or len(items) >= SLICE_VECTORS:
+            parts.append(b",".join(items) + b",")
+            items, in_slice = [], 0
+            await anyio.lowlevel.checkpoint()
+        items.append(_ENCODER.encode(EmbeddingData(index=index, embedding=encode(result.embedding))))
+        in_slice += len(result.embedding)
+    parts.append(b",".join(items))
+    parts.append(encoded[at:])
+    return parts
 
 
 def _base64(vector: tuple[float, ...]) -> str:

@@ -59,7 +59,7 @@ class KVCacheManager:
         mean-pools, which needs every prompt position's hidden state (a last-token pooling request
         computes its last token, as any request does).
         """
-        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None or request.pooling == "mean":
+        if not self.looks_up(request):
             return NO_HIT
         self._hash_blocks(request, request.num_tokens)
         usable = (request.num_tokens - 1) // self.block_size
@@ -71,9 +71,17 @@ class KVCacheManager:
             blocks.append(block_id)
         return CacheHit(blocks, len(blocks) * self.block_size)
 
+    def looks_up(self, request: Request) -> bool:
+        """Whether ``find_cached_prefix`` looks the request up at all (see there for who does not)."""
+        return self.enable_prefix_caching and request.params.prompt_logprobs is None and request.pooling != "mean"
+
     def record_lookup(self, request: Request, hit: CacheHit) -> None:
-        """Count an admitted request's prefix-cache lookup (failed admissions are not counted)."""
-        if self.enable_prefix_caching:
+        """Count an admitted request's prefix-cache lookup (failed admissions are not counted).
+
+        A request that skips the cache (``looks_up``) is not counted: its tokens were never looked up,
+        and counting them as misses would lower ``prefix_cache_hit_rate`` with every such request.
+        """
+        if self.looks_up(request):
             self.num_query_tokens += len(request.prompt_token_ids)
             self.num_hit_tokens += min(hit.num_tokens, len(request.prompt_token_ids))
 
