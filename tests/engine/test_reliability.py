@@ -82,7 +82,7 @@ async def test_torch_oom_is_translated_by_the_model_runner(tiny_llama: object) -
 
     from asyncllm.worker._model_runner import TorchModelRunner
     class Exploding(TorchModelRunner):
-        def _execute(self, sequences):  # type: ignore[no-untyped-def]
+        def _execute(self, sequences, after=None):  # type: ignore[no-untyped-def]
             raise torch.OutOfMemoryError("simulated allocation failure")
 
     runner = Exploding(tiny_llama, device="cpu", kv_cache_blocks=16)  # type: ignore[arg-type]

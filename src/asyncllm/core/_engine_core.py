@@ -214,13 +214,15 @@ class EngineCore:
 
     async def _loop(self) -> None:
         events: list[TokenEvent] = []  # the last finished step's, not yet delivered
-        in_flight: tuple[SchedulerOutput, DeviceCall[StepOutput]] | None = None
+        # The step on the device and the call that returns its output (None: its collect() is not
+        # submitted yet, which the overlapping path does only after launching the next step).
+        in_flight: tuple[SchedulerOutput, DeviceCall[StepOutput] | None] | None = None
         idle_with_work = 0  # schedules in a row that found nothing to run while requests were open
         while True:
             events += self._apply_aborts()
             if self._stopping:
                 if in_flight is not None:
-                    await self._wait(in_flight[1])
+                    await self._wait(self._result_call(in_flight[1]))
                 self._end_delivered(self.outputs.process(events))
                 return
             step = None
@@ -255,15 +257,24 @@ class EngineCore:
                 started = time.perf_counter()
                 batch = self._batch(step)
                 self.timings.prepare += time.perf_counter() - started
-                call = self.worker.submit(functools.partial(self._lookahead.execute, batch))
+                if self._lookahead.overlaps:
+                    # Launch N+1 on the device thread before it waits for N (collected just below).
+                    self.worker.submit(functools.partial(self._lookahead.launch, batch))
+                else:
+                    call = self.worker.submit(functools.partial(self._lookahead.execute, batch))
+            previous = None if in_flight is None else self._result_call(in_flight[1])
             # The overlap: the previous step's tokens reach their streams while the device computes.
             self._deliver(events)
             events = []
             idle_with_work = 0
-            if in_flight is not None:
-                result = await self._wait(in_flight[1])
+            if in_flight is not None and previous is not None:
+                result = await self._wait(previous)
                 events = self._update(in_flight[0], result)
-            in_flight = None if step is None or call is None else (step, call)
+            in_flight = None if step is None else (step, call)
+
+    def _result_call(self, call: DeviceCall[StepOutput] | None) -> DeviceCall[StepOutput]:
+        """The call that returns an in-flight step's output: ``call``, or (overlapping) its collect()."""
+        return call if call is not None else self.worker.submit(self._lookahead.collect)
 
     async def _wait(self, call: DeviceCall[StepOutput]) -> StepOutput:
         try:

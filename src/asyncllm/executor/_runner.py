@@ -7,7 +7,7 @@ layers above can be tested without weights. Everything here is plain Python: no 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -148,4 +148,34 @@ class ModelRunner(Protocol):
 
     def close(self) -> None:
         """Free weights and KV memory. Called once, last."""
+        ...
+
+
+class PendingStep(Protocol):
+    """A step launched on the device and not yet waited for (``OverlappingRunner.launch``)."""
+
+    @property
+    def sample_rows(self) -> Mapping[int, int]:
+        """Each sampling request's index in the step's ``sampled_token_ids``."""
+        ...
+
+    def result(self) -> StepOutput:
+        """Wait for the step and return its output (the same one on every call)."""
+        ...
+
+
+class OverlappingRunner(ModelRunner, Protocol):
+    """A runner whose steps can be launched before the previous one's results are read back.
+
+    On a device that computes asynchronously (CUDA) this lets the device thread prepare and launch
+    step N+1 while step N computes, and read N's sampled ids only then (``LookaheadExecutor``).
+    """
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether ``launch`` returns before the device has finished (False: use ``execute``)."""
+        ...
+
+    def launch(self, batch: StepBatch, after: PendingStep | None = None) -> PendingStep:
+        """Launch a step; ``PLACEHOLDER`` tokens stand for ``after``'s samples, which the runner fills in."""
         ...

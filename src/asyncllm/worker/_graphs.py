@@ -11,9 +11,15 @@ the largest batch, and a step of ``n`` sequences runs the graph of the smallest 
 the KV-write kernel skips; they attend to one (finite) cache slot and their outputs are dropped.
 The token ids and positions live here; the attention metadata (query offsets, sequence lengths,
 block tables, slots) in buffers the model's own backend builds (``AttentionBackend.graph_inputs``),
-the same object that builds every eager step's metadata. Each is filled on the host (pinned) and
-copied with one non-blocking copy before the replay. Block tables are as wide as the longest
-sequence the cache can hold.
+the same object that builds every eager step's metadata. Each is staged on the host (pinned, from
+torch's caching host allocator, so no step waits for the previous step's copy to have read it) and
+copied with non-blocking copies before the replay; of the block tables only the used prefix travels
+(the step's rows by the blocks its longest context uses). Block tables are as wide as the longest
+sequence the cache can hold. Placeholder ids (async scheduling) are gathered into the static ids on
+the device from the previous step's samples, before the replay.
+
+Capture runs on the runner's stream (the device thread's current stream), where the warm-up ran and
+where every replay is issued, rather than on a side stream of torch's.
 
 Long contexts at small batch want the split-KV kernels (see ``kernels.split_kv_decode``), whose
 grid is fixed at capture: small batch sizes get a second graph captured with splits, used when the
@@ -27,29 +33,17 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 import numpy as np
 import torch
 
 from asyncllm.models import DecoderForCausalLM
+from asyncllm.worker._device_ops import DeviceOps, device_ops
 from asyncllm.worker._input_batch import StepInputs
 
 logger = logging.getLogger("asyncllm")
 
-__all__ = ["DecodeGraphs", "capture_sizes", "to_device"]
-
-
-def to_device(array: np.ndarray[Any, Any], device: torch.device) -> torch.Tensor:
-    """Copy a host array to ``device``; on CUDA through pinned memory, without waiting for the copy.
-
-    The pinned block comes from torch's caching host allocator, which keeps it alive until the copy
-    on the current stream is done, so the caller may drop its array at once.
-    """
-    host = torch.from_numpy(np.ascontiguousarray(array))
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+__all__ = ["DecodeGraphs", "capture_sizes"]
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -71,6 +65,7 @@ class DecodeGraphs:
         split_kv: For batch sizes below this, also capture a split-KV graph with that many splits
             (a dict of batch size to splits; empty for none).
         use_graphs: Capture and replay CUDA graphs; False runs the same padded path eagerly.
+        ops: Host-to-device copies (``DeviceOps``); default ``device_ops(device)``.
     """
 
     def __init__(
@@ -84,6 +79,7 @@ class DecodeGraphs:
         device: torch.device,
         split_kv: dict[int, int] | None = None,
         use_graphs: bool = True,
+        ops: DeviceOps | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -94,13 +90,12 @@ class DecodeGraphs:
         self.device = device
         self.split_kv = dict(split_kv or {})
         self.use_graphs = use_graphs
+        self.ops = ops if ops is not None else device_ops(device)
         b = self.max_batch
         self._meta = model.backend.graph_inputs(
             max_batch=b, max_blocks=self.max_blocks, block_size=block_size, device=device
         )
-        self._host_ids = torch.zeros(2 * b, dtype=torch.int64, pin_memory=device.type == "cuda")
         self._ids = torch.zeros(2 * b, dtype=torch.int64, device=device)
-        self._copied: torch.cuda.Event | None = None
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _forward(self, size: int, splits: int) -> torch.Tensor:
@@ -120,11 +115,13 @@ class DecodeGraphs:
         variants = self._variants()
         logger.info("capturing %d CUDA graphs for decode batches of 1..%d", len(variants), self.max_batch)
         pool = torch.cuda.graph_pool_handle()
+        # The runner's stream: the warm-up runs on it, and so does every replay.
+        stream = torch.cuda.current_stream(self.device)
         with torch.inference_mode():
             for size, splits in variants:
                 self._forward(size, splits)  # warm-up: compiles the triton kernels outside the capture
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
                     out = self._forward(size, splits)
                 self._graphs[(size, splits)] = (graph, out)
         torch.cuda.synchronize(self.device)
@@ -139,31 +136,31 @@ class DecodeGraphs:
             and -(-step.max_seq_len // self.block_size) <= self.max_blocks
         )
 
-    def run(self, step: StepInputs, splits: int = 1) -> torch.Tensor:
+    def run(
+        self, step: StepInputs, splits: int = 1, fill: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """Hidden states [n, hidden] of a decode-only step (``fits`` must hold).
 
         Args:
             step: The step's arrays (one token per sequence).
             splits: The split-KV parts the step would like (> 1 picks a split graph if captured).
+            fill: Placeholder ids taken on the device: (rows of the step's ids, the ids they take).
         """
         n = step.num_seqs
         size = next(b for b in self.sizes if b >= n)
         splits = self.split_kv.get(size, 1) if splits > 1 else 1
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous step's copy has read the pinned buffers
         self._meta.fill(step)
-        b = self.max_batch
-        ids = self._host_ids.numpy()
+        self._meta.upload(self.device.type == "cuda")
+        # Ids and positions of the graph's rows (padding rows: token 0 at position 0), in one copy.
+        ids = np.zeros(2 * size, dtype=np.int64)
         ids[:n] = step.input_ids
-        ids[n:b] = 0  # padding rows: token 0 at position 0
-        ids[b : b + n] = step.positions
-        ids[b + n :] = 0
-        non_blocking = self.device.type == "cuda"
-        self._meta.upload(non_blocking)
-        self._ids.copy_(self._host_ids, non_blocking=non_blocking)
-        if non_blocking:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+        ids[size : size + n] = step.positions
+        staged = self.ops.to_device(ids)
+        b = self.max_batch
+        self._ids[:size].copy_(staged[:size])
+        self._ids[b : b + size].copy_(staged[size:])
+        if fill is not None:
+            self._ids[fill[0]] = fill[1]
         if not self.use_graphs:
             return self._forward(size, splits)[:n]
         graph, out = self._graphs[(size, splits)]

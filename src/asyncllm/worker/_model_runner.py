@@ -25,6 +25,7 @@ from asyncllm.backends import AttentionBackend, create_backend, resolve_attentio
 # The torch backend's metadata builder, under the name tests and benchmarks have imported it by.
 from asyncllm.engine._options import EngineOptions
 from asyncllm.errors import DeviceOutOfMemoryError
+from asyncllm.executor._lookahead import PLACEHOLDER
 from asyncllm.executor._runner import (
     PooledVector,
     PositionLogprobs,
@@ -38,7 +39,8 @@ from asyncllm.models import DecoderForCausalLM, build_model
 from asyncllm.models._linear import Linear, PackedFormat
 from asyncllm.models._rotary import RotaryEmbedding
 from asyncllm.sampling_params import SamplingParams
-from asyncllm.worker._graphs import DecodeGraphs, capture_sizes, to_device
+from asyncllm.worker._device_ops import CpuOps, DeviceOps, device_ops
+from asyncllm.worker._graphs import DecodeGraphs, capture_sizes
 from asyncllm.worker._input_batch import InputBatch, StepInputs
 from asyncllm.worker._memory import (
     KVCacheSizing,
@@ -159,6 +161,8 @@ class TorchModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler: Sampler | None = None
         self.input_batch = InputBatch(options.block_size, max_num_seqs=options.max_num_seqs)
+        self.ops: DeviceOps = CpuOps()
+        """Host-device copies and synchronisation (``DeviceOps``), set for the device at load."""
         self._pool_sums: dict[int, tuple[torch.Tensor, int]] = {}
         """Mean-pooling requests part-way through their prompt: the float32 sum of their rows so far and
         how many rows it holds."""
@@ -212,8 +216,10 @@ class TorchModelRunner:
             self.packed_format = formats.pop() if len(formats) == 1 else None
         self.model = model
         self.device, self.dtype = device, dtype
+        if self.ops.device != device:  # a seam set before load (tests) is kept
+            self.ops = device_ops(device)
         eos_token_ids = load_eos_token_ids(self.model_path, config)
-        self.sampler = Sampler(device, model.spec.vocab_size, eos_token_ids, self.options.seed)
+        self.sampler = Sampler(device, model.spec.vocab_size, eos_token_ids, self.options.seed, self.ops)
         num_blocks = self.options.kv_cache_blocks or self._size_kv_cache(model, device, dtype)
         slots = num_blocks * self.block_size
         self.kv_caches = self._allocate_kv_cache(num_blocks)
@@ -257,6 +263,7 @@ class TorchModelRunner:
             max_batch=self.options.max_num_seqs,
             device=self.device,
             split_kv={b: s for b, s in split_kv.items() if s > 1},
+            ops=self.ops,
         )
         graphs.capture()
         return graphs
@@ -332,35 +339,96 @@ class TorchModelRunner:
             reset_peak_rss()
             baseline = resident_bytes()
         with torch.inference_mode():
-            self._execute([probe])
+            self._execute([probe]).result()
         peak = torch.cuda.max_memory_allocated(self.device) if cuda else peak_resident_bytes()
         self.sampler.forget([-1])
         self.kv_caches = []
         return max(0, peak - baseline)
 
+    @property
+    def overlaps(self) -> bool:
+        """Whether ``launch`` returns before the device has finished the step (CUDA): the executor may
+        then launch step N+1 before it collects step N (``executor.LookaheadExecutor``)."""
+        return self.ops.asynchronous
+
     def execute(self, batch: StepBatch) -> StepOutput:
         """Run one step on the flat batch; return the sampled ids (see ``ModelRunner.execute``)."""
+        return self.launch(batch).result()
+
+    def launch(self, batch: StepBatch, after: PendingStep | None = None) -> PendingStep:
+        """Prepare the step, queue its forward and sampling on the device, and return without waiting.
+
+        Args:
+            batch: The step. A sequence whose last fed token is ``PLACEHOLDER`` feeds the token that
+                ``after`` samples for its request.
+            after: The step launched just before, not necessarily collected: its sampled ids are
+                gathered into this step's inputs on the device, so the host need not wait for them
+                (unless the sampler needs a placeholder request's history, when it waits first).
+
+        Returns:
+            The step in flight; its ``result()`` waits for the sampled ids (the step's one host
+            synchronisation) and returns the ``StepOutput``.
+
+        Raises:
+            DeviceOutOfMemoryError: torch ran out of device memory.
+            RuntimeError: A placeholder for a request ``after`` did not sample.
+        """
         assert self.model is not None and self.sampler is not None, "load() first"
         self.sampler.forget(batch.finished_request_ids)
         self.input_batch.remove(batch.finished_request_ids)
         for request_id in batch.finished_request_ids:
             self._pool_sums.pop(request_id, None)
         if not batch.sequences:
-            return StepOutput([])
+            return PendingStep.done(StepOutput([]))
         try:
             with torch.inference_mode():
-                return self._execute(batch.sequences)
+                return self._execute(batch.sequences, after)
         except torch.OutOfMemoryError as exc:
             raise DeviceOutOfMemoryError(f"the device ran out of memory during a step: {exc}") from exc
 
-    def _execute(self, sequences: list[SequenceInput]) -> StepOutput:
+    def _placeholders(
+        self, sequences: list[SequenceInput], after: PendingStep | None
+    ) -> tuple[list[SequenceInput], list[tuple[int, int]]]:
+        """Resolve the placeholders: on the host when ``after``'s ids are (or must be) read, else a plan
+        of (sequence index, row of ``after``'s samples) for the device to gather."""
+        if after is None or not any(seq.token_ids[-1] == PLACEHOLDER for seq in sequences):
+            return sequences, []
+        assert self.sampler is not None
+        plan: list[tuple[int, int]] = []
+        for index, seq in enumerate(sequences):
+            if seq.token_ids[-1] != PLACEHOLDER:
+                continue
+            row = after.sample_rows.get(seq.request_id)
+            if row is None:  # a scheduling bug; computing on a made-up token would be worse
+                raise RuntimeError(f"request {seq.request_id} feeds a token the previous step did not sample")
+            plan.append((index, row))
+        history = any(self.sampler.needs_history(sequences[index]) for index, _ in plan)
+        if after.device_ids is not None and not history:
+            return sequences, plan
+        # The sampler reads these requests' tokens (or the ids never went to the device): wait for them.
+        sampled = after.result().sampled_token_ids
+        sequences = list(sequences)
+        for index, row in plan:
+            seq = sequences[index]
+            sequences[index] = dataclasses.replace(seq, token_ids=[*seq.token_ids[:-1], sampled[row]])
+        return sequences, []
+
+    def _execute(self, sequences: list[SequenceInput], after: PendingStep | None = None) -> PendingStep:
         assert self.model is not None and self.sampler is not None
+        ops = self.ops
         clock = _StepClock(self.device)
+        sequences, plan = self._placeholders(sequences, after)
         step = self.input_batch.prepare(sequences)
+        fill = None
+        if plan:
+            assert after is not None and after.device_ids is not None
+            # The flat row of each placeholder (a sequence's last fed token) and the id it stands for.
+            flat = step.query_start_loc[1:][np.array([index for index, _ in plan])] - 1
+            fill = (ops.to_device(flat), after.device_ids[ops.tensor([row for _, row in plan], torch.int64)])
         replay = self.graphs is not None and self.graphs.fits(step)
         meta = None if replay else self._metadata(step)
         clock.mark()
-        hidden = self._replay(step) if meta is None else self._forward(step, meta)
+        hidden = self._replay(step, fill) if meta is None else self._forward(step, meta, fill)
         clock.mark()
         model = self.model
         pooling = any(s.pooling is not None for s in sequences)
@@ -369,17 +437,27 @@ class TorchModelRunner:
         offsets = step.query_start_loc[:-1].tolist()
         prompt_logprobs = self.sampler.prompt_logprobs(sequences, offsets, lambda rows: model.logits(hidden[rows]))
         pooled, failed = self._pool(sequences, offsets, hidden) if pooling else (None, {})
-        token_ids: list[int] = []
+        sampling = [s for s in sequences if s.sample]
+        token_ids: torch.Tensor | list[int] = []
         logprobs = None
         if len(step.sample_index):
-            rows = hidden[to_device(step.sample_index, self.device)]
-            token_ids, logprobs = self._sample(model, rows, [s for s in sequences if s.sample])
+            rows = hidden[ops.to_device(step.sample_index)]
+            token_ids, logprobs = self._sample(model, rows, sampling)
+        host_ids = ops.to_host(token_ids) if isinstance(token_ids, torch.Tensor) else token_ids
         clock.mark()
-        clock.add_to(self.timings)
+        event = ops.record()  # after the clock's last mark: once it is complete, so are the clock's events
         if self.sampler.failed:
             failed.update(self.sampler.failed)
             self.sampler.failed = {}
-        return StepOutput(token_ids, logprobs, prompt_logprobs, failed or None, pooled)
+        return PendingStep(
+            self,
+            sample_rows={seq.request_id: row for row, seq in enumerate(sampling)},
+            device_ids=token_ids if isinstance(token_ids, torch.Tensor) else None,
+            host_ids=host_ids,
+            event=event,
+            clock=clock,
+            rest=(logprobs, prompt_logprobs, failed or None, pooled),
+        )
 
     def _pool(
         self, sequences: list[SequenceInput], offsets: list[int], hidden: torch.Tensor
@@ -424,18 +502,20 @@ class TorchModelRunner:
 
     def _sample(
         self, model: DecoderForCausalLM, rows: torch.Tensor, sequences: list[SequenceInput]
-    ) -> tuple[list[int], list[PositionLogprobs | None] | None]:
+    ) -> tuple[torch.Tensor | list[int], list[PositionLogprobs | None] | None]:
         """One token per row of ``rows`` (the sampling positions' hidden states), and logprobs where asked.
 
-        Plain greedy rows go to the model's greedy head where it has one (the same tokens as the argmax of
-        their logits); the sampler takes the rest, and any row the head could not decide, from logits.
+        The ids stay on the device (a tensor) unless the greedy head picked some: plain greedy rows go to
+        the model's greedy head where it has one (the CPU's; the same tokens as the argmax of their
+        logits), which gives host ids; the sampler takes the rest, and any row the head could not
+        decide, from logits.
         """
         assert self.sampler is not None
         head = model.greedy_head if self.switches.greedy_head else None
         plain = self.sampler.plain_greedy_rows(sequences) if head is not None else []
         if head is None or not plain:
             sampled = self.sampler.sample(model.logits(rows), sequences)
-            return sampled.token_ids.tolist(), sampled.logprobs
+            return sampled.token_ids, sampled.logprobs
         token_ids = [-1] * len(sequences)
         decided = head.argmax(rows if len(plain) == len(sequences) else rows[plain]).tolist()
         for row, token in zip(plain, decided):
@@ -457,19 +537,21 @@ class TorchModelRunner:
         assert self.backend is not None
         return self.backend.build_metadata(step)
 
-    def _forward(self, step: StepInputs, meta: Any = None) -> torch.Tensor:
+    def _forward(self, step: StepInputs, meta: Any = None, fill: IdFill | None = None) -> torch.Tensor:
         assert self.model is not None
         if meta is None:
             meta = self._metadata(step)
         # One pinned, non-blocking copy for ids and positions: the host does not wait for the device.
-        ids_positions = to_device(np.concatenate((step.input_ids, step.positions)), self.device)
+        ids_positions = self.ops.to_device(np.concatenate((step.input_ids, step.positions)))
+        if fill is not None:  # placeholders: the previous step's samples, gathered on the device
+            ids_positions[fill[0]] = fill[1]
         n = step.num_tokens
         hidden: torch.Tensor = self.model(ids_positions[:n], ids_positions[n:], self.kv_caches, meta)
         return hidden
 
-    def _replay(self, step: StepInputs) -> torch.Tensor:
+    def _replay(self, step: StepInputs, fill: IdFill | None = None) -> torch.Tensor:
         assert self.graphs is not None and self.backend is not None
-        return self.graphs.run(step, self.backend.kv_splits(step.num_seqs, step.max_seq_len))
+        return self.graphs.run(step, self.backend.kv_splits(step.num_seqs, step.max_seq_len), fill)
 
     def close(self) -> None:
         """Drop weights and KV tensors so their memory can be returned."""
@@ -481,13 +563,86 @@ class TorchModelRunner:
             torch.cuda.empty_cache()
 
 
+IdFill = tuple[torch.Tensor, torch.Tensor]
+"""Placeholder ids filled on the device: (flat rows of the step's input ids, the ids they take)."""
+
+
+class PendingStep:
+    """A launched step: its sampled ids on their way to the host (``TorchModelRunner.launch``).
+
+    Args:
+        runner: The runner that launched it (its ops and timings).
+        sample_rows: Each sampling request's row in the step's samples.
+        device_ids: The sampled ids on the device (None when the host picked them: the CPU's greedy head).
+        host_ids: Where the ids arrive on the host (a list when already there).
+        event: Recorded after the step's last launch; complete once ``host_ids`` holds the ids.
+        clock: The step's timings, added when the step completes.
+        rest: The logprobs, prompt logprobs, failures and pooled vectors of the ``StepOutput``.
+    """
+
+    def __init__(
+        self,
+        runner: TorchModelRunner | None,
+        *,
+        sample_rows: dict[int, int],
+        device_ids: torch.Tensor | None,
+        host_ids: torch.Tensor | list[int],
+        event: Any,
+        clock: _StepClock | None,
+        rest: tuple[
+            list[PositionLogprobs | None] | None,
+            dict[int, list[PositionLogprobs | None]] | None,
+            dict[int, str] | None,
+            dict[int, PooledVector] | None,
+        ],
+    ) -> None:
+        self._runner = runner
+        self.sample_rows = sample_rows
+        self.device_ids = device_ids
+        self._host_ids = host_ids
+        self._event = event
+        self._clock = clock
+        self._rest = rest
+        self._output: StepOutput | None = None
+
+    @classmethod
+    def done(cls, output: StepOutput) -> PendingStep:
+        """A step whose output is known already (an empty batch)."""
+        pending = cls(None, sample_rows={}, device_ids=None, host_ids=[], event=None, clock=None, rest=(None,) * 4)
+        pending._output = output
+        return pending
+
+    def result(self) -> StepOutput:
+        """Wait for the step's sampled ids (once; later calls return the same output).
+
+        Raises:
+            DeviceOutOfMemoryError: torch ran out of device memory.
+        """
+        if self._output is None:
+            runner = self._runner
+            assert runner is not None
+            try:
+                runner.ops.wait(self._event)
+                host = self._host_ids
+                token_ids = runner.ops.tolist(host) if isinstance(host, torch.Tensor) else host
+            except torch.OutOfMemoryError as exc:
+                raise DeviceOutOfMemoryError(f"the device ran out of memory during a step: {exc}") from exc
+            if self._clock is not None:
+                self._clock.add_to(runner.timings)
+            self._output = StepOutput(token_ids, *self._rest)
+        return self._output
+
+
 class _StepClock:
+
     """Splits one step's time into input preparation, forward and sampling (``RunnerTimings``).
 
     Preparation is host work, timed on the host. On CUDA the forward and sampling are queued
     asynchronously, so host timestamps would measure launches: events recorded on the runner's
-    stream time them on the device instead, read after the step's one synchronization (the copy
-    of the sampled ids to the host), so the clock adds no synchronization of its own.
+    stream time them on the device instead, read after the step's one synchronization (the wait for
+    the event recorded after the clock's last mark), so the clock adds no synchronization of its own.
+    A step launched while its predecessor still computes starts its forward's clock behind it: with
+    the overlap, ``forward`` includes that queueing.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -508,8 +663,7 @@ class _StepClock:
         host = self._host
         timings.prepare += host[1] - host[0]
         if self._cuda:
-            start, forwarded, sampled = self._events
-            sampled.synchronize()  # already complete after the ids reached the host; cheap
+            start, forwarded, sampled = self._events  # complete: the step's event came after them
             timings.forward += start.elapsed_time(forwarded) / 1000.0
             timings.sample += forwarded.elapsed_time(sampled) / 1000.0
         else:

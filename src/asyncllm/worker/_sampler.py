@@ -52,6 +52,7 @@ import torch
 from asyncllm.executor._runner import PositionLogprobs, SequenceInput
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.structured import GrammarBackend, GrammarMatcher
+from asyncllm.worker._device_ops import DeviceOps, device_ops
 
 _NEG_INF = float("-inf")
 _PROMPT_LOGPROBS_CHUNK = 512  # rows of [rows, vocab] logits computed at once for prompt_logprobs
@@ -101,9 +102,10 @@ class _RequestState:
 class _PenaltyTables:
     """Per penalised request (a slot): generated-token counts and distinct tokens, on the device."""
 
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, vocab_size: int, ops: DeviceOps) -> None:
         self.vocab_size = vocab_size
-        self.device = device
+        self.device = device = ops.device
+        self.ops = ops
         self.counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=device)
         self.distinct = torch.zeros(0, 64, dtype=torch.int64, device=device)
         self.num_distinct: list[int] = []
@@ -135,8 +137,9 @@ class _MaskTable:
     Rows of one table, gathered by index, beat stacking per-request tensors (slow for bools on the CPU).
     """
 
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
-        self.masks = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
+    def __init__(self, vocab_size: int, ops: DeviceOps) -> None:
+        self.ops = ops
+        self.masks = torch.zeros(0, vocab_size, dtype=torch.bool, device=ops.device)
         self._free: list[int] = []
 
     def acquire(self, allowed: Sequence[int]) -> int:
@@ -147,7 +150,7 @@ class _MaskTable:
             self._free.extend(range(new - 1, old - 1, -1))
         row = self._free.pop()
         self.masks[row] = True
-        self.masks[row, torch.tensor(allowed, dtype=torch.int64, device=self.masks.device)] = False
+        self.masks[row, self.ops.tensor(list(allowed), torch.int64)] = False
         return row
 
     def release(self, row: int) -> None:
@@ -188,13 +191,13 @@ class _PenaltyUpdates:
                 tables.num_distinct[slot] += 1
 
     def apply(self) -> None:
-        tables, device = self.tables, self.tables.device
+        tables, ops = self.tables, self.tables.ops
         if self.resets:
-            tables.counts[torch.tensor(self.resets, device=device)] = 0
+            tables.counts[ops.tensor(self.resets, torch.int64)] = 0
         if self.count_slots:
             tables.counts.index_put_(
-                (torch.tensor(self.count_slots, device=device), torch.tensor(self.count_ids, device=device)),
-                torch.tensor(self.count_deltas, dtype=torch.int32, device=device),
+                (ops.tensor(self.count_slots, torch.int64), ops.tensor(self.count_ids, torch.int64)),
+                ops.tensor(self.count_deltas, torch.int32),
                 accumulate=True,
             )
         if self.distinct_slots:
@@ -206,10 +209,10 @@ class _PenaltyUpdates:
                 tables.distinct = grown
             tables.distinct.index_put_(
                 (
-                    torch.tensor(self.distinct_slots, device=device),
-                    torch.tensor(self.distinct_columns, device=device),
+                    ops.tensor(self.distinct_slots, torch.int64),
+                    ops.tensor(self.distinct_columns, torch.int64),
                 ),
-                torch.tensor(self.distinct_ids, dtype=torch.int64, device=device),
+                ops.tensor(self.distinct_ids, torch.int64),
             )
 
 
@@ -232,6 +235,8 @@ class Sampler:
         vocab_size: Width of the logits.
         eos_token_ids: The model's end-of-sequence ids (masked for ``min_tokens`` unless ``ignore_eos``).
         seed: Seed of the generator shared by unseeded requests (None: nondeterministic).
+        ops: How lists reach the device (``DeviceOps``; pinned and non-blocking on CUDA), and so the
+            runner's: default ``device_ops(device)``.
     """
 
     def __init__(
@@ -240,8 +245,10 @@ class Sampler:
         vocab_size: int,
         eos_token_ids: frozenset[int] = frozenset(),
         seed: int | None = None,
+        ops: DeviceOps | None = None,
     ) -> None:
         self.device = device
+        self.ops = ops if ops is not None else device_ops(device)
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self._shared = torch.Generator(device=device)
@@ -250,8 +257,8 @@ class Sampler:
         else:
             self._shared.manual_seed(seed)
         self._states: dict[int, _RequestState] = {}
-        self._penalties = _PenaltyTables(vocab_size, device)
-        self._masks = _MaskTable(vocab_size, device)
+        self._penalties = _PenaltyTables(vocab_size, self.ops)
+        self._masks = _MaskTable(vocab_size, self.ops)
         self.failed: dict[int, str] = {}
         """Requests whose grammar stopped matching, with why; the runner reports and clears them each step."""
 
@@ -274,18 +281,18 @@ class Sampler:
 
     def _new_state(self, seq: SequenceInput) -> _RequestState:
         p = seq.params
-        device = self.device
+        device, ops = self.device, self.ops
 
         def ids(values: Sequence[int]) -> torch.Tensor | None:
-            return torch.tensor(list(values), dtype=torch.int64, device=device).unique() if values else None
+            return ops.tensor(list(values), torch.int64).unique() if values else None
 
         stop_ids = None
         if p.min_tokens > 0:
             stop_ids = ids([*p.stop_token_ids, *(() if p.ignore_eos else self.eos_token_ids)])
         bias_ids = bias_values = None
         if p.logit_bias:
-            bias_ids = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=device)
-            bias_values = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=device)
+            bias_ids = ops.tensor(list(p.logit_bias), torch.int64)
+            bias_values = ops.tensor(list(p.logit_bias.values()), torch.float32)
         long_bad_words = tuple(w for w in seq.bad_words_token_ids if len(w) > 1)
         generator = None
         if p.seed is not None and not p.greedy:
@@ -395,6 +402,14 @@ class Sampler:
                 logprobs[row] = entry
         return SamplerOutput(token_ids, logprobs)
 
+    def needs_history(self, seq: SequenceInput) -> bool:
+        """Whether sampling ``seq`` reads its tokens so far (penalties, bad words of several tokens, a
+        grammar): its fed tokens must then be real ids when ``record`` sees them, never placeholders."""
+        state = self._states.get(seq.request_id)
+        if state is not None:
+            return state.tokens is not None
+        return seq.params.has_penalties or seq.grammar is not None or any(len(w) > 1 for w in seq.bad_words_token_ids)
+
     def plain_greedy_rows(self, sequences: Sequence[SequenceInput]) -> list[int]:
         """The rows whose token is the first maximum of their raw logits, and nothing else of them is read.
 
@@ -410,7 +425,7 @@ class Sampler:
         return rows
 
     def _index(self, rows: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(rows, dtype=torch.int64, device=self.device)
+        return self.ops.tensor(list(rows), torch.int64)
 
     def _rows(self, tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """``tensor[rows]``, without the copy when the rows are all of them, in order."""
@@ -439,7 +454,7 @@ class Sampler:
             if state.long_bad_words:
                 matched = _completing_bad_words(state)
                 if matched:
-                    banned.append((row, torch.tensor(matched, dtype=torch.int64, device=self.device)))
+                    banned.append((row, self.ops.tensor(matched, torch.int64)))
             if state.stop_ids is not None and _num_generated(seq, state) < state.params.min_tokens:
                 banned.append((row, state.stop_ids))
             if state.bias_ids is not None and state.bias_values is not None:
@@ -516,7 +531,7 @@ class Sampler:
                 backend.fill_bitmasks([states[p].matcher for p in positions], part)  # type: ignore[misc]
                 bitmask[positions] = part
         bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=self.vocab_size, bitorder="little")
-        refused = torch.from_numpy(bits.view(np.bool_)).logical_not_().to(self.device)
+        refused = self.ops.to_device(np.logical_not(bits.view(np.bool_)))
         if len(rows) == logits.shape[0]:
             logits.masked_fill_(refused, _NEG_INF)
         else:
@@ -531,7 +546,7 @@ class Sampler:
     def _rows_and_columns(self, pairs: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Flatten (row, column ids) pairs into two index tensors, in one concatenation."""
         columns = torch.cat([ids for _, ids in pairs])
-        lengths = torch.tensor([len(ids) for _, ids in pairs], device=self.device)
+        lengths = self.ops.tensor([len(ids) for _, ids in pairs], torch.int64)
         rows = self._index([row for row, _ in pairs]).repeat_interleave(lengths)
         return rows, columns
 
@@ -551,13 +566,13 @@ class Sampler:
         values = logits[row_index, token_ids]
         counts = tables.counts[slot_index[:, None].expand(-1, width), token_ids]
         if any(p.repetition_penalty != 1.0 for p in params):
-            penalty = torch.tensor([p.repetition_penalty for p in params], device=self.device)[:, None]
+            penalty = self.ops.tensor([p.repetition_penalty for p in params], torch.float32)[:, None]
             values = torch.where(values > 0, values / penalty, values * penalty)
         if any(p.frequency_penalty != 0.0 for p in params):
-            frequency = torch.tensor([p.frequency_penalty for p in params], device=self.device)[:, None]
+            frequency = self.ops.tensor([p.frequency_penalty for p in params], torch.float32)[:, None]
             values = values - frequency * counts
         if any(p.presence_penalty != 0.0 for p in params):
-            presence = torch.tensor([p.presence_penalty for p in params], device=self.device)[:, None]
+            presence = self.ops.tensor([p.presence_penalty for p in params], torch.float32)[:, None]
             values = values - presence * (counts > 0)
         logits[row_index, token_ids] = values
 
@@ -569,12 +584,12 @@ class Sampler:
         candidate.
         """
         params = [state.params for state in states]
-        device = self.device
-        temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
+        device, ops = self.device, self.ops
+        temperature = ops.tensor([p.temperature for p in params], torch.float32)[:, None]
         # p_i < min_p * p_max  <=>  l_i < l_max + log(min_p): no softmax needed (log 0 = -inf keeps all).
         log_min_p = None
         if any(p.min_p > 0.0 for p in params):
-            log_min_p = torch.tensor([math.log(p.min_p) if p.min_p > 0 else _NEG_INF for p in params], device=device)
+            log_min_p = ops.tensor([math.log(p.min_p) if p.min_p > 0 else _NEG_INF for p in params], torch.float32)
             log_min_p = log_min_p[:, None]
         token_ids = torch.empty(len(params), dtype=torch.int64, device=device)
         filtered = [row for row, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
@@ -591,6 +606,7 @@ class Sampler:
         if filtered:
             index = self._index(filtered)
             values, order, counts = _candidates(
+                ops,
                 self._rows(logits, filtered),
                 [params[row] for row in filtered],
                 temperature[index],
@@ -752,11 +768,13 @@ def _scale(logits: torch.Tensor, temperature: torch.Tensor, log_min_p: torch.Ten
 
 
 def _candidates(
+    ops: DeviceOps,
     logits: torch.Tensor, params: list[SamplingParams], temperature: torch.Tensor, log_min_p: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """The tokens ``top_k``/``top_p`` keep, per row, best first: without sorting the vocabulary if possible.
 
     Args:
+        ops: How lists reach the device.
         logits: [rows, vocab] logits before temperature.
         params: Each row's parameters (each has top_k or top_p).
         temperature: [rows, 1].
@@ -777,30 +795,31 @@ def _candidates(
     values, order = logits.topk(width, dim=-1)
     counts = [k or first_try for k in top_k]
     if not any(p.top_p < 1.0 for p in params):
-        kept, order, _ = _filter(values, order, counts, temperature, log_min_p, None, None)
+        kept, order, _ = _filter(ops, values, order, counts, temperature, log_min_p, None, None)
         return kept, order, counts
     lse: torch.Tensor | None = None
     if open_rows:  # top_p alone is over the probabilities of the whole vocabulary (after min_p)
-        open_index = torch.tensor(open_rows, device=device)
+        open_index = ops.tensor(open_rows, torch.int64)
         open_min_p = None if log_min_p is None else log_min_p[open_index]
         lse = torch.full((len(params),), _NEG_INF, device=device)
         lse[open_index] = _scale(logits[open_index], temperature[open_index], open_min_p).logsumexp(dim=-1)
     # top_p = 1 must never drop anything, even where the cumulative sum rounds up to 1 early.
-    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params], device=device)[:, None]
-    kept, order, cumulative = _filter(values, order, counts, temperature, log_min_p, lse, top_p)
+    top_p = ops.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params], torch.float32)[:, None]
+    kept, order, cumulative = _filter(ops, values, order, counts, temperature, log_min_p, lse, top_p)
     if open_rows and first_try < vocab:
         assert cumulative is not None
-        covered = (cumulative[open_index, first_try - 1] >= top_p[open_index, 0]).tolist()
+        covered = ops.tolist(cumulative[open_index, first_try - 1] >= top_p[open_index, 0])
         if not all(covered):
             for row, ok in zip(open_rows, covered):
                 if not ok:
                     counts[row] = vocab
             values, order = logits.sort(dim=-1, descending=True)
-            kept, order, _ = _filter(values, order, counts, temperature, log_min_p, lse, top_p)
+            kept, order, _ = _filter(ops, values, order, counts, temperature, log_min_p, lse, top_p)
     return kept, order, counts
 
 
 def _filter(
+    ops: DeviceOps,
     values: torch.Tensor,
     order: torch.Tensor,
     counts: list[int],
@@ -817,7 +836,7 @@ def _filter(
     """
     device = values.device
     values = values / temperature
-    drop = torch.arange(values.shape[-1], device=device)[None, :] >= torch.tensor(counts, device=device)[:, None]
+    drop = torch.arange(values.shape[-1], device=device)[None, :] >= ops.tensor(counts, torch.int64)[:, None]
     if log_min_p is not None:
         drop |= values < values[:, :1] + log_min_p  # the first candidate is the best token
     if top_p is None:

@@ -179,10 +179,16 @@ class StaticDecodeMetadata:
     """A decode batch's metadata in static device buffers, refilled before each CUDA-graph replay.
 
     A graph replays fixed addresses, so its metadata are views into one int32 device buffer in
-    ``PackedLayout`` for ``max_batch`` sequences of one token, filled from a host twin (pinned on
-    CUDA) and copied in one go. Rows past a step's sequences are padding: one-token sequences at
-    position 0 with slot -1, which the KV-write kernel skips; they attend to one (finite) cache slot.
-    Block tables are ``max_blocks`` wide.
+    ``PackedLayout`` for ``max_batch`` sequences of one token. Rows past a step's sequences are
+    padding: one-token sequences at position 0 with slot -1, which the KV-write kernel skips; they
+    attend to one (finite) cache slot. Block tables are ``max_blocks`` wide.
+
+    A step sends only what it uses: the sequence lengths and slots of every row (padding included,
+    ``2 * max_batch`` ints) and, of the block tables, its rows by the blocks its longest context
+    uses, staged compactly and scattered into the wide tables on the device. Entries past that prefix
+    keep what an earlier step wrote (or 0): block ids of this cache. A real row reads only the blocks
+    its length covers, all in the prefix; a padding row reads its first entry, some block of the cache,
+    whose slots hold finite values, and its output is dropped.
 
     Args:
         max_batch: The largest batch (the buffers' rows).
@@ -198,39 +204,47 @@ class StaticDecodeMetadata:
         self.layout = PackedLayout(max_batch, max_blocks, max_batch)
         self.block_size = block_size
         self.sliding_window = sliding_window
-        self._host = torch.zeros(self.layout.size, dtype=torch.int32, pin_memory=device.type == "cuda")
-        self._device = torch.zeros(self.layout.size, dtype=torch.int32, device=device)
-        self._pad_from(0)
-        self._device.copy_(self._host)
-
-    def _pad_from(self, n: int) -> None:
-        """Host buffer: rows from ``n`` on are 1-token sequences at position 0 writing nowhere."""
-        layout, b = self.layout, self.layout.capacity
-        meta = self._host.numpy()
-        meta[: b + 1] = np.arange(b + 1, dtype=np.int32)  # decode rows: one query each
-        meta[layout.seq_lens_at + n : layout.tables_at] = 1
-        meta[layout.tables_at + n * layout.max_blocks : layout.slots_at] = 0
-        meta[layout.slots_at + n :] = -1
+        layout, b = self.layout, max_batch
+        initial = np.zeros(layout.size, dtype=np.int32)
+        initial[: b + 1] = np.arange(b + 1, dtype=np.int32)  # decode rows: one query each (never changes)
+        initial[layout.seq_lens_at : layout.tables_at] = 1
+        initial[layout.slots_at :] = -1
+        self._device = torch.from_numpy(initial).to(device)
+        self._staged = np.zeros(0, dtype=np.int32)
+        self._rows = 0
+        self._width = 0
+        self.table_entries_uploaded = 0
+        """Block-table entries the last ``upload`` copied: the step's rows times the blocks it uses."""
 
     def fill(self, step: StepInputs) -> None:
-        """Write a decode-only step (at most ``max_batch`` sequences) into the host buffer, padded.
+        """Stage a decode-only step (at most ``max_batch`` sequences), padded, for the next ``upload``.
 
-        The host buffer is reused: the previous ``upload`` must have been read (the caller waits for it).
+        The staging array is the step's own: the previous ``upload``'s copy need not have read its own.
         """
-        n, layout = step.num_seqs, self.layout
-        self._pad_from(n)
-        meta = self._host.numpy()
-        meta[layout.seq_lens_at : layout.seq_lens_at + n] = step.seq_lens
-        tables = meta[layout.tables_at : layout.slots_at].reshape(layout.capacity, layout.max_blocks)
-        # Only the columns the step's longest context uses; the kernels read no block past a row's length.
+        n, b = step.num_seqs, self.layout.capacity
         width = max(1, -(-step.max_seq_len // self.block_size))
-        tables[:n, :width] = step.tables(None, width)
-        tables[:n, width:] = 0
-        meta[layout.slots_at : layout.slots_at + n] = step.slot_mapping
+        staged = np.empty(2 * b + n * width, dtype=np.int32)
+        staged[:n] = step.seq_lens
+        staged[n:b] = 1
+        staged[b : b + n] = step.slot_mapping
+        staged[b + n : 2 * b] = -1
+        staged[2 * b :].reshape(n, width)[:] = step.tables(None, width)
+        self._staged, self._rows, self._width = staged, n, width
 
     def upload(self, non_blocking: bool) -> None:
-        """Copy the host buffer to the device buffer the graphs read."""
-        self._device.copy_(self._host, non_blocking=non_blocking)
+        """Copy the staged step to the buffers the graphs read: one host-to-device copy of the staged
+        ints, then three copies on the device (lengths, slots, the tables' used prefix)."""
+        layout, b = self.layout, self.layout.capacity
+        n, width = self._rows, self._width
+        host = torch.from_numpy(self._staged)
+        staged = host.pin_memory().to(self._device.device, non_blocking=True) if non_blocking else host.to(
+            self._device.device
+        )
+        self._device[layout.seq_lens_at : layout.tables_at].copy_(staged[:b])
+        self._device[layout.slots_at :].copy_(staged[b : 2 * b])
+        tables = self._device[layout.tables_at : layout.slots_at].view(b, layout.max_blocks)
+        tables[:n, :width].copy_(staged[2 * b :].view(n, width))
+        self.table_entries_uploaded = n * width
 
     def metadata(self, size: int, splits: int) -> TritonAttentionMetadata:
         """The metadata of a graph for ``size`` sequences with ``splits`` KV splits (views: stable addresses)."""
