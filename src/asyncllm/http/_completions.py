@@ -554,18 +554,16 @@ class CompletionHandlers:
                     name,
                 )
         max_tokens = _COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        # OpenAI's echo with max_tokens=0 scores the prompt alone (lm-evaluation-harness's loglikelihood).
-        # The engine always samples once, from the prompt's last logits, which the prefill computes
-        # anyway: that one token is dropped here, so it costs no extra step.
-        echo_only = body.echo and max_tokens == 0
+        # max_tokens=0 computes the prompt alone and generates nothing (finish_reason "length"): with echo
+        # and logprobs, OpenAI's way to score a prompt (lm-evaluation-harness's loglikelihood).
         want_logprobs = body.logprobs is not None
         engine_prompt_logprobs = body.prompt_logprobs
         if body.echo and body.logprobs is not None:
             engine_prompt_logprobs = max(body.logprobs, body.prompt_logprobs or 0)
         params = _params(
             body,
-            max_tokens=1 if echo_only else max_tokens,
-            logprobs=None if echo_only else body.logprobs,
+            max_tokens=max_tokens,
+            logprobs=body.logprobs,
             prompt_logprobs=engine_prompt_logprobs,
         )
         streams = await self._open(prompts, params, body.cache_salt)
@@ -609,9 +607,6 @@ class CompletionHandlers:
         def engine_chunk(stream_index: int, chunk: StreamChunk) -> StreamChunk:
             if chunk.prompt_logprobs is not None:
                 prompt_entries[stream_index] = chunk.prompt_logprobs
-            if echo_only:  # drop the one sampled token: the choice is the prompt alone
-                reason = "length" if chunk.finished and chunk.finish_reason != "abort" else chunk.finish_reason
-                return StreamChunk("", (), chunk.finished, reason, index=chunk.index)
             return chunk
 
         def response(items: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
@@ -696,6 +691,10 @@ class CompletionHandlers:
                     self.app.max_top_logprobs,
                     name,
                 )
+        for name, value in (("max_completion_tokens", body.max_completion_tokens), ("max_tokens", body.max_tokens)):
+            # OpenAI's chat wants a reply: 0 (the legacy completions' prompt-only request) is refused there.
+            if value is not None and not isinstance(value, bool) and value < 1:
+                raise HTTPError(400, f"{name} must be >= 1, got {value}", param=name, code="integer_below_min_value")
         self._check_choices(1, body.n)
         structured = structured_output(body.response_format)  # a malformed one is refused before rendering
         prompt_ids, plan = await self._chat_prompt(body)
