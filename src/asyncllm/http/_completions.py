@@ -24,6 +24,7 @@ import anyio
 import msgspec
 from anyio.streams.memory import MemoryObjectSendStream
 
+from asyncllm.engine._detokenizer import IncrementalDetokenizer
 from asyncllm.engine._stream import RequestStream
 from asyncllm.engine._tools import ToolCallDelta, ToolPlan
 from asyncllm.errors import PromptTooLongError, StructuredOutputError
@@ -392,16 +393,37 @@ def prompt_logprobs_out(entries: Sequence[Logprobs | None]) -> PromptLogprobs:
     return out
 
 
+def echo_offsets(tokenizer: Any, token_ids: Sequence[int], text: str) -> list[int]:
+    """Where each prompt token starts in the echoed ``text``, as ``text_offset`` must say.
+
+    Summing each token's own text would run ahead of ``text`` wherever a token's text is not there: a
+    character split across tokens (each decodes alone to U+FFFD), or a BOS the tokenizer added to a
+    text prompt (the echo is the prompt as sent). The ids are decoded incrementally instead, and a token
+    starts where the text decoded before it ends; for a text prompt, the decoded text's lead over the
+    prompt (the added special tokens' text) is taken off.
+    """
+    detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=False, spaces_between_special_tokens=False)
+    offsets: list[int] = []
+    decoded = 0
+    for token_id in token_ids:
+        offsets.append(decoded)
+        decoded += len(detokenizer.push([token_id]))
+    decoded += len(detokenizer.flush())
+    lead = max(0, decoded - len(text))
+    return [min(max(offset - lead, 0), len(text)) for offset in offsets]
+
+
 def echo_logprobs(
-    entries: Sequence[Logprobs | None], num_prompt_tokens: int, first_token: str, num_top: int
+    entries: Sequence[Logprobs | None], offsets: Sequence[int], first_token: str, num_top: int, end: int
 ) -> tuple[CompletionLogprobs, int]:
     """The legacy ``logprobs`` of an echoed prompt, from its ``prompt_logprobs`` (None first: nothing
     predicts the first token, whose text is ``first_token``), each position's alternatives cut to
-    ``num_top``; and the offset after its last token."""
-    tokens, offsets = [first_token], [0]
+    ``num_top``, its tokens starting at ``offsets`` (see ``echo_offsets``); and ``end``, the offset
+    after the echoed text, where the generated tokens start."""
+    num_prompt_tokens = len(offsets)
+    tokens, text_offset = [first_token], [offsets[0]]
     token_logprobs: list[float | None] = [None]
     top_logprobs: list[dict[str, float] | None] = [None]
-    offset = len(first_token)
     if len(entries) != num_prompt_tokens:
         raise HTTPError(500, "the engine returned no logprobs for the prompt", type="server_error",
                         code="internal_error")
@@ -414,9 +436,8 @@ def echo_logprobs(
         tokens.append(entry.token.text)
         token_logprobs.append(entry.token.logprob)
         top_logprobs.append(top)
-        offsets.append(offset)
-        offset += len(entry.token.text)
-    return CompletionLogprobs(tokens, token_logprobs, top_logprobs, offsets), offset
+        text_offset.append(offsets[len(text_offset)])
+    return CompletionLogprobs(tokens, token_logprobs, top_logprobs, text_offset), end
 
 
 def _cut(entry: Logprobs, num_top: int) -> Logprobs:
@@ -592,9 +613,10 @@ class CompletionHandlers:
                 first_id = streams[stream_index].prompt_token_ids[0]
                 first = self.engine.tokenizer.decode([first_id], skip_special_tokens=False)
                 entries = prompt_entries.get(stream_index, ())
-                num_prompt_tokens = len(streams[stream_index].prompt_token_ids)
-                logprobs, end = echo_logprobs(entries, num_prompt_tokens, first, body.logprobs or 0)
-                echoed = _Echo(prompt_texts[stream_index], logprobs, end)
+                text = prompt_texts[stream_index]
+                offsets = echo_offsets(self.engine.tokenizer, streams[stream_index].prompt_token_ids, text)
+                logprobs, end = echo_logprobs(entries, offsets, first, body.logprobs or 0, len(text))
+                echoed = _Echo(text, logprobs, end)
             echoes[stream_index] = echoed
             return echoed
 
