@@ -27,7 +27,7 @@ def test_defaults_are_valid_and_match_vllm() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("max_tokens", 0),
+        ("max_tokens", -1),
         ("max_tokens", 1.5),
         ("max_tokens", True),
         ("min_tokens", -1),

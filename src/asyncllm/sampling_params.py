@@ -223,7 +223,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     Attributes:
         n: How many independent samples of the prompt to generate (1-64). The prompt's full KV
             blocks are computed once and shared; with a seed, sample i uses ``seed + i``.
-        max_tokens: The most tokens to generate (>= 1).
+        max_tokens: The most tokens to generate (>= 0). 0 computes the prompt alone (its
+            ``prompt_logprobs``, if asked, as lm-evaluation-harness's loglikelihood needs) and generates
+            nothing: the request finishes with finish_reason "length" in the step that completes its
+            prompt, which may then be as long as ``max_model_len``.
         min_tokens: Generate at least this many tokens before EOS or a ``stop_token_ids`` id may be
             sampled (they are masked out until then), and before ``stop`` strings are looked for.
         temperature: 0 means greedy (argmax), and so does any temperature below 1e-5
@@ -296,7 +299,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         _check_int("n", self.n, minimum=1)
         if self.n > MAX_N:
             raise InvalidSamplingParamsError(f"n must be <= {MAX_N}, got {self.n}", param="n")
-        _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_int("max_tokens", self.max_tokens, minimum=0)
         _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.min_tokens > self.max_tokens:
             raise InvalidSamplingParamsError(

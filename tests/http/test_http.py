@@ -270,7 +270,7 @@ async def test_stop_strings_end_the_completion_or_are_refused(scripted_engine: E
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
         ({"prompt": "x", "temperature": -1}, "temperature"),
         ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
         ({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),

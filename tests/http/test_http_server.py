@@ -134,7 +134,7 @@ def test_errors_reach_the_client_as_openai_errors(server: Server) -> None:
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="gpt-4", prompt="x")
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
-        client.completions.create(model=MODEL, prompt="x", max_tokens=0)
+        client.completions.create(model=MODEL, prompt="x", max_tokens=-1)
     with pytest.raises(openai.BadRequestError, match="not supported yet"):
         client.completions.create(model=MODEL, prompt="x", suffix="tail")
     assert httpx.get(f"{server.base_url}/health", timeout=10).json() == {"status": "ok"}  # no key needed

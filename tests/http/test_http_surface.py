@@ -157,10 +157,44 @@ async def test_echo_logprobs_streamed_and_whole(asyncllm_engine: Engine) -> None
         assert entries == logprobs["token_logprobs"][:num_prompt]
 
 
-async def test_max_tokens_zero_without_echo_is_still_a_400(bos_engine: Engine) -> None:
-    async with client(create_app(bos_engine)) as http:
-        response = await http.post("/v1/completions", json={"prompt": "ab", "max_tokens": 0})
-    assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
+async def test_max_tokens_zero_computes_the_prompt_alone(asyncllm_engine: Engine) -> None:
+    """max_tokens=0 is a prefill-only request: with echo the prompt and its logprobs, without it an empty
+    text (vLLM refuses that one; OpenAI's legacy completions took it); "length" and no completion tokens
+    either way. Chat wants a reply: 0 stays a 400 there, as OpenAI's."""
+    tokens = await asyncllm_engine.tokenize("Once upon a time")
+    expected = await asyncllm_engine.generate(tokens, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))
+    assert expected.prompt_logprobs is not None
+    max_model_len = asyncllm_engine.max_model_len
+    async with client(create_app(asyncllm_engine)) as http:
+        request = {"prompt": tokens, "echo": True, "logprobs": 1, "max_tokens": 0, "temperature": 0}
+        scored = (await http.post("/v1/completions", json=request)).json()
+        plain = (await http.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 0})).json()
+        usage = {"stream": True, "stream_options": {"include_usage": True}}
+        streamed = sse(await http.post("/v1/completions", json={**request, **usage}))
+        # A prompt of exactly max_model_len tokens: nothing is generated, so it fits.
+        full = {"prompt": [tokens[1]] * max_model_len, "echo": True, "logprobs": 0, "max_tokens": 0}
+        longest = await http.post("/v1/completions", json=full)
+        hi = [{"role": "user", "content": "hi"}]
+        chat = await http.post("/v1/chat/completions", json={"messages": hi, "max_tokens": 0})
+        chat_new = await http.post("/v1/chat/completions", json={"messages": hi, "max_completion_tokens": 0})
+    (choice,) = scored["choices"]
+    assert choice["finish_reason"] == "length" and choice["text"] == await asyncllm_engine.detokenize(tokens)
+    assert choice["logprobs"]["token_logprobs"] == [None] + [e.token.logprob for e in expected.prompt_logprobs[1:]]
+    assert scored["usage"]["completion_tokens"] == 0 and scored["usage"]["prompt_tokens"] == len(tokens)
+    assert plain["choices"][0]["text"] == "" and plain["choices"][0]["finish_reason"] == "length"
+    assert plain["choices"][0]["logprobs"] is None and plain["usage"]["completion_tokens"] == 0
+    # Streamed: one event with the echoed prompt, one that ends the choice, then the usage.
+    assert [e["choices"][0]["text"] for e in streamed[:-1]] == [choice["text"], ""]
+    assert [e["choices"][0]["finish_reason"] for e in streamed[:-1]] == [None, "length"]
+    assert streamed[0]["choices"][0]["logprobs"] == choice["logprobs"]
+    assert streamed[-1]["choices"] == [] and streamed[-1]["usage"]["completion_tokens"] == 0
+    assert longest.status_code == 200, longest.text
+    assert len(longest.json()["choices"][0]["logprobs"]["tokens"]) == max_model_len
+    for response, param in ((chat, "max_tokens"), (chat_new, "max_completion_tokens")):
+        assert response.status_code == 400 and response.json()["error"]["param"] == param
+        assert response.json()["error"]["code"] == "integer_below_min_value"
+    stats = asyncllm_engine.statistics()
+    assert stats.kv_blocks_free == stats.kv_blocks_total
 
 
 async def test_prompt_logprobs_as_vllm_returns_them(asyncllm_engine: Engine) -> None:
@@ -258,7 +292,7 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], str | None]] = [
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages"),
     ("/v1/chat/completions", {"messages": _USER, "tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"messages": _USER, "functions": [{"name": "f"}]}, "functions"),
-    ("/v1/chat/completions", {"messages": _USER, "max_completion_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": _USER, "max_completion_tokens": 0}, "max_completion_tokens"),
     ("/tokenize", {}, "prompt"),
     ("/tokenize", {"prompt": "x", "messages": _USER}, "prompt"),
     ("/detokenize", {"tokens": [1, 99999]}, "tokens"),

@@ -79,6 +79,12 @@ class Request:
     sampled, and it finishes with "stop" in the step that completes its prompt."""
 
     @property
+    def prefill_only(self) -> bool:
+        """True for a request that computes its prompt and samples nothing: an embedding request, or a
+        ``max_tokens=0`` one (which finishes with "length", its ``prompt_logprobs`` delivered)."""
+        return self.pooling is not None or self.params.max_tokens == 0
+
+    @property
     def num_tokens(self) -> int:
         """Prompt tokens plus tokens generated so far."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -32,7 +32,8 @@ class ScheduledRequest:
     epoch: int = 0
     """The request's preemption epoch when scheduled."""
     pool: bool = False
-    """A pooling request's last prompt chunk: the step returns its pooled vector, and it finishes."""
+    """A prefill-only request's last prompt chunk (``Request.prefill_only``): it finishes with this
+    step, a pooling request with the vector the step returns, a ``max_tokens=0`` one with "length"."""
 
 
 @dataclass(slots=True)
@@ -148,7 +149,7 @@ class Scheduler:
         return SchedulerOutput(scheduled, finished)
 
     def _fully_scheduled(self, request: Request) -> bool:
-        if request.pooling is not None:  # no output tokens: done once its prompt is
+        if request.prefill_only:  # no output tokens: done once its prompt is
             return request.num_tokens <= request.num_computed_tokens
         # Every token it may still produce is already in flight (it will finish with "length"):
         # one more step would only compute a token to throw away.
@@ -186,10 +187,13 @@ class Scheduler:
             if item.epoch == request.epoch:  # not preempted since: its KV really is there
                 request.num_confirmed_tokens = max(request.num_confirmed_tokens, item.start + item.num_new_tokens)
                 self.kv_cache.cache_computed_blocks(request)
-                if request.forks and request.num_confirmed_tokens >= len(request.prompt_token_ids):
+                if request.forks and request.num_confirmed_tokens >= len(request.prompt_token_ids) and not item.pool:
                     self._release_samples(request)
                 if item.pool:
-                    events.append(self._pooled(request, pooled.get(request.request_id)))
+                    if request.pooling is not None:
+                        events.append(self._pooled(request, pooled.get(request.request_id)))
+                    else:
+                        events.extend(self._prefilled(request, prompt_logprobs.get(request.request_id)))
                     continue
             if not item.sample:
                 continue
@@ -214,6 +218,17 @@ class Scheduler:
         reason: FinishReason = "stop" if vector is not None else "abort"
         self.finish(request, reason)
         return TokenEvent(request, [], reason, embedding=vector)
+
+    def _prefilled(self, request: Request, prompt_logprobs: list[PositionLogprobs | None] | None) -> list[TokenEvent]:
+        # A max_tokens=0 request ends with its prompt. Its other samples (n > 1) would only compute the
+        # same prompt again to generate nothing either: they end with it, without running.
+        samples, request.forks = request.forks, []
+        self.finish(request, "length")
+        events = [TokenEvent(request, [], "length", prompt_logprobs=prompt_logprobs)]
+        for sample in samples:
+            self.finish(sample, "length")
+            events.append(TokenEvent(sample, [], "length"))
+        return events
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """End a request (finished or aborted) and free its blocks; idempotent."""
@@ -262,7 +277,7 @@ class Scheduler:
         start = request.num_computed_tokens
         last = start + num_new == request.num_tokens + request.num_pending_tokens
         request.num_computed_tokens += num_new
-        if request.pooling is not None:  # its last chunk pools instead of sampling
+        if request.prefill_only:  # its last chunk pools (or, for max_tokens=0, just ends) instead of sampling
             return ScheduledRequest(request, start, num_new, False, request.epoch, pool=last)
         if last:
             request.num_pending_tokens += 1

@@ -167,6 +167,9 @@ class OutputProcessor:
                 stop_reason=stop_reason,
             )
         if finish_reason is not None:  # routed until its last chunk is out, so a failure can still end it
+            if output.last_token_time is None and finish_reason == "length":
+                # Nothing generated (max_tokens=0): its prompt was computed all the same.
+                self.metrics.prompt_tokens += len(request.prompt_token_ids)
             del self._outputs[request.request_id]
             self._record_finish(request, finish_reason, now)
 

@@ -101,7 +101,7 @@ class StepOutput:
     """Aligned with ``sampled_token_ids`` when a request asked for logprobs (None entries otherwise)."""
     prompt_logprobs: dict[int, list[PositionLogprobs | None]] | None = None
     """Per request id that asked for them, its prompt logprobs, complete (aligned with the prompt; None
-    for the first token and for positions never computed), in the step that samples after its prompt."""
+    for the first token and for positions never computed), in the step that completes its prompt."""
     failed: dict[int, str] | None = None
     """Requests whose own work failed in this step (a grammar that stopped matching), with why: the
     engine ends each one with ``RequestFailedError`` and discards its sampled token."""

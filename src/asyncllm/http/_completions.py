@@ -24,6 +24,7 @@ import anyio
 import msgspec
 from anyio.streams.memory import MemoryObjectSendStream
 
+from asyncllm.engine._detokenizer import IncrementalDetokenizer
 from asyncllm.engine._stream import RequestStream
 from asyncllm.engine._tools import ToolCallDelta, ToolPlan
 from asyncllm.errors import PromptTooLongError, StructuredOutputError
@@ -410,16 +411,37 @@ def prompt_logprobs_out(entries: Sequence[Logprobs | None]) -> PromptLogprobs:
     return out
 
 
+def echo_offsets(tokenizer: Any, token_ids: Sequence[int], text: str) -> list[int]:
+    """Where each prompt token starts in the echoed ``text``, as ``text_offset`` must say.
+
+    Summing each token's own text would run ahead of ``text`` wherever a token's text is not there: a
+    character split across tokens (each decodes alone to U+FFFD), or a BOS the tokenizer added to a
+    text prompt (the echo is the prompt as sent). The ids are decoded incrementally instead, and a token
+    starts where the text decoded before it ends; for a text prompt, the decoded text's lead over the
+    prompt (the added special tokens' text) is taken off.
+    """
+    detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=False, spaces_between_special_tokens=False)
+    offsets: list[int] = []
+    decoded = 0
+    for token_id in token_ids:
+        offsets.append(decoded)
+        decoded += len(detokenizer.push([token_id]))
+    decoded += len(detokenizer.flush())
+    lead = max(0, decoded - len(text))
+    return [min(max(offset - lead, 0), len(text)) for offset in offsets]
+
+
 def echo_logprobs(
-    entries: Sequence[Logprobs | None], num_prompt_tokens: int, first_token: str, num_top: int
+    entries: Sequence[Logprobs | None], offsets: Sequence[int], first_token: str, num_top: int, end: int
 ) -> tuple[CompletionLogprobs, int]:
     """The legacy ``logprobs`` of an echoed prompt, from its ``prompt_logprobs`` (None first: nothing
     predicts the first token, whose text is ``first_token``), each position's alternatives cut to
-    ``num_top``; and the offset after its last token."""
-    tokens, offsets = [first_token], [0]
+    ``num_top``, its tokens starting at ``offsets`` (see ``echo_offsets``); and ``end``, the offset
+    after the echoed text, where the generated tokens start."""
+    num_prompt_tokens = len(offsets)
+    tokens, text_offset = [first_token], [offsets[0]]
     token_logprobs: list[float | None] = [None]
     top_logprobs: list[dict[str, float] | None] = [None]
-    offset = len(first_token)
     if len(entries) != num_prompt_tokens:
         raise HTTPError(500, "the engine returned no logprobs for the prompt", type="server_error",
                         code="internal_error")
@@ -432,9 +454,8 @@ def echo_logprobs(
         tokens.append(entry.token.text)
         token_logprobs.append(entry.token.logprob)
         top_logprobs.append(top)
-        offsets.append(offset)
-        offset += len(entry.token.text)
-    return CompletionLogprobs(tokens, token_logprobs, top_logprobs, offsets), offset
+        text_offset.append(offsets[len(text_offset)])
+    return CompletionLogprobs(tokens, token_logprobs, top_logprobs, text_offset), end
 
 
 def _cut(entry: Logprobs, num_top: int) -> Logprobs:
@@ -572,18 +593,16 @@ class CompletionHandlers:
                     name,
                 )
         max_tokens = _COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        # OpenAI's echo with max_tokens=0 scores the prompt alone (lm-evaluation-harness's loglikelihood).
-        # The engine always samples once, from the prompt's last logits, which the prefill computes
-        # anyway: that one token is dropped here, so it costs no extra step.
-        echo_only = body.echo and max_tokens == 0
+        # max_tokens=0 computes the prompt alone and generates nothing (finish_reason "length"): with echo
+        # and logprobs, OpenAI's way to score a prompt (lm-evaluation-harness's loglikelihood).
         want_logprobs = body.logprobs is not None
         engine_prompt_logprobs = body.prompt_logprobs
         if body.echo and body.logprobs is not None:
             engine_prompt_logprobs = max(body.logprobs, body.prompt_logprobs or 0)
         params = _params(
             body,
-            max_tokens=1 if echo_only else max_tokens,
-            logprobs=None if echo_only else body.logprobs,
+            max_tokens=max_tokens,
+            logprobs=body.logprobs,
             prompt_logprobs=engine_prompt_logprobs,
         )
         streams = await self._open(prompts, params, body.cache_salt)
@@ -612,9 +631,10 @@ class CompletionHandlers:
                 first_id = streams[stream_index].prompt_token_ids[0]
                 first = self.engine.tokenizer.decode([first_id], skip_special_tokens=False)
                 entries = prompt_entries.get(stream_index, ())
-                num_prompt_tokens = len(streams[stream_index].prompt_token_ids)
-                logprobs, end = echo_logprobs(entries, num_prompt_tokens, first, body.logprobs or 0)
-                echoed = _Echo(prompt_texts[stream_index], logprobs, end)
+                text = prompt_texts[stream_index]
+                offsets = echo_offsets(self.engine.tokenizer, streams[stream_index].prompt_token_ids, text)
+                logprobs, end = echo_logprobs(entries, offsets, first, body.logprobs or 0, len(text))
+                echoed = _Echo(text, logprobs, end)
             echoes[stream_index] = echoed
             return echoed
 
@@ -627,9 +647,6 @@ class CompletionHandlers:
         def engine_chunk(stream_index: int, chunk: StreamChunk) -> StreamChunk:
             if chunk.prompt_logprobs is not None:
                 prompt_entries[stream_index] = chunk.prompt_logprobs
-            if echo_only:  # drop the one sampled token: the choice is the prompt alone
-                reason = "length" if chunk.finished and chunk.finish_reason != "abort" else chunk.finish_reason
-                return StreamChunk("", (), chunk.finished, reason, index=chunk.index)
             return chunk
 
         def response(items: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
@@ -714,6 +731,10 @@ class CompletionHandlers:
                     self.app.max_top_logprobs,
                     name,
                 )
+        for name, value in (("max_completion_tokens", body.max_completion_tokens), ("max_tokens", body.max_tokens)):
+            # OpenAI's chat wants a reply: 0 (the legacy completions' prompt-only request) is refused there.
+            if value is not None and not isinstance(value, bool) and value < 1:
+                raise HTTPError(400, f"{name} must be >= 1, got {value}", param=name, code="integer_below_min_value")
         self._check_choices(1, body.n)
         structured = structured_output(body.response_format)  # a malformed one is refused before rendering
         prompt_ids, plan = await self._chat_prompt(body)

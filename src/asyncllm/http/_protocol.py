@@ -327,6 +327,10 @@ class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
     """Default: True for a prompt, False for messages (the template writes its own), as vLLM."""
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    # With messages: rendered as the chat request renders them, so the count is the chat prompt's.
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
 
 
 class TokenizeResponse(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -26,7 +26,7 @@ class TokenizerHandlers:
         self.engine = app.engine
 
     async def tokenize(self, exchange: Exchange) -> None:
-        """``POST /tokenize``: ``{"prompt"}`` or ``{"messages", "add_generation_prompt"}`` ->
+        """``POST /tokenize``: ``{"prompt"}`` or ``{"messages", "add_generation_prompt", "tools"}`` ->
         ``{"count", "max_model_len", "tokens"}`` (and ``token_strs`` when ``return_token_strs``)."""
         body = await exchange.json(TokenizeRequest)
         self.app.check_model(body.model)
@@ -45,9 +45,14 @@ class TokenizerHandlers:
                     param="add_special_tokens",
                     code="unsupported_parameter",
                 )
+            messages = chat_messages(body.messages)
+            # The tools the chat request would send: the template writes them into the prompt.
+            plan = self.engine.tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
             tokens = await self.engine.encode_chat(
-                chat_messages(body.messages), add_generation_prompt=body.add_generation_prompt
+                messages, tools=plan, add_generation_prompt=body.add_generation_prompt
             )
+        elif body.tools is not None:
+            raise HTTPError(400, "`tools` goes with `messages`, not `prompt`", param="tools", code="invalid_value")
         elif body.prompt is not None:
             add_special_tokens = True if body.add_special_tokens is None else body.add_special_tokens
             tokens = await self.engine.tokenize(body.prompt, add_special_tokens=add_special_tokens)

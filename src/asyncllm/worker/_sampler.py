@@ -651,7 +651,8 @@ class Sampler:
             logits_at: Logits of the given flat token rows (the runner runs the LM head).
 
         Returns:
-            Per request that asked for them and samples in this step, its prompt logprobs aligned
+            Per request that asked for them and whose prompt this step completes (it samples, or it
+            is a ``max_tokens=0`` request's last chunk), its prompt logprobs aligned
             with the prompt (None first); None when no request of the step asked.
         """
         if not any(seq.params.prompt_logprobs is not None for seq in sequences):
@@ -690,7 +691,9 @@ class Sampler:
         done: dict[int, list[PositionLogprobs | None]] = {}
         for seq in sequences:
             finished = self._states.get(seq.request_id)
-            if seq.sample and finished is not None and finished.prompt_logprobs is not None:
+            # The chunk that completes the prompt delivers them: it samples, or (max_tokens=0) it is the last.
+            completes = seq.sample or seq.start_position + len(seq.token_ids) >= len(seq.prompt_token_ids)
+            if completes and finished is not None and finished.prompt_logprobs is not None:
                 done[seq.request_id] = finished.prompt_logprobs
                 finished.prompt_logprobs = None
                 finished.prompt_logprobs_sent = True
