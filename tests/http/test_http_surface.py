@@ -289,6 +289,8 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], str | None]] = [
     ("/v1/chat/completions", {"messages": _USER, "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": _USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "x"}, {"role": "user"}]},
+     "messages[1].content"),
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages"),
     ("/v1/chat/completions", {"messages": _USER, "tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"messages": _USER, "functions": [{"name": "f"}]}, "functions"),

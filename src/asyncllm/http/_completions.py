@@ -204,7 +204,7 @@ def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
 
     Raises:
         HTTPError: 400 for no messages, a role OpenAI does not have (``param`` ``messages[i].role``),
-            or content parts other than text.
+            no content on a message other than an assistant's, or content parts other than text.
     """
     if not messages:
         raise HTTPError(400, "messages must not be empty", param="messages", code="invalid_value")
@@ -224,6 +224,11 @@ def _message(index: int, message: ChatMessage) -> dict[str, Any]:
     content = message.content
     text: str | None
     if content is None:
+        if message.role != "assistant":  # only an assistant's message (a tool call, a refusal) may have none
+            raise HTTPError(
+                400, f"messages[{index}].content is required for role {message.role!r}",
+                param=f"messages[{index}].content", code="invalid_value",
+            )
         text = None if message.tool_calls else ""
     elif isinstance(content, str):
         text = content
