@@ -34,9 +34,8 @@ from asyncllm.executor._runner import (
     StepBatch,
     StepOutput,
 )
-from asyncllm.models import DecoderForCausalLM, build_model
+from asyncllm.models import DecoderForCausalLM
 from asyncllm.models._linear import Linear, PackedFormat
-from asyncllm.models._rotary import RotaryEmbedding
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.worker._graphs import DecodeGraphs, capture_sizes, to_device
 from asyncllm.worker._input_batch import InputBatch, StepInputs
@@ -50,7 +49,7 @@ from asyncllm.worker._memory import (
     size_kv_cache,
 )
 from asyncllm.worker._sampler import Sampler
-from asyncllm.worker._weights import load_config, load_eos_token_ids, load_state_dict
+from asyncllm.worker._weights import checkpoint_tensors, load_config, load_eos_token_ids, load_model
 
 logger = logging.getLogger("asyncllm")
 
@@ -179,18 +178,16 @@ class TorchModelRunner:
             torch.cuda.set_device(device)
             torch.cuda.set_stream(torch.cuda.Stream(device))
         config = load_config(self.model_path)
-        with torch.device("meta"):
-            model = build_model(config)
-        model.to_empty(device=device)
-        model.to(dtype)
-        model.load_state_dict(load_state_dict(self.model_path, model.spec.tie_word_embeddings), strict=True)
-        if model.spec.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
-        model.rotary = RotaryEmbedding(model.spec.head_dim, model.spec.rope).to(device)
-        model.eval()
+        # Weights are allocated once, in their dtype and fused layout, and filled a slice at a time: the
+        # load's peak is the weights' size (see ``_weights.load_model``).
+        model = load_model(
+            config,
+            checkpoint_tensors(self.model_path),
+            device=device,
+            dtype=dtype,
+            fuse_projections=self.switches.fuse_projections,
+        )
         model.fused_norm = self.switches.fused_norm  # before any CUDA graph is captured: graphs keep their path
-        if self.switches.fuse_projections:
-            model.fuse_projections()
         spec = model.spec
         backend = self.backend = model.backend = create_backend(
             backend_name,
