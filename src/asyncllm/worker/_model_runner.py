@@ -40,10 +40,13 @@ from asyncllm.sampling_params import SamplingParams
 from asyncllm.worker._graphs import DecodeGraphs, capture_sizes, to_device
 from asyncllm.worker._input_batch import InputBatch, StepInputs
 from asyncllm.worker._memory import (
+    DEFAULT_CUDA_FRACTION,
     KVCacheSizing,
+    cuda_memory,
     host_available_bytes,
     mapped_tensor,
     peak_resident_bytes,
+    plan_kv_blocks,
     reset_peak_rss,
     resident_bytes,
     size_kv_cache,
@@ -278,22 +281,40 @@ class TorchModelRunner:
         return mapped_tensor(shape[0] * shape[1] * shape[2], self.dtype).view(shape)
 
     def _size_kv_cache(self, model: DecoderForCausalLM, device: torch.device, dtype: torch.dtype) -> int:
-        peak = self._measure_activation_peak()
-        if device.type == "cuda":
-            available, _ = torch.cuda.mem_get_info(device)
-        else:
-            available = host_available_bytes()
+        bytes_per_block = self._kv_bytes_per_block(model, dtype)
         max_blocks = None
         if self.max_tokens_in_cache is not None:
             max_blocks = -(-self.max_tokens_in_cache // self.block_size)
-        sizing = self.kv_sizing = size_kv_cache(
-            self.options.kv_cache_memory,
-            device_type=device.type,
-            available_bytes=available,
-            activation_peak_bytes=peak,
-            bytes_per_block=self._kv_bytes_per_block(model, dtype),
-            max_blocks=max_blocks,
-        )
+        kv_cache_memory = self.options.kv_cache_memory
+        cuda = device.type == "cuda"
+        weight_bytes = torch.cuda.memory_allocated(device) if cuda else 0  # before the probe allocates anything
+        peak = self._measure_activation_peak()
+        if cuda and not isinstance(kv_cache_memory, int):
+            total, non_torch = cuda_memory(device)  # empties the cache the probe left
+            utilization = kv_cache_memory if isinstance(kv_cache_memory, float) else DEFAULT_CUDA_FRACTION
+            num_blocks = plan_kv_blocks(
+                total_bytes=total,
+                non_torch_bytes=non_torch,
+                weight_bytes=weight_bytes,
+                activation_peak_bytes=peak,
+                bytes_per_block=bytes_per_block,
+                utilization=utilization,
+            )
+            if max_blocks is not None:
+                num_blocks = min(num_blocks, max_blocks)
+            available = int(utilization * total) - non_torch - weight_bytes
+            sizing = KVCacheSizing(num_blocks * bytes_per_block, available, peak, bytes_per_block, num_blocks)
+        else:
+            available = torch.cuda.mem_get_info(device)[0] if cuda else host_available_bytes()
+            sizing = size_kv_cache(
+                kv_cache_memory,
+                device_type=device.type,
+                available_bytes=available,
+                activation_peak_bytes=peak,
+                bytes_per_block=bytes_per_block,
+                max_blocks=max_blocks,
+            )
+        self.kv_sizing = sizing
         logger.info(
             "KV cache sized from memory: %d blocks (%.0f MiB) of %.0f MiB available after the weights, "
             "activation peak %.0f MiB at %d tokens",
