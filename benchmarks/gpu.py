@@ -39,7 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,22 +97,23 @@ def patch_random_weights(seed: int) -> None:
 
     import asyncllm.worker._model_runner as model_runner
     from asyncllm.models import build_model
-    from asyncllm.worker._weights import load_config
-    def random_state(model_path: Path, tie_word_embeddings: bool) -> dict[str, torch.Tensor]:
-        with torch.device("meta"):
-            shapes = {name: t.shape for name, t in build_model(load_config(model_path)).state_dict().items()}
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-        state = {}
-        for name, shape in shapes.items():
-            if name.endswith("norm.weight"):
-                state[name] = torch.ones(shape, device="cuda", dtype=torch.bfloat16)
-            else:
-                state[name] = torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02
-        if tie_word_embeddings:
-            state["lm_head.weight"] = state["model.embed_tokens.weight"]
-        return state
+    from asyncllm.worker._weights import CheckpointTensor, load_config
 
-    model_runner.load_state_dict = random_state  # type: ignore[assignment]
+    def random_tensors(model_path: Path) -> Iterator[CheckpointTensor]:
+        with torch.device("meta"):
+            shapes = {name: tuple(t.shape) for name, t in build_model(load_config(model_path)).state_dict().items()}
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+
+        def rows(name: str, shape: tuple[int, ...], start: int, stop: int) -> torch.Tensor:
+            if name.endswith("norm.weight"):
+                return torch.ones((stop - start, *shape[1:]), device="cuda", dtype=torch.bfloat16)
+            chunk = torch.randn((stop - start, *shape[1:]), generator=gen, device="cuda", dtype=torch.bfloat16)
+            return chunk * 0.02
+
+        for name, shape in shapes.items():
+            yield name, shape, functools.partial(rows, name, shape)
+
+    model_runner.checkpoint_tensors = random_tensors  # type: ignore[assignment]
 
 
 def bench_ms(fn: Any) -> float:

@@ -10,6 +10,7 @@ AsyncLLMError(Exception)
 │   ├── ChatTemplateError                   the model has no chat template, or it rejected the messages
 │   └── InvalidToolsError                   a chat's tools, tool_choice or parallel_tool_calls are malformed
 ├── ModelNotFoundError(FileNotFoundError)   the model folder or the default model's package is missing
+├── ModelLoadError(ValueError)              checkpoint and model disagree, or the model does not fit the device
 ├── EngineOverloadedError(RuntimeError)     the waiting queue is full (max_waiting_requests); retry later
 ├── EngineClosedError(RuntimeError)         the engine is not open (not entered yet, or already left)
 ├── RequestFailedError(RuntimeError)        one request failed inside the engine; the others go on
@@ -99,6 +100,11 @@ class InvalidToolsError(InvalidRequestError):
 
 class ModelNotFoundError(AsyncLLMError, FileNotFoundError):
     """The model folder (or the default model's package) cannot be found."""
+
+
+class ModelLoadError(AsyncLLMError, ValueError):
+    """The model cannot be loaded as asked: its checkpoint lacks a tensor, has an unknown one or one of
+    the wrong shape, or the device cannot hold its weights, its activation peak and one KV block."""
 
 
 class EngineOverloadedError(AsyncLLMError, RuntimeError):

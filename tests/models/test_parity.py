@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from functools import cache
 from pathlib import Path
@@ -13,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncllm import Engine, SamplingParams
 from asyncllm.testing.tiny_models import tiny_model_path
+from asyncllm.worker._model_runner import TorchModelRunner
 
 pytestmark = pytest.mark.anyio
 
@@ -49,8 +51,10 @@ def _prompts(vocab_size: int, eos_ids: set[int]) -> list[list[int]]:
 
 
 @cache
-def _hf_greedy(model_dir: Path, prompts: tuple[tuple[int, ...], ...], max_new_tokens: int) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def _hf_greedy(
+    model_dir: Path, prompts: tuple[tuple[int, ...], ...], max_new_tokens: int, dtype: torch.dtype = torch.float32
+) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     outputs = []
     with torch.inference_mode():
         for prompt in prompts:
@@ -128,3 +132,77 @@ async def test_default_model_matches_transformers(smollm2_dir: Path) -> None:
         texts = [engine.tokenizer.decode(ids, skip_special_tokens=True) for ids in got]
     assert got == expected
     assert "Paris" in texts[0]
+
+
+# -- bfloat16 end to end ----------------------------------------------------------------------------
+#
+# bfloat16 end to end on the CPU: the torch path against HF transformers in bfloat16, greedy.
+#
+# Both sides load the same float32 checkpoint rounded once to bfloat16, and compute every matmul in
+# bfloat16 with float32 RMSNorm and float32 rotary angles. Without fused projections the tokens must be
+# identical. With them (the default) q/k/v and gate/up are one wider matmul each: a GEMM library may
+# then block, and so sum, the hidden dimension in another order, and bfloat16's 8-bit mantissa turns a
+# different summation order into different roundings, which greedy decoding can amplify into a
+# different token once two candidates are close. So the fused runs are not required to be identical:
+# the agreement rate is printed and must stay at least ``MIN_FUSED_AGREEMENT``. Measured on this
+# project's x86 CPU (oneDNN's bfloat16 GEMM through torch): 1.000, identical for both families (figures
+# in docs/gpu.md, "bfloat16").
+#
+# The ``cpu`` attention backend runs float32 only: asked for with bfloat16, it falls back to torch
+# attention with a warning, and the tokens are the torch path's.
+
+
+MIN_FUSED_AGREEMENT = 0.9
+"""The share of generated tokens (prefix-matched per prompt) the fused bfloat16 path must share with HF."""
+
+
+def _agreement(got: list[list[int]], expected: list[list[int]]) -> float:
+    """The share of expected tokens matched before each prompt's first difference."""
+    matched = 0
+    for ours, theirs in zip(got, expected):
+        for a, b in zip(ours, theirs):
+            if a != b:
+                break
+            matched += 1
+    return matched / sum(len(t) for t in expected)
+
+
+async def _run(
+    model_dir: Path, fuse_projections: bool, backend: str = "torch"
+) -> tuple[list[list[int]], list[list[int]]]:
+    runner = TorchModelRunner(
+        model_dir, device="cpu", dtype="bfloat16", attention_backend=backend, fuse_projections=fuse_projections
+    )
+    async with Engine.open(model_dir, runner=runner, tokenizer=AutoTokenizer.from_pretrained(model_dir)) as engine:
+        assert engine._info is not None and runner.attention_backend == "torch"
+        assert runner.model is not None and runner.model.lm_head.weight.dtype == torch.bfloat16
+        prompts = _prompts(engine._info.vocab_size, set(engine._info.eos_token_ids))
+        expected = _hf_greedy(model_dir, tuple(map(tuple, prompts)), MAX_NEW_TOKENS, torch.bfloat16)
+        got = await _generate_all(engine, prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS))
+    return got, expected
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+async def test_bfloat16_unfused_matches_transformers(tiny_cache: Path, family: str) -> None:
+    """Unfused, both sides compute in the same order: token for token (see the section's comment)."""
+    got, expected = await _run(tiny_model_path(tiny_cache, family), fuse_projections=False)
+    print(f"{family} unfused bfloat16 agreement {_agreement(got, expected):.3f}")
+    assert got == expected
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+async def test_bfloat16_fused_agreement(tiny_cache: Path, family: str) -> None:
+    """Fused q/k/v and gate/up may sum in another order: the agreement rate is printed and bounded below
+    (measured 1.000 here; see the section's comment)."""
+    got, expected = await _run(tiny_model_path(tiny_cache, family), fuse_projections=True)
+    rate = _agreement(got, expected)
+    print(f"{family} fused bfloat16 agreement {rate:.3f} ({'identical' if got == expected else 'differs'})")
+    assert rate >= MIN_FUSED_AGREEMENT
+
+
+async def test_bfloat16_cpu_backend_falls_back_to_torch(tiny_cache: Path, caplog: pytest.LogCaptureFixture) -> None:
+    model_dir = tiny_model_path(tiny_cache, "llama")
+    with caplog.at_level(logging.WARNING, logger="asyncllm"):
+        got, expected = await _run(model_dir, fuse_projections=False, backend="cpu")
+    assert any("runs float32 only" in record.getMessage() for record in caplog.records)
+    assert got == expected

@@ -69,9 +69,11 @@ class EngineOptions:
     kv_cache_memory: int | float | None = field(
         default=None,
         metadata=_doc("""With kv_cache_blocks=None, the KV cache's size: bytes (an int) or a fraction (a float in
-        (0, 1]) of the memory left after the weights and the measured activation peak of a
-        max_num_batched_tokens step. None: a quarter of that (at most 4 GiB) on the CPU, 90% on CUDA.
-        The block count and the concurrency it allows at max_model_len are logged."""),
+        (0, 1]). On the CPU the fraction is of the memory left after the weights and the measured
+        activation peak of a max_num_batched_tokens step; on CUDA it is the share of the whole device
+        that weights, activations and cache may fill together (vLLM's gpu_memory_utilization). None: a
+        quarter of what is left (at most 4 GiB) on the CPU, 0.9 of the device on CUDA. The block count
+        and the concurrency it allows at max_model_len are logged."""),
     )
     seed: int | None = field(
         default=None, metadata=_doc("Seed of the generator that unseeded sampling requests share.")

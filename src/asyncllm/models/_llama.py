@@ -374,12 +374,38 @@ class DecoderForCausalLM(nn.Module):
         """Stack q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` in every layer.
 
         Call it after ``load_state_dict`` (the checkpoint has HF's separate names; afterwards the
-        state dict has the fused ones). Fewer, larger matmuls: the same numbers, faster.
+        state dict has the fused ones), or on the meta device before loading, which then writes each
+        checkpoint tensor into its rows (``checkpoint_rows``). Fewer, larger matmuls: the same
+        numbers, faster.
         """
         for layer in self.model.layers:
             assert isinstance(layer, DecoderLayer)
             layer.self_attn.fuse()
             layer.mlp.fuse()
+
+    def checkpoint_rows(self) -> dict[str, tuple[str, int]]:
+        """Where each fused projection's checkpoint tensors go: HF name -> (our parameter's name, first row).
+
+        After ``fuse_projections`` the checkpoint's ``q_proj``/``k_proj``/``v_proj`` (weights and biases)
+        are row ranges of ``qkv_proj``, and ``gate_proj``/``up_proj`` of ``gate_up_proj``, stacked in
+        that order. A loader writes each checkpoint tensor straight into its range, so the separate
+        copies never exist (``asyncllm.worker._weights.load_weights``). Names not listed here map to
+        themselves at row 0. Empty before fusing.
+        """
+        rows: dict[str, tuple[str, int]] = {}
+        for index, layer in enumerate(self.model.layers):
+            assert isinstance(layer, DecoderLayer)
+            prefix = f"model.layers.{index}"
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.qkv_proj is not None:
+                q_size, kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+                for part, start in (("q_proj", 0), ("k_proj", q_size), ("v_proj", q_size + kv_size)):
+                    for kind in ("weight", "bias"):
+                        rows[f"{prefix}.self_attn.{part}.{kind}"] = (f"{prefix}.self_attn.qkv_proj.{kind}", start)
+            if mlp.gate_up_proj is not None:
+                for part, start in (("gate_proj", 0), ("up_proj", mlp.intermediate_size)):
+                    rows[f"{prefix}.mlp.{part}.weight"] = (f"{prefix}.mlp.gate_up_proj.weight", start)
+        return rows
 
     def pack_weights(self, packed_format: PackedFormat | None = None, *, greedy_head: bool = True) -> int:
         """Pack every linear layer's weight for a packed GEMM (float32 on the CPU; see ``models._linear``).

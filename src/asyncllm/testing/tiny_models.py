@@ -1,7 +1,7 @@
 """Tiny random Hugging Face format model folders for tests, built locally with nothing downloaded.
 
 ``build_tiny_model(path, family)`` writes a folder that ``transformers`` (and asyncllm) load like
-any checkpoint: ``config.json``, ``generation_config.json``, ``model.safetensors`` (float32,
+any checkpoint: ``config.json``, ``generation_config.json``, ``model.safetensors`` (float32 by default,
 random weights) and a byte-level BPE tokenizer (``tokenizer.json``, ``tokenizer_config.json``)
 trained in well under a second on a small built-in corpus, with a ChatML chat template.
 
@@ -475,11 +475,12 @@ def build_tiny_model(
     tie_word_embeddings: bool | None = None,
     rope_scaling: str | None = None,
     head_dim: int | None = None,
+    dtype: str = "float32",
 ) -> pathlib.Path:
     """Write a tiny random model of ``family`` and its tokenizer into the folder ``path``.
 
-    The folder gets ``config.json``, ``generation_config.json``, ``model.safetensors`` (float32)
-    and ``tokenizer.json`` + ``tokenizer_config.json``; it loads with
+    The folder gets ``config.json``, ``generation_config.json``, ``model.safetensors`` (float32
+    unless ``dtype`` says otherwise) and ``tokenizer.json`` + ``tokenizer_config.json``; it loads with
     ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``. Nothing is
     downloaded, and the same arguments always give the same files' contents.
 
@@ -506,6 +507,8 @@ def build_tiny_model(
             Llama 3.1-style frequency scaling (factor 8, original context 128).
         head_dim: Size of each attention head. Default: ``hidden_size // num_heads``, except for
             qwen3 where it is twice that, so that ``num_heads * head_dim != hidden_size``.
+        dtype: ``"float32"`` or ``"bfloat16"``: the checkpoint's dtype (and the config's). The
+            weights are drawn in float32 either way and rounded once when saved.
 
     Returns:
         The folder, as a ``pathlib.Path``.
@@ -526,6 +529,8 @@ def build_tiny_model(
         raise ValueError(f"head_dim must be a positive even number (RoPE rotates pairs), got {head_dim}")
     if tie_word_embeddings is None:
         tie_word_embeddings = _TIED_BY_DEFAULT[family]
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
 
     out = pathlib.Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -543,6 +548,10 @@ def build_tiny_model(
         rope_scaling=rope_scaling,
     )
     model = _make_model(family, config, seed)
+    if dtype == "bfloat16":
+        for param in model.parameters():
+            param.data = param.data.to(torch.bfloat16)
+        model.config.dtype = "bfloat16"
     model.save_pretrained(out, safe_serialization=True)
     tokenizer = _wrap_tokenizer(_train_tokenizer(vocab_size, family), max_position_embeddings)
     tokenizer.save_pretrained(out)

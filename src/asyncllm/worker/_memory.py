@@ -1,10 +1,13 @@
 """Sizing the KV cache from memory: what is left after the weights and a measured activation peak.
 
-``kv_cache_memory`` is either bytes (an int) or a fraction (a float in (0, 1]) of the memory that
-remains once the weights are loaded and the largest step's activations are accounted for. The
-activation peak is measured, not guessed: the runner runs one forward at ``max_num_batched_tokens``
-and reads the high-water mark (``VmHWM`` on the CPU, after resetting it through
-``/proc/self/clear_refs``; ``torch.cuda.max_memory_allocated`` on CUDA).
+``kv_cache_memory`` is either bytes (an int) or a fraction (a float in (0, 1]). On the CPU the
+fraction is of the memory that remains once the weights are loaded and the largest step's
+activations are accounted for. On CUDA it is the share of the whole device the engine may fill
+(weights, activations and cache; vLLM's ``gpu_memory_utilization``), and ``plan_kv_blocks`` is the
+whole plan, a pure function of the measured figures. The activation peak is measured, not guessed:
+the runner runs one forward at ``max_num_batched_tokens`` and reads the high-water mark (``VmHWM``
+on the CPU, after resetting it through ``/proc/self/clear_refs``; ``torch.cuda.max_memory_allocated``
+on CUDA).
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ DEFAULT_CPU_FRACTION = 0.25
 DEFAULT_CPU_CAP_BYTES = 4 << 30
 """... and at most 4 GiB unless asked for more."""
 DEFAULT_CUDA_FRACTION = 0.9
-"""On CUDA the device is the engine's: 90% of what is left."""
+"""On CUDA the device is the engine's: weights, activations and cache fill up to 90% of its memory; the
+rest is headroom (CUDA graphs' pool, fragmentation, what other libraries allocate later)."""
 
 
 def anonymous_mapping(nbytes: int) -> mmap.mmap:
@@ -136,6 +140,68 @@ def check_kv_cache_memory(value: object) -> None:
     raise ValueError(f"kv_cache_memory must be bytes (int) or a fraction (float), got {value!r}")
 
 
+def plan_kv_blocks(
+    *,
+    total_bytes: int,
+    non_torch_bytes: int,
+    weight_bytes: int,
+    activation_peak_bytes: int,
+    bytes_per_block: int,
+    utilization: float = DEFAULT_CUDA_FRACTION,
+) -> int:
+    """The number of KV blocks a device holds: ``(utilization * total - non_torch - weights - activations) //
+    bytes_per_block``.
+
+    A pure function, so the plan is testable without the device. Each figure is counted once: the
+    caller measures them after ``torch.cuda.empty_cache()`` (memory torch's allocator caches but no
+    tensor holds would otherwise count as used), with the sizing probe's KV cache freed.
+
+    Args:
+        total_bytes: The device's memory (``torch.cuda.mem_get_info``'s total).
+        non_torch_bytes: Memory in use that torch's allocator does not hold: other processes, the CUDA
+            context, library workspaces (used memory minus ``torch.cuda.memory_reserved``).
+        weight_bytes: What torch holds once the model is loaded (``torch.cuda.memory_allocated``).
+        activation_peak_bytes: The extra memory of the largest step, measured.
+        bytes_per_block: KV bytes of one block across all layers (keys and values).
+        utilization: The share of ``total_bytes`` the engine may fill, in (0, 1].
+
+    Returns:
+        At least one block.
+
+    Raises:
+        ModelLoadError: The weights, the activation peak and the memory in use by others leave no room
+            for one block within ``utilization`` of the device; the message gives each figure.
+    """
+    from asyncllm.errors import ModelLoadError
+
+    usable = int(utilization * total_bytes)
+    budget = usable - non_torch_bytes - weight_bytes - activation_peak_bytes
+    if budget < bytes_per_block:
+        gib = 1 << 30
+        raise ModelLoadError(
+            f"the model does not fit: weights {weight_bytes / gib:.1f} GiB + activation peak "
+            f"{activation_peak_bytes / gib:.1f} GiB + memory in use outside torch {non_torch_bytes / gib:.1f} GiB "
+            f"leave {max(0, budget) / gib:.2f} GiB of the {usable / gib:.1f} GiB usable "
+            f"({utilization:.0%} of {total_bytes / gib:.1f} GiB), less than one KV block ({bytes_per_block} bytes); "
+            "use a larger device, a smaller model or dtype, a smaller max_num_batched_tokens, or a larger "
+            "kv_cache_memory fraction"
+        )
+    return budget // bytes_per_block
+
+
+def cuda_memory(device: torch.device) -> tuple[int, int]:
+    """The device's total memory and the memory in use outside torch's allocator, for ``plan_kv_blocks``.
+
+    Empties torch's cache first: blocks torch caches but no tensor holds (a freed probe, freed
+    load-time copies) would otherwise count as used, on top of the figures the plan subtracts itself.
+    """
+    import torch
+
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return total, max(0, total - free - torch.cuda.memory_reserved(device))
+
+
 def size_kv_cache(
     kv_cache_memory: int | float | None,
     *,
@@ -145,7 +211,8 @@ def size_kv_cache(
     bytes_per_block: int,
     max_blocks: int | None = None,
 ) -> KVCacheSizing:
-    """Decide the number of KV blocks.
+    """Decide the number of KV blocks from the memory available after the weights (the CPU's rule; CUDA's
+    default and fractions are ``plan_kv_blocks``).
 
     Args:
         kv_cache_memory: Bytes, a fraction of what is left, or None for the device's default.

@@ -35,24 +35,26 @@ from asyncllm.executor._runner import (
     StepBatch,
     StepOutput,
 )
-from asyncllm.models import DecoderForCausalLM, build_model
+from asyncllm.models import DecoderForCausalLM
 from asyncllm.models._linear import Linear, PackedFormat
-from asyncllm.models._rotary import RotaryEmbedding
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.worker._device_ops import CpuOps, DeviceOps, device_ops
 from asyncllm.worker._graphs import DecodeGraphs, capture_sizes
 from asyncllm.worker._input_batch import InputBatch, StepInputs
 from asyncllm.worker._memory import (
+    DEFAULT_CUDA_FRACTION,
     KVCacheSizing,
+    cuda_memory,
     host_available_bytes,
     mapped_tensor,
     peak_resident_bytes,
+    plan_kv_blocks,
     reset_peak_rss,
     resident_bytes,
     size_kv_cache,
 )
 from asyncllm.worker._sampler import Sampler
-from asyncllm.worker._weights import load_config, load_eos_token_ids, load_state_dict
+from asyncllm.worker._weights import checkpoint_tensors, load_config, load_eos_token_ids, load_model
 
 logger = logging.getLogger("asyncllm")
 
@@ -183,18 +185,16 @@ class TorchModelRunner:
             torch.cuda.set_device(device)
             torch.cuda.set_stream(torch.cuda.Stream(device))
         config = load_config(self.model_path)
-        with torch.device("meta"):
-            model = build_model(config)
-        model.to_empty(device=device)
-        model.to(dtype)
-        model.load_state_dict(load_state_dict(self.model_path, model.spec.tie_word_embeddings), strict=True)
-        if model.spec.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
-        model.rotary = RotaryEmbedding(model.spec.head_dim, model.spec.rope).to(device)
-        model.eval()
+        # Weights are allocated once, in their dtype and fused layout, and filled a slice at a time: the
+        # load's peak is the weights' size (see ``_weights.load_model``).
+        model = load_model(
+            config,
+            checkpoint_tensors(self.model_path),
+            device=device,
+            dtype=dtype,
+            fuse_projections=self.switches.fuse_projections,
+        )
         model.fused_norm = self.switches.fused_norm  # before any CUDA graph is captured: graphs keep their path
-        if self.switches.fuse_projections:
-            model.fuse_projections()
         spec = model.spec
         backend = self.backend = model.backend = create_backend(
             backend_name,
@@ -288,22 +288,40 @@ class TorchModelRunner:
         return mapped_tensor(shape[0] * shape[1] * shape[2], self.dtype).view(shape)
 
     def _size_kv_cache(self, model: DecoderForCausalLM, device: torch.device, dtype: torch.dtype) -> int:
-        peak = self._measure_activation_peak()
-        if device.type == "cuda":
-            available, _ = torch.cuda.mem_get_info(device)
-        else:
-            available = host_available_bytes()
+        bytes_per_block = self._kv_bytes_per_block(model, dtype)
         max_blocks = None
         if self.max_tokens_in_cache is not None:
             max_blocks = -(-self.max_tokens_in_cache // self.block_size)
-        sizing = self.kv_sizing = size_kv_cache(
-            self.options.kv_cache_memory,
-            device_type=device.type,
-            available_bytes=available,
-            activation_peak_bytes=peak,
-            bytes_per_block=self._kv_bytes_per_block(model, dtype),
-            max_blocks=max_blocks,
-        )
+        kv_cache_memory = self.options.kv_cache_memory
+        cuda = device.type == "cuda"
+        weight_bytes = torch.cuda.memory_allocated(device) if cuda else 0  # before the probe allocates anything
+        peak = self._measure_activation_peak()
+        if cuda and not isinstance(kv_cache_memory, int):
+            total, non_torch = cuda_memory(device)  # empties the cache the probe left
+            utilization = kv_cache_memory if isinstance(kv_cache_memory, float) else DEFAULT_CUDA_FRACTION
+            num_blocks = plan_kv_blocks(
+                total_bytes=total,
+                non_torch_bytes=non_torch,
+                weight_bytes=weight_bytes,
+                activation_peak_bytes=peak,
+                bytes_per_block=bytes_per_block,
+                utilization=utilization,
+            )
+            if max_blocks is not None:
+                num_blocks = min(num_blocks, max_blocks)
+            available = int(utilization * total) - non_torch - weight_bytes
+            sizing = KVCacheSizing(num_blocks * bytes_per_block, available, peak, bytes_per_block, num_blocks)
+        else:
+            available = torch.cuda.mem_get_info(device)[0] if cuda else host_available_bytes()
+            sizing = size_kv_cache(
+                kv_cache_memory,
+                device_type=device.type,
+                available_bytes=available,
+                activation_peak_bytes=peak,
+                bytes_per_block=bytes_per_block,
+                max_blocks=max_blocks,
+            )
+        self.kv_sizing = sizing
         logger.info(
             "KV cache sized from memory: %d blocks (%.0f MiB) of %.0f MiB available after the weights, "
             "activation peak %.0f MiB at %d tokens",

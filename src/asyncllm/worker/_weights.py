@@ -1,13 +1,36 @@
-"""Reading an HF-format model folder: config, safetensors weights, end-of-sequence ids."""
+"""Reading an HF-format model folder: config, safetensors weights, end-of-sequence ids.
+
+``load_model`` builds the model on the meta device (no memory), allocates each parameter once in the
+target dtype on the target device, and fills it from the checkpoint a slice at a time: the weights
+exist once, in their final dtype and layout (q/k/v and gate/up already stacked), plus at most
+``LOAD_CHUNK_BYTES`` in flight. Peak memory during load is the weights' size in the target dtype,
+whatever the checkpoint's dtype.
+"""
 
 from __future__ import annotations
 
+import functools
 import json
+import math
+import struct
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from torch import nn
+
+from asyncllm.errors import ModelLoadError
+from asyncllm.models import DecoderForCausalLM, build_model
+from asyncllm.models._rotary import RotaryEmbedding
+
+LOAD_CHUNK_BYTES = 16 << 20
+"""At most this many bytes of a checkpoint tensor (in its own dtype) are read at once while loading:
+the only memory beyond the weights themselves."""
+
+CheckpointTensor = tuple[str, tuple[int, ...], Callable[[int, int], torch.Tensor]]
+"""One tensor of a checkpoint: its HF name, its shape, and a reader of rows ``[start, stop)`` (a CPU tensor
+in the checkpoint's dtype)."""
 
 
 def load_config(model_path: Path) -> Any:
@@ -17,19 +40,159 @@ def load_config(model_path: Path) -> Any:
     return AutoConfig.from_pretrained(model_path)
 
 
-def load_state_dict(model_path: Path, tie_word_embeddings: bool) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's *.safetensors files, named as HF names them.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
-    With tied embeddings the output projection is the input embedding, whether or not the
-    checkpoint stores it separately.
+
+def checkpoint_tensors(model_path: Path) -> Iterator[CheckpointTensor]:
+    """Every tensor of the folder's *.safetensors files, lazily: nothing is read until a reader is called
+    (each call opens the file, so a reader stays valid after the iteration).
+
+    The files are read with plain reads, not mapped (safetensors' own reader maps them): pages of a
+    mapping that the copy touches count as the process's resident memory until the file is closed,
+    which would double the load's measured peak; read() leaves them in the page cache only. The
+    format is safetensors' documented one: an 8-byte little-endian header length, a JSON header
+    (each tensor's dtype, shape and byte range after the header), then the data.
+
+    Raises:
+        ModelLoadError: A file's header is malformed, or a tensor has a dtype outside
+            F64/F32/F16/BF16/I64/I32/I16/I8/U8/BOOL.
     """
-    state: dict[str, torch.Tensor] = {}
     for file in sorted(model_path.glob("*.safetensors")):
-        state.update(load_file(file))
-    if tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    # Checkpoints may carry precomputed rotary tables; ours are computed from the config.
-    return {name: tensor for name, tensor in state.items() if "rotary_emb" not in name}
+        with open(file, "rb") as handle:
+            try:
+                (header_size,) = struct.unpack("<Q", handle.read(8))
+                header = json.loads(handle.read(header_size))
+            except (struct.error, ValueError) as exc:
+                raise ModelLoadError(f"{file} is not a safetensors file: {exc}") from exc
+            data_start = 8 + header_size
+            for name, entry in header.items():
+                if name == "__metadata__":
+                    continue
+                dtype = _SAFETENSORS_DTYPES.get(entry.get("dtype"))
+                if dtype is None:
+                    raise ModelLoadError(
+                        f"{file}: tensor {name!r} has dtype {entry.get('dtype')!r}, which is not supported"
+                    )
+                shape = tuple(int(size) for size in entry["shape"])
+                offset = data_start + int(entry["data_offsets"][0])
+                yield name, shape, functools.partial(_read_rows, file, offset, shape, dtype)
+
+
+def _read_rows(
+    file: Path, offset: int, shape: tuple[int, ...], dtype: torch.dtype, start: int, stop: int
+) -> torch.Tensor:
+    # Rows [start, stop) of a row-major tensor are one contiguous byte range, read straight into the result.
+    row_elements = math.prod(shape[1:])
+    rows = torch.empty((stop - start, *shape[1:]), dtype=dtype)
+    view = memoryview(rows.view(torch.uint8).numpy().data).cast("B") if rows.numel() else memoryview(b"")
+    with open(file, "rb") as handle:
+        handle.seek(offset + start * row_elements * rows.element_size())
+        if handle.readinto(view) != len(view):
+            raise ModelLoadError(f"{file} ends inside a tensor")
+    return rows if shape else rows.reshape(())
+
+
+def load_model(
+    config: Any,
+    tensors: Iterable[CheckpointTensor],
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    fuse_projections: bool,
+) -> DecoderForCausalLM:
+    """Build the model ``config`` describes and load ``tensors`` into it, in ``dtype`` on ``device``.
+
+    The model is built on the meta device (and fused there with ``fuse_projections``), each parameter
+    is then allocated once in ``dtype`` on ``device`` (tied embeddings stay one tensor), and
+    ``load_weights`` fills them. The rotary frequencies are computed in float32 on the host, as
+    ``RotaryEmbedding`` does at init, and moved to ``device`` in float32.
+
+    Args:
+        config: The HF config (``load_config``).
+        tensors: The checkpoint (``checkpoint_tensors``), with HF's names.
+        device: Where the weights go.
+        dtype: The floating-point dtype of every parameter.
+        fuse_projections: Stack q/k/v and gate/up (``DecoderForCausalLM.fuse_projections``).
+
+    Returns:
+        The model, in eval mode.
+
+    Raises:
+        ModelLoadError: The checkpoint lacks a tensor the model needs, has one it does not know, or
+            one of the wrong shape.
+        NotImplementedError: The config's architecture is not implemented.
+    """
+    with torch.device("meta"):
+        model = build_model(config)
+        if fuse_projections:
+            model.fuse_projections()
+    allocated: dict[int, nn.Parameter] = {}  # by the meta parameter's id: tied parameters stay one
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) not in allocated:
+                target = dtype if param.is_floating_point() else param.dtype
+                allocated[id(param)] = nn.Parameter(
+                    torch.empty(param.shape, dtype=target, device=device), requires_grad=False
+                )
+            setattr(module, name, allocated[id(param)])
+    model.rotary = RotaryEmbedding(model.spec.head_dim, model.spec.rope).to(device)
+    load_weights(model, tensors)
+    return model.eval()
+
+
+def load_weights(model: DecoderForCausalLM, tensors: Iterable[CheckpointTensor]) -> None:
+    """Copy every checkpoint tensor into its parameter (or its rows of a fused one), casting on the way.
+
+    Reads at most ``LOAD_CHUNK_BYTES`` at a time. With tied embeddings a checkpoint's ``lm_head.weight``
+    is ignored (the input embedding is the output projection). Precomputed rotary tables are ignored:
+    ours are computed from the config.
+
+    Raises:
+        ModelLoadError: A tensor is unknown, has the wrong shape, or a parameter is left unfilled.
+    """
+    params = dict(model.named_parameters())
+    rows_of = model.checkpoint_rows()
+    filled: dict[str, int] = dict.fromkeys(params, 0)
+    for name, shape, read in tensors:
+        if "rotary_emb" in name or (name == "lm_head.weight" and model.spec.tie_word_embeddings):
+            continue
+        target_name, first = rows_of.get(name, (name, 0))
+        target = params.get(target_name)
+        if target is None:
+            raise ModelLoadError(f"the checkpoint has a tensor {name!r} that the model does not have")
+        count = shape[0] if shape else 1
+        destination = target.data.view(-1, *target.shape[1:]) if target.dim() else target.data.view(1)
+        if tuple(destination.shape[1:]) != tuple(shape[1:]) or first + count > destination.shape[0]:
+            raise ModelLoadError(
+                f"the checkpoint's {name!r} has shape {list(shape)}, which does not fit the model's "
+                f"{target_name!r} of shape {list(target.shape)}"
+            )
+        row_bytes = max(1, destination[0].numel() * destination.element_size())
+        step = max(1, LOAD_CHUNK_BYTES // row_bytes)
+        with torch.no_grad():
+            for start in range(0, count, step):
+                stop = min(count, start + step)
+                chunk = read(start, stop) if shape else read(0, 1).reshape(1)
+                destination[first + start : first + stop].copy_(chunk)
+                del chunk
+        filled[target_name] += count
+    missing = [name for name, param in params.items() if filled[name] != (param.shape[0] if param.dim() else 1)]
+    if missing:
+        raise ModelLoadError(
+            f"the checkpoint does not fill the model's {', '.join(missing[:5])}"
+            f"{f' and {len(missing) - 5} more' if len(missing) > 5 else ''}"
+        )
 
 
 def load_eos_token_ids(model_path: Path, config: Any) -> frozenset[int]:
