@@ -331,8 +331,8 @@ def launch_config(
 
     Sized so that no configuration spills registers on sm_80 and sm_90a in float16 and bfloat16
     (tests/backends/triton/test_aot_compile.py compiles each ahead of time; docs/gpu.md has the table):
-    key tiles 32 wide for decode and float32, 8 warps once the query tile reaches 16 KB, and half
-    as many query rows in float32.
+    key tiles 32 wide for decode and float32, 8 warps once the query tile reaches 16 KB (not for
+    head size 256 in half precision), and half as many query rows in float32.
 
     Args:
         queries_per_kv: Query heads per KV head (they share the query tile).
@@ -354,8 +354,11 @@ def launch_config(
         block_m = max(rows, triton.next_power_of_2(queries_per_kv))
     if tile_n is None:
         tile_n = 64 if max_query_len > 1 and not wide and head_dim_pad <= 128 else 32
+    # 8 warps once the query tile reaches 16 KB; but head size 256 in half precision spills on sm_80
+    # with 8 warps (ptxas caps registers lower) and not with 4.
     tile_bytes = block_m * head_dim_pad * (4 if wide else 2)
-    return LaunchConfig(block_m, max(1, block_m // queries_per_kv), tile_n, 8 if tile_bytes >= 16384 else 4)
+    num_warps = 8 if tile_bytes >= 16384 and (wide or head_dim_pad <= 128) else 4
+    return LaunchConfig(block_m, max(1, block_m // queries_per_kv), tile_n, num_warps)
 
 
 def check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
