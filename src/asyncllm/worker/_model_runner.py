@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncllm.backends import AttentionBackend, create_backend, resolve_attention_backend
+from asyncllm.backends import AttentionBackend, TritonAttentionBackend, create_backend, resolve_attention_backend
 
 # The torch backend's metadata builder, under the name tests and benchmarks have imported it by.
 from asyncllm.engine._options import EngineOptions
@@ -229,6 +229,9 @@ class TorchModelRunner:
         self.input_batch = InputBatch(
             self.block_size, max_num_seqs=self.options.max_num_seqs, max_blocks_per_seq=-(-longest // self.block_size)
         )
+        if device.type == "cuda" and isinstance(backend, TritonAttentionBackend):  # every kernel variant, now
+            backend.warm_up(num_heads=spec.num_heads, head_dim=spec.head_dim, dtype=dtype, block_size=self.block_size,
+                            max_model_len=longest, max_num_seqs=self.options.max_num_seqs)  # fmt: skip
         if self.options.compile:
             from asyncllm.worker._compile import compile_dense_parts
 

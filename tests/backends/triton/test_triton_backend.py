@@ -35,7 +35,8 @@ def test_build_metadata_packs_the_batch() -> None:
     meta = build_metadata(step_inputs(sequences, 16), num_kv_heads=2, device=DEVICE, sliding_window=8)
     assert meta.query_start_loc.tolist() == [0, 5, 6, 9]
     assert meta.seq_lens.tolist() == [5, 17, 33]
-    assert meta.block_tables.tolist() == [[7, 0, 0], [3, 9, 0], [1, 2, 4]]
+    # Tables are 16 columns wide (zero past each row's blocks): the kernels' row stride stays a multiple of 16.
+    assert meta.block_tables.tolist() == [row + [0] * (16 - len(row)) for row in ([7], [3, 9], [1, 2, 4])]
     assert meta.slot_mapping.tolist() == [7 * 16 + i for i in range(5)] + [9 * 16] + [2 * 16 + 14, 2 * 16 + 15, 4 * 16]
     assert all(t.dtype == torch.int32 for t in (meta.query_start_loc, meta.seq_lens, meta.block_tables))
     assert (meta.max_query_len, meta.max_seq_len, meta.sliding_window) == (5, 33, 8)

@@ -5,6 +5,9 @@ Importing it does not import triton; the kernels are imported on their first cal
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 from torch import Tensor
 
@@ -14,6 +17,8 @@ from asyncllm.backends.triton._launchers import StaticDecodeMetadata, TritonAtte
 from asyncllm.worker._input_batch import StepInputs
 
 __all__ = ["TritonAttentionBackend"]
+
+logger = logging.getLogger("asyncllm")
 
 
 class TritonAttentionBackend(AttentionBackend[TritonAttentionMetadata]):
@@ -60,6 +65,54 @@ class TritonAttentionBackend(AttentionBackend[TritonAttentionMetadata]):
         """The RMSNorm kernel (``kernels.rms_norm``)."""
         from asyncllm.backends.triton._kernels import rms_norm  # triton: imported on first use
         return rms_norm.rms_norm(x, weight, eps, residual=residual)
+
+    def warm_up(
+        self,
+        *,
+        num_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        block_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        num_sms: int | None = None,
+    ) -> int:
+        """Compile every attention-kernel variant the model's steps can reach, before the first request.
+
+        Triton compiles a variant on its first launch, which would stall a step mid-serving for
+        seconds; the variants depend only on the model's shapes and these limits
+        (``_kernels.variants.reachable_keys``), so all of them are launched once here on a tiny batch.
+        Logs the count and the time.
+
+        Args:
+            num_heads: The model's query heads.
+            head_dim: The model's head size.
+            dtype: The KV cache's dtype.
+            block_size: Tokens per KV block.
+            max_model_len: The longest context.
+            max_num_seqs: The largest batch.
+            num_sms: The device's multiprocessors (the split-KV counts); None: the device's own on
+                CUDA, no split elsewhere.
+
+        Returns:
+            The number of variants.
+        """
+        from asyncllm.backends.triton._kernels import variants  # triton: imported on first use
+
+        if num_sms is None and self.device.type == "cuda":
+            num_sms = attention_triton._num_sms(self.device)
+        shape = variants.AttentionShape(num_heads, self.num_kv_heads, head_dim, dtype, block_size, self.sliding_window)
+        keys = variants.reachable_keys(shape, max_model_len=max_model_len, max_num_seqs=max_num_seqs, num_sms=num_sms)
+        start = time.perf_counter()
+        variants.warm_up(shape, sorted(set(keys.values())), self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        logger.info(
+            "triton attention: %d kernel variants compiled or loaded from triton's cache in %.1f s",
+            len(keys),
+            time.perf_counter() - start,
+        )
+        return len(keys)
 
     def kv_splits(self, num_seqs: int, max_seq_len: int) -> int:
         """Split only where the batch alone would leave the GPU idle (never off CUDA)."""

@@ -72,12 +72,35 @@ def decode_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device:
     return decide(num_seqs, num_kv_heads, max_seq_len, _num_sms(device))
 
 
+_ALIGN = 16
+"""Elements every section of the packed buffer starts on, and block-table widths are rounded up to."""
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def table_width(max_seq_len: int, block_size: int) -> int:
+    """Block-table columns for contexts up to ``max_seq_len``: the blocks, rounded up to 16.
+
+    Rounded so that the tables' row stride, which the kernels take as an argument, is a multiple of
+    16 at every length: triton specialises an integer argument on divisibility by 16, and a width
+    that follows the context would compile a second variant of each kernel mid-serving.
+    """
+    return _aligned(max(1, -(-max_seq_len // block_size)))
+
+
 @dataclass(frozen=True, slots=True)
 class PackedLayout:
     """Where the metadata's integers lie in one int32 buffer (one copy to the device moves them all):
     ``[query_start_loc (capacity + 1) | seq_lens (capacity) | block_tables (capacity * max_blocks) |
-    slot_mapping (tokens)]``. A step's own buffer has ``capacity`` its sequences; the CUDA graphs'
-    static one the largest batch, and a smaller batch uses its first rows."""
+    slot_mapping (tokens)]``, each section starting on a multiple of 16 elements. A step's own buffer
+    has ``capacity`` its sequences; the CUDA graphs' static one the largest batch, and a smaller batch
+    uses its first rows.
+
+    Sections are aligned because triton specialises a pointer argument on 16-byte alignment: slices
+    at offsets that follow the batch size would compile a variant per alignment.
+    """
 
     capacity: int
     max_blocks: int
@@ -85,11 +108,11 @@ class PackedLayout:
 
     @property
     def seq_lens_at(self) -> int:
-        return self.capacity + 1
+        return _aligned(self.capacity + 1)
 
     @property
     def tables_at(self) -> int:
-        return 2 * self.capacity + 1
+        return self.seq_lens_at + _aligned(self.capacity)
 
     @property
     def slots_at(self) -> int:
@@ -97,7 +120,7 @@ class PackedLayout:
 
     @property
     def size(self) -> int:
-        return self.slots_at + self.tokens
+        return self.slots_at + _aligned(self.tokens)
 
     def metadata(
         self,
@@ -150,14 +173,15 @@ def build_metadata(
     num_seqs = step.num_seqs
     block_size = step.block_size
     max_query_len, max_seq_len = step.max_query_len, step.max_seq_len
-    max_blocks = max(1, -(-max_seq_len // block_size))
+    used = max(1, -(-max_seq_len // block_size))
+    max_blocks = table_width(max_seq_len, block_size)
     layout = PackedLayout(num_seqs, max_blocks, step.num_tokens)
-    table_at, slots_at = layout.tables_at, layout.slots_at
-    packed = np.empty(layout.size, dtype=np.int32)
+    seq_lens_at, table_at, slots_at = layout.seq_lens_at, layout.tables_at, layout.slots_at
+    packed = np.zeros(layout.size, dtype=np.int32)
     packed[: num_seqs + 1] = step.query_start_loc
-    packed[num_seqs + 1 : table_at] = step.seq_lens
-    packed[table_at:slots_at].reshape(num_seqs, max_blocks)[:] = step.tables(None, max_blocks)
-    packed[slots_at:] = step.slot_mapping
+    packed[seq_lens_at : seq_lens_at + num_seqs] = step.seq_lens
+    packed[table_at:slots_at].reshape(num_seqs, max_blocks)[:, :used] = step.tables(None, used)
+    packed[slots_at : slots_at + step.num_tokens] = step.slot_mapping
     host = torch.from_numpy(packed)
     on_device = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
     if num_kv_splits is None:
@@ -181,7 +205,8 @@ class StaticDecodeMetadata:
     A graph replays fixed addresses, so its metadata are views into one int32 device buffer in
     ``PackedLayout`` for ``max_batch`` sequences of one token. Rows past a step's sequences are
     padding: one-token sequences at position 0 with slot -1, which the KV-write kernel skips; they
-    attend to one (finite) cache slot. Block tables are ``max_blocks`` wide.
+    attend to one (finite) cache slot. Block tables are ``max_blocks`` wide, rounded up to 16
+    (``table_width``).
 
     A step sends only what it uses: the sequence lengths and slots of every row (padding included,
     ``2 * max_batch`` ints) and, of the block tables, its rows by the blocks its longest context
@@ -201,7 +226,7 @@ class StaticDecodeMetadata:
     def __init__(
         self, *, max_batch: int, max_blocks: int, block_size: int, device: torch.device, sliding_window: int | None
     ) -> None:
-        self.layout = PackedLayout(max_batch, max_blocks, max_batch)
+        self.layout = PackedLayout(max_batch, _aligned(max_blocks), max_batch)
         self.block_size = block_size
         self.sliding_window = sliding_window
         layout, b = self.layout, max_batch
@@ -240,8 +265,8 @@ class StaticDecodeMetadata:
         staged = host.pin_memory().to(self._device.device, non_blocking=True) if non_blocking else host.to(
             self._device.device
         )
-        self._device[layout.seq_lens_at : layout.tables_at].copy_(staged[:b])
-        self._device[layout.slots_at :].copy_(staged[b : 2 * b])
+        self._device[layout.seq_lens_at : layout.seq_lens_at + b].copy_(staged[:b])
+        self._device[layout.slots_at : layout.slots_at + b].copy_(staged[b : 2 * b])
         tables = self._device[layout.tables_at : layout.slots_at].view(b, layout.max_blocks)
         tables[:n, :width].copy_(staged[2 * b :].view(n, width))
         self.table_entries_uploaded = n * width

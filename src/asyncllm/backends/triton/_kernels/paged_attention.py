@@ -29,13 +29,15 @@ next one and masked.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from asyncllm.backends.triton._kernels import interpreting
 
-__all__ = ["SUPPORTED_HEAD_SIZES", "dot_dtype", "dot_precision", "launch_config", "paged_attention"]
+__all__ = ["SUPPORTED_HEAD_SIZES", "LaunchConfig", "dot_dtype", "dot_precision", "launch_config", "paged_attention"]
 
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 128, 256)
 _LOG2E = 1.4426950408889634
@@ -193,7 +195,7 @@ def attend_query_block(
     stride_v_slot,
     stride_v_head,
     stride_bt_seq,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     QUERIES_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -206,7 +208,8 @@ def attend_query_block(
     DOT_PRECISION: tl.constexpr,
 ):
     """One program's work, shared by both attention kernels: its query tile against part ``split`` of
-    ``NUM_SPLITS`` of the key tiles it may see (all of them for 1). Returns the unnormalised softmax
+    ``num_splits`` of the key tiles it may see (all of them for 1; a runtime value, so one compiled
+    split kernel serves every split count). Returns the unnormalised softmax
     state (m_i, l_i, acc) and what the caller needs to store it: the rows' token, head and validity,
     and the head-dimension offsets and mask."""
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -217,7 +220,7 @@ def attend_query_block(
     )  # fmt: skip
     # This split's share of the key tiles; trailing splits of a short sequence get none and keep an
     # empty state (max -inf, sum 0). With one split the share is every tile.
-    per_split = tl.cdiv(tile_hi - tile_lo, NUM_SPLITS)
+    per_split = tl.cdiv(tile_hi - tile_lo, num_splits)
     my_lo = tile_lo + split * per_split
     my_hi = tl.minimum(my_lo + per_split, tile_hi)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -231,7 +234,9 @@ def attend_query_block(
     return m_i, l_i, acc, token, head, row_valid, offs_d, d_mask
 
 
-@triton.jit
+# Sizes that change from step to step are not specialised on (triton would compile a variant for a
+# value of 1 and one for multiples of 16), so a model's shapes alone decide which variants exist.
+@triton.jit(do_not_specialize=["num_seqs", "sliding_window"])
 def _paged_attention_kernel(
     out_ptr,
     q_ptr,
@@ -302,15 +307,58 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def launch_config(queries_per_kv: int, max_query_len: int, head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_Q, TILE_N) for a batch: small query tiles when every query is a decode token."""
+class LaunchConfig(NamedTuple):
+    """A paged-attention launch's tile shape and warps."""
+
+    block_m: int
+    """Query-tile rows: ``block_q`` queries times the query heads sharing a KV head."""
+    block_q: int
+    tile_n: int
+    """Keys per tile of the inner loop."""
+    num_warps: int
+
+
+def launch_config(
+    queries_per_kv: int,
+    max_query_len: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    *,
+    block_m: int | None = None,
+    tile_n: int | None = None,
+) -> LaunchConfig:
+    """The tile shape and warps for a batch: small query tiles when every query is a decode token.
+
+    Sized so that no configuration spills registers on sm_80 and sm_90a in float16 and bfloat16
+    (tests/backends/triton/test_aot_compile.py compiles each ahead of time; docs/gpu.md has the table):
+    key tiles 32 wide for decode and float32, 8 warps once the query tile reaches 16 KB (not for
+    head size 256 in half precision), and half as many query rows in float32.
+
+    Args:
+        queries_per_kv: Query heads per KV head (they share the query tile).
+        max_query_len: The batch's longest query (1: decode only).
+        head_dim: The head size (padded to a power of two inside the kernels).
+        dtype: The cache's dtype.
+        block_m: Override of the query tile height (tests).
+        tile_n: Override of the key tile width (tests).
+    """
     head_dim_pad = triton.next_power_of_2(head_dim)
-    if max_query_len <= 1:
-        block_m = max(16, triton.next_power_of_2(queries_per_kv))
-    else:
-        block_m = max(64 if head_dim_pad <= 128 else 32, triton.next_power_of_2(queries_per_kv))
-    tile_n = 64 if head_dim_pad <= 128 else 32
-    return block_m, max(1, block_m // queries_per_kv), tile_n
+    wide = dtype == torch.float32
+    if block_m is None:
+        if max_query_len <= 1:
+            rows = 16
+        elif wide:
+            rows = 32 if head_dim_pad <= 128 else 16
+        else:
+            rows = 64 if head_dim_pad <= 128 else 32
+        block_m = max(rows, triton.next_power_of_2(queries_per_kv))
+    if tile_n is None:
+        tile_n = 64 if max_query_len > 1 and not wide and head_dim_pad <= 128 else 32
+    # 8 warps once the query tile reaches 16 KB; but head size 256 in half precision spills on sm_80
+    # with 8 warps (ptxas caps registers lower) and not with 4.
+    tile_bytes = block_m * head_dim_pad * (4 if wide else 2)
+    num_warps = 8 if tile_bytes >= 16384 and (wide or head_dim_pad <= 128) else 4
+    return LaunchConfig(block_m, max(1, block_m // queries_per_kv), tile_n, num_warps)
 
 
 def check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
@@ -370,19 +418,16 @@ def paged_attention(
     num_tokens, num_seqs = q.shape[0], seq_lens.shape[0]
     if num_tokens == 0:
         return out
-    default_m, _, default_n = launch_config(queries_per_kv, max_query_len, head_dim)
-    block_m = block_m or default_m
-    block_q = max(1, block_m // queries_per_kv)
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    config = launch_config(queries_per_kv, max_query_len, head_dim, k_cache.dtype, block_m=block_m, tile_n=tile_n)
+    grid = (num_tokens // config.block_q + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
         num_seqs, scale * _LOG2E, sliding_window or 0,
         out.stride(0), out.stride(1), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n or default_n,
+        BLOCK_SIZE=block_size, BLOCK_M=config.block_m, BLOCK_Q=config.block_q, TILE_N=config.tile_n,
         SLIDING=sliding_window is not None, DOT_DTYPE=dot_dtype(k_cache.dtype),
-        DOT_PRECISION=dot_precision(k_cache.dtype),
-        num_warps=4 if block_m * triton.next_power_of_2(head_dim) <= 8192 else 8,
+        DOT_PRECISION=dot_precision(k_cache.dtype), num_warps=config.num_warps,
     )  # fmt: skip
     return out

@@ -30,10 +30,12 @@ from asyncllm.backends.triton._kernels.paged_attention import (
     locate_query_block,
 )
 
-__all__ = ["num_kv_splits", "split_kv_attention"]
+__all__ = ["MAX_KV_SPLITS", "num_kv_splits", "split_kv_attention"]
 
 
-@triton.jit
+# The split count and the batch's sizes are runtime values, not specialised on: one compiled
+# variant serves every step of a model (see ``variants``).
+@triton.jit(do_not_specialize=["num_seqs", "sliding_window", "num_splits"])
 def _split_kv_kernel(
     acc_ptr,
     max_ptr,
@@ -59,7 +61,7 @@ def _split_kv_kernel(
     stride_v_slot,
     stride_v_head,
     stride_bt_seq,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     QUERIES_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -80,7 +82,7 @@ def _split_kv_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
         seq, q_block_local, tl.program_id(1), split, scale_log2e, sliding_window,
         stride_q_tok, stride_q_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_bt_seq,
-        NUM_SPLITS, QUERIES_PER_KV, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_Q, TILE_N, SLIDING,
+        num_splits, QUERIES_PER_KV, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_Q, TILE_N, SLIDING,
         DOT_DTYPE, DOT_PRECISION,
     )  # fmt: skip
     token64 = token.to(tl.int64)
@@ -95,7 +97,7 @@ def _split_kv_kernel(
     tl.store(sum_ptr + state, l_i, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_kernel(
     out_ptr,
     acc_ptr,
@@ -108,7 +110,7 @@ def _reduce_kernel(
     stride_acc_head,
     stride_ms_split,
     stride_ms_tok,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -116,7 +118,7 @@ def _reduce_kernel(
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
-    s_mask = offs_s < NUM_SPLITS
+    s_mask = offs_s < num_splits
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = offs_d < HEAD_DIM
     state = offs_s * stride_ms_split + token * stride_ms_tok + head
@@ -137,10 +139,16 @@ def _reduce_kernel(
     tl.store(out_row + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
+MAX_KV_SPLITS = 64
+"""The most parts a context is split into."""
+
+
 def num_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *, min_tokens: int = 256) -> int:
     """How many parts to split each context into so that about two waves of programs fill the device.
 
-    Returns 1 (do not split) when the batch alone fills the device or contexts are short.
+    A power of two (the reduce kernel is compiled once per power, ``variants``), at most
+    ``MAX_KV_SPLITS``. Returns 1 (do not split) when the batch alone fills the device or contexts
+    are short.
 
     Args:
         num_seqs: Sequences in the (decode) batch.
@@ -152,8 +160,8 @@ def num_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: i
     programs = num_seqs * num_kv_heads
     if programs >= num_sms or max_seq_len < 2 * min_tokens:
         return 1
-    wanted = -(-2 * num_sms // programs)
-    return max(1, min(wanted, max_seq_len // min_tokens, 64))
+    wanted = min(-(-2 * num_sms // programs), max_seq_len // min_tokens, MAX_KV_SPLITS)
+    return 1 << (wanted.bit_length() - 1)  # rounded down: no split walks fewer than min_tokens keys
 
 
 def split_kv_attention(
@@ -188,30 +196,29 @@ def split_kv_attention(
     num_tokens, num_seqs = q.shape[0], seq_lens.shape[0]
     if num_tokens == 0:
         return out
-    default_m, _, default_n = launch_config(queries_per_kv, max_query_len, head_dim)
-    block_m = block_m or default_m
-    block_q = max(1, block_m // queries_per_kv)
+    config = launch_config(queries_per_kv, max_query_len, head_dim, k_cache.dtype, block_m=block_m, tile_n=tile_n)
     head_dim_pad = triton.next_power_of_2(head_dim)
     acc = torch.empty(num_splits, num_tokens, num_heads, head_dim_pad, dtype=torch.float32, device=q.device)
-    maxes = torch.empty(num_splits, num_tokens, num_heads, dtype=torch.float32, device=q.device)
+    # Heads padded to 16 columns: the strides stay multiples of 16 whatever the batch, so triton's
+    # divisibility specialisation of them never changes (one compiled variant).
+    maxes = torch.empty(num_splits, num_tokens, -(-num_heads // 16) * 16, dtype=torch.float32, device=q.device)
     sums = torch.empty_like(maxes)
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    grid = (num_tokens // config.block_q + num_seqs, num_kv_heads, num_splits)
     _split_kv_kernel[grid](
         acc, maxes, sums, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
         num_seqs, scale * _LOG2E, sliding_window or 0,
         acc.stride(0), acc.stride(1), acc.stride(2), maxes.stride(0), maxes.stride(1),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0),
-        NUM_SPLITS=num_splits, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n or default_n,
+        num_splits, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size, BLOCK_M=config.block_m, BLOCK_Q=config.block_q, TILE_N=config.tile_n,
         SLIDING=sliding_window is not None, DOT_DTYPE=dot_dtype(k_cache.dtype),
-        DOT_PRECISION=dot_precision(k_cache.dtype),
-        num_warps=4 if block_m * head_dim_pad <= 8192 else 8,
+        DOT_PRECISION=dot_precision(k_cache.dtype), num_warps=config.num_warps,
     )  # fmt: skip
     _reduce_kernel[(num_tokens, num_heads)](
         out, acc, maxes, sums, out.stride(0), out.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2), maxes.stride(0), maxes.stride(1),
-        NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+        num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
     )  # fmt: skip
     return out
