@@ -23,6 +23,7 @@ from asyncllm.errors import (
     RequestFailedError,
     SchedulerStalledError,
     StructuredOutputError,
+    UnsupportedModelError,
 )
 from asyncllm.executor._runner import ModelRunner
 from asyncllm.outputs import (
@@ -79,5 +80,6 @@ __all__ = [
     "ToolCallDelta",
     "ToolCallParser",
     "ToolPlan",
+    "UnsupportedModelError",
     "__version__",
 ]
