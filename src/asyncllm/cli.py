@@ -533,7 +533,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("ASYNCLLM_API_KEY") or None,
         help="require 'Authorization: Bearer KEY' on /v1 [$ASYNCLLM_API_KEY]",
     )
-    serve.add_argument("--served-model-name", default=None, help="the model's name in the API [the hub id, or the folder's name]")
+    serve.add_argument(
+        "--served-model-name", default=None, help="the model's name in the API [the hub id, or the folder's name]"
+    )
     serve.add_argument("--max-body-bytes", type=int, default=None, help="larger request bodies get 413 [4 MiB]")
     serve.add_argument(
         "--body-timeout",

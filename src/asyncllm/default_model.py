@@ -280,7 +280,8 @@ def resolve_model_path(
     if repo_id is not None:
         return resolve_hub_model(repo_id, revision)
     if revision is not None:
-        raise ValueError(f"revision={revision!r} applies to hub model ids (org/name), not to {model or 'the default model'}")
+        what = os.fspath(model) if model is not None else "the default model"
+        raise ValueError(f"revision={revision!r} applies to hub model ids (org/name), not to {what}")
     if model is None:
         return default_model_path(progress)
     folder = pathlib.Path(os.fspath(model)).expanduser().absolute()
