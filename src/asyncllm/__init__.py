@@ -24,6 +24,7 @@ from asyncllm.errors import (
     RequestFailedError,
     SchedulerStalledError,
     StructuredOutputError,
+    UnsupportedModelError,
 )
 from asyncllm.executor._runner import ModelRunner
 from asyncllm.outputs import (
@@ -81,5 +82,6 @@ __all__ = [
     "ToolCallDelta",
     "ToolCallParser",
     "ToolPlan",
+    "UnsupportedModelError",
     "__version__",
 ]

@@ -519,6 +519,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_options(chat)
 
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API (see docs/http.md)")
+    serve.add_argument(
+        "positional_model",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model, as --model takes it: a local folder or a hub id org/name [the default model]",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on [127.0.0.1]")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on [8000]")
     serve.add_argument(
@@ -526,7 +533,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("ASYNCLLM_API_KEY") or None,
         help="require 'Authorization: Bearer KEY' on /v1 [$ASYNCLLM_API_KEY]",
     )
-    serve.add_argument("--served-model-name", default=None, help="the model's name in the API [the folder's name]")
+    serve.add_argument(
+        "--served-model-name", default=None, help="the model's name in the API [the hub id, or the folder's name]"
+    )
     serve.add_argument("--max-body-bytes", type=int, default=None, help="larger request bodies get 413 [4 MiB]")
     serve.add_argument(
         "--body-timeout",
@@ -586,7 +595,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``asyncllm`` command; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "positional_model", None) is not None:  # `asyncllm serve org/name`, as vLLM's
+        if args.model is not None and args.model != args.positional_model:
+            parser.error(f"the model is given twice: {args.positional_model!r} and --model {args.model!r}")
+        args.model = args.positional_model
     if args.command == "bench":
         return _bench(args)
     if args.command == "serve":  # the app's defaults (imported here: the other commands need no HTTP)

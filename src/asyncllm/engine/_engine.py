@@ -87,8 +87,11 @@ class Engine:
         """Configure an engine; ``async with`` it to load the model and start serving.
 
         Args:
-            model: A local HF-format folder (config.json, *.safetensors, tokenizer files), or None
-                for the default model (SmolLM2-135M-Instruct, converted once into a local cache).
+            model: A local HF-format folder (config.json, *.safetensors, tokenizer files); a
+                Hugging Face hub id ``"org/name"`` (when no such local path exists), found in the hub
+                cache or downloaded into it (``revision=`` picks a branch, tag or commit; see
+                docs/models.md); or None for the default model (SmolLM2-135M-Instruct, converted
+                once into a local cache).
             runner: A ``ModelRunner`` to use instead of the torch one (tests: ``asyncllm.testing``).
             tokenizer: The tokenizer to use with ``runner`` (by default loaded from ``model``).
             **options: Fields of ``EngineOptions`` (``device``, ``max_num_seqs``,
@@ -101,6 +104,11 @@ class Engine:
         Raises:
             TypeError: A keyword is not an engine option.
             ValueError: An option is out of range.
+
+        Entering the engine raises ``ModelNotFoundError`` when the model cannot be found (the
+        message names the folder, the hub cache and the hub tried) and ``UnsupportedModelError``
+        when its config.json names an architecture asyncllm does not implement, needs
+        ``trust_remote_code``, or has quantized weights.
         """
         checked = EngineOptions.from_keywords(model=model, **options)
         if runner is not None and tokenizer is None:
@@ -138,7 +146,11 @@ class Engine:
         if runner is None:
             _note_openmp_wait_policy(prepare_openmp_wait_policy())
         if runner is None or tokenizer is None:
-            model_path = await anyio.to_thread.run_sync(_resolve_model, self.options.model)
+            model_path = await anyio.to_thread.run_sync(_resolve_model, self.options.model, self.options.revision)
+            if runner is None:
+                # A refused checkpoint (architecture, remote code, quantized) fails here, clearly,
+                # before the tokenizer and weights load.
+                await anyio.to_thread.run_sync(_check_model, self.options.model, model_path)
             if tokenizer is None:
                 tokenizer = await anyio.to_thread.run_sync(_load_tokenizer, model_path)
             if runner is None:
@@ -878,14 +890,21 @@ def _note_openmp_wait_policy(state: str) -> None:
     )
 
 
-def _resolve_model(model: str | os.PathLike[str] | None) -> Path:
+def _resolve_model(model: str | os.PathLike[str] | None, revision: str | None) -> Path:
     from asyncllm.default_model import resolve_model_path
 
-    return resolve_model_path(model)
+    return resolve_model_path(model, revision=revision)
+
+
+def _check_model(model: str | os.PathLike[str] | None, model_path: Path) -> None:
+    from asyncllm._model_source import check_model_folder
+
+    check_model_folder(model_path, os.fspath(model) if model is not None else str(model_path))
 
 
 def _load_tokenizer(model_path: Path) -> Tokenizer:
     from transformers import AutoTokenizer
 
-    tokenizer: Tokenizer = AutoTokenizer.from_pretrained(model_path)  # type: ignore[assignment]
+    # Never the repository's own tokenizer code (a tokenizer_config.json auto_map).
+    tokenizer: Tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=False)  # type: ignore[assignment]
     return tokenizer

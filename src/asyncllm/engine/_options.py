@@ -43,8 +43,15 @@ class EngineOptions:
 
     model: str | os.PathLike[str] | None = field(
         default=None,
-        metadata=_doc("""A local HF-format folder (config.json, *.safetensors, tokenizer files), or None for the
-        default model (SmolLM2-135M-Instruct, converted once into a local cache)."""),
+        metadata=_doc("""A local HF-format folder (config.json, *.safetensors, tokenizer files); a Hugging Face
+        hub id "org/name" (when no such local path exists), taken from the hub cache or downloaded
+        into it (no network call under HF_HUB_OFFLINE=1 or when the cache holds a complete
+        snapshot); or None for the default model (SmolLM2-135M-Instruct, converted once into a
+        local cache)."""),
+    )
+    revision: str | None = field(
+        default=None,
+        metadata=_doc("""The branch, tag or commit hash of a hub model id; None: "main". Only for hub ids."""),
     )
     device: str = field(
         default="auto", metadata=_doc(""""auto" (CUDA if available, else CPU), "cpu", "cuda", "cuda:N".""")
@@ -176,6 +183,8 @@ class EngineOptions:
 
     def __post_init__(self) -> None:
         check_kv_cache_memory(self.kv_cache_memory)
+        if self.revision is not None and (not isinstance(self.revision, str) or not self.revision.strip()):
+            raise ValueError(f"revision must be a non-empty str or None, got {self.revision!r}")
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ValueError(
                 f"attention_backend must be 'auto', 'torch', 'cpu' or 'triton', got {self.attention_backend!r}"

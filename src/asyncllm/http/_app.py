@@ -686,9 +686,15 @@ def _route_path(scope: Scope) -> str:
 
 
 def _default_model_name(engine: Engine) -> str:
+    """The default model's name, a hub id as given (``org/name``), else the local folder's name."""
+    from asyncllm._model_source import hub_id
+
     if engine.options.model is None:
         from asyncllm.default_model import DEFAULT_MODEL_NAME
         return DEFAULT_MODEL_NAME
+    repo_id = hub_id(engine.options.model)
+    if repo_id is not None:
+        return repo_id
     return Path(engine.options.model).name or os.fspath(engine.options.model)
 
 
