@@ -37,7 +37,6 @@ from asyncllm.executor._runner import (
 )
 from asyncllm.models import DecoderForCausalLM, build_model
 from asyncllm.models._linear import Linear, PackedFormat
-from asyncllm.models._rotary import RotaryEmbedding
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.worker._device_ops import CpuOps, DeviceOps, device_ops
 from asyncllm.worker._graphs import DecodeGraphs, capture_sizes
@@ -190,7 +189,7 @@ class TorchModelRunner:
         model.load_state_dict(load_state_dict(self.model_path, model.spec.tie_word_embeddings), strict=True)
         if model.spec.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
-        model.rotary = RotaryEmbedding(model.spec.head_dim, model.spec.rope).to(device)
+        model.reset_rotary(device)
         model.eval()
         model.fused_norm = self.switches.fused_norm  # before any CUDA graph is captured: graphs keep their path
         if self.switches.fuse_projections:
@@ -204,6 +203,7 @@ class TorchModelRunner:
             num_kv_heads=spec.num_kv_heads,
             sliding_window=spec.sliding_window,
             requested=requested_backend == backend_name,
+            attn_softcap=spec.attn_softcap,
         )
         self.attention_backend = backend.name
         packed = self.switches.packed_gemm
