@@ -83,8 +83,9 @@ def test_specs_carry_the_quirks(tiny_cache: Path) -> None:
 
     gemma2 = build_model(AutoConfig.from_pretrained(_model_dir(str(tiny_cache), "gemma2"))).spec
     assert gemma2.layer_sliding == (True, False, True, False) and gemma2.sliding_window == 8
-    assert (gemma2.attn_softcap, gemma2.final_softcap, gemma2.query_pre_attn_scalar) == (3.0, 6.0, 24.0)
+    assert (gemma2.attn_softcap, gemma2.final_softcap, gemma2.query_pre_attn_scalar) == (1.5, 10.0, 24.0)
     assert gemma2.embed_scale == 8.0 and gemma2.norm_offset and gemma2.sandwich_norms and not gemma2.llama_layer
+    assert not gemma2.tie_word_embeddings  # see tiny_models: tied, the tiny model would mostly echo its input
     gemma3 = build_model(AutoConfig.from_pretrained(_model_dir(str(tiny_cache), "gemma3"))).spec
     assert gemma3.layer_sliding == (True,) * 5 + (False,) and gemma3.qk_norm and gemma3.attn_softcap is None
     assert gemma3.rope["rope_type"] == "linear" and gemma3.local_rope == {"rope_theta": 10000.0, "rope_type": "default"}
