@@ -157,7 +157,7 @@ class DecoderSpec:
             qk_norm=architecture == "Gemma3ForCausalLM",
             sliding_window=sliding_window if any(sliding) else None,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", True)),
-            hidden_act=getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu_pytorch_tanh"),
+            hidden_act=str(getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu")),
             layer_sliding=sliding,
             local_rope=local_rope,
             norm_offset=True,
@@ -454,7 +454,7 @@ class DecoderForCausalLM(nn.Module):
         self.model = DecoderModel(spec)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope)
         self.local_rotary = None if spec.local_rope is None else RotaryEmbedding(spec.head_dim, spec.local_rope)
-        """The sliding layers' rotation where it differs from ``rotary`` (gemma3's local rope base); None: ``rotary``."""
+        """The sliding layers' rotation where it differs from ``rotary`` (gemma3's local rope base); None: the same."""
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
