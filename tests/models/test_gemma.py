@@ -127,3 +127,32 @@ async def test_prefix_cache_hits_match_transformers(tiny_cache: Path, family: st
     assert stats.prefix_cache_hits >= 24 + 36 - 8  # full blocks only
     assert got_first == _hf_greedy(model_dir, tuple(map(tuple, first)))
     assert got_second == _hf_greedy(model_dir, tuple(map(tuple, second)))
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the interpreter is slow: one loop, one short case
+async def test_gemma3_triton_interpreter_matches_transformers(tiny_cache: Path) -> None:
+    # gemma3's sliding and global layers through the Triton kernels (a window cleared per global layer);
+    # TRITON_INTERPRET is set by tests/conftest.py where there is no GPU.
+    pytest.importorskip("triton")
+    model_dir = _model_dir(str(tiny_cache), "gemma3")
+    async with Engine.open(
+        model_dir, device="cpu", attention_backend="triton", max_num_batched_tokens=16, enable_prefix_caching=False
+    ) as engine:
+        assert engine._info is not None
+        prompts = _prompts(engine._info.vocab_size, (5, 20))
+        got = await _generate_all(engine, prompts)
+    assert got == _hf_greedy(model_dir, tuple(map(tuple, prompts)))
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_gemma2_on_triton_gets_torch_attention(tiny_cache: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # The Triton kernels have no attention soft-cap: a gemma2 model runs torch attention, and says so.
+    pytest.importorskip("triton")
+    model_dir = _model_dir(str(tiny_cache), "gemma2")
+    with caplog.at_level("INFO", logger="asyncllm"):
+        async with Engine.open(model_dir, device="cpu", attention_backend="triton") as engine:
+            assert engine._info is not None
+            prompts = _prompts(engine._info.vocab_size, (20,))
+            got = await _generate_all(engine, prompts)
+    assert "no attention soft-cap" in caplog.text
+    assert got == _hf_greedy(model_dir, tuple(map(tuple, prompts)))
