@@ -167,7 +167,7 @@ def test_family_specifics(family_dir: tuple[str, pathlib.Path]) -> None:
     if family == "mistral":
         assert config.sliding_window is None
     if family in ("gemma2", "gemma3"):
-        assert config.sliding_window == 8 and "sliding_attention" in config.layer_types  # two layers: all sliding in gemma3
+        assert config.sliding_window == 8 and "sliding_attention" in config.layer_types
         assert "model.layers.0.pre_feedforward_layernorm.weight" in tensors
     if family == "gemma3":
         assert config.rope_parameters["full_attention"]["rope_type"] == "linear"
