@@ -112,9 +112,11 @@ class Recording(AttentionBackend[Any]):
         self.calls.append("write_kv")
         self.inner.write_kv(kv_cache, k, v, self._unwrap(meta))
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache, meta: Any, scale: float) -> Tensor:
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache, meta: Any, scale: float, **options: Any
+    ) -> Tensor:
         self.calls.append("attend")
-        return self.inner.attend(q, k, v, kv_cache, self._unwrap(meta), scale)
+        return self.inner.attend(q, k, v, kv_cache, self._unwrap(meta), scale, **options)
 
     def rotary_(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> None:
         self.calls.append("rotary_")

@@ -73,7 +73,7 @@ def test_folder_layout(family_dir: tuple[str, pathlib.Path]) -> None:
 def test_loads_with_transformers(family_dir: tuple[str, pathlib.Path]) -> None:
     family, path = family_dir
     config = AutoConfig.from_pretrained(path)
-    assert config.model_type == family
+    assert config.model_type == {"gemma3": "gemma3_text"}.get(family, family)  # HF names gemma3 text so
     model = _load_model(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     assert model.config.vocab_size == 512
@@ -166,7 +166,14 @@ def test_family_specifics(family_dir: tuple[str, pathlib.Path]) -> None:
         assert "model.layers.0.self_attn.q_norm.weight" in tensors
     if family == "mistral":
         assert config.sliding_window is None
-    assert config.rope_parameters["rope_type"] == "default"
+    if family in ("gemma2", "gemma3"):
+        assert config.sliding_window == 8 and "sliding_attention" in config.layer_types
+        assert "model.layers.0.pre_feedforward_layernorm.weight" in tensors
+    if family == "gemma3":
+        assert config.rope_parameters["full_attention"]["rope_type"] == "linear"
+        assert "model.layers.0.self_attn.q_norm.weight" in tensors
+    else:
+        assert config.rope_parameters["rope_type"] == "default"
     norm = tensors["model.norm.weight"]
     assert not torch.equal(norm, torch.ones_like(norm))
 

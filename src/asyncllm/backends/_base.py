@@ -78,11 +78,25 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
         attention.write_kv(*kv_cache, k, v, meta.slot_mapping)
 
     @abc.abstractmethod
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache, meta: MetadataT, scale: float) -> Tensor:
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        kv_cache: KVCache,
+        meta: MetadataT,
+        scale: float,
+        *,
+        sliding: bool = True,
+        softcap: float | None = None,
+    ) -> Tensor:
         """[tokens, heads, head_dim] attention of every query (rotated) against its sequence's cache.
 
         ``write_kv`` wrote the step's keys and values ``k`` and ``v`` already; some backends read a
         fresh prompt's from ``k`` and ``v`` rather than the cache. ``scale`` is the softmax scale.
+        ``sliding`` False: this layer attends to the whole context even though the backend has a
+        sliding window (a global layer of a model that alternates them, gemma). ``softcap``: the scores
+        become ``softcap * tanh(scores / softcap)`` before the softmax (gemma2); None: not.
         """
 
     def rotary_(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> None:

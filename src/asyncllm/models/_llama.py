@@ -1,9 +1,13 @@
-"""A Llama-shaped decoder covering the llama, mistral, qwen2 and qwen3 families.
+"""A Llama-shaped decoder covering the llama, mistral, qwen2, qwen3, gemma2 and gemma3 families.
 
 Parameter names mirror HF transformers' (``model.layers.0.self_attn.q_proj.weight`` ...) so a
-safetensors checkpoint loads with a plain ``load_state_dict``. The families differ in switches:
-q/k/v biases (qwen2), per-head q/k RMSNorm (qwen3), an explicit head_dim (qwen3), a sliding
-window (mistral), and tied input/output embeddings.
+safetensors checkpoint loads with a plain ``load_state_dict``. The families differ in switches
+(``DecoderSpec``): q/k/v biases (qwen2), per-head q/k RMSNorm (qwen3, gemma3), an explicit head_dim
+(qwen3, gemma), a sliding window on every layer (mistral) or on some (gemma: ``layer_sliding``),
+tied input/output embeddings, and Gemma's quirks: embeddings scaled by sqrt(hidden_size), RMSNorm
+weights stored as offsets from 1, norms after attention and around the MLP (four per layer), GeGLU,
+an attention scale from ``query_pre_attn_scalar``, soft-capped attention scores and logits, and
+(gemma3) a rope base of its own for the sliding layers.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from asyncllm.backends import AttentionBackend, TorchAttentionBackend
 from asyncllm.backends.cpu import _greedy_head as greedy_head_cpu
 from asyncllm.backends.cpu._lean_forward import LeanCpuForward
 from asyncllm.models._linear import Linear, PackedFormat, best_packed_format
-from asyncllm.models._norm import RMSNorm
+from asyncllm.models._norm import OffsetRMSNorm, RMSNorm
 from asyncllm.models._rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
 
@@ -53,10 +57,48 @@ class DecoderSpec:
     sliding_window: int | None
     tie_word_embeddings: bool
     hidden_act: str
+    layer_sliding: tuple[bool, ...] | None = None
+    """Per layer, whether it applies ``sliding_window`` (gemma's alternating layers); None: every layer does."""
+    local_rope: dict[str, Any] | None = None
+    """The rope settings of the sliding layers where they differ from ``rope`` (gemma3); None: ``rope``."""
+    norm_offset: bool = False
+    """RMSNorm weights are offsets from 1 (gemma: ``x * (1 + weight)``)."""
+    sandwich_norms: bool = False
+    """A norm after attention and two around the MLP (gemma: four norms per layer, not two)."""
+    embed_scale: float | None = None
+    """Embeddings are multiplied by this (gemma: sqrt(hidden_size), rounded to the model's dtype); None: not."""
+    query_pre_attn_scalar: float | None = None
+    """The attention scale is this to the power -1/2 (gemma); None: head_dim ** -0.5."""
+    attn_softcap: float | None = None
+    """Attention scores become ``cap * tanh(scores / cap)`` before the softmax (gemma2); None: not."""
+    final_softcap: float | None = None
+    """Logits become ``cap * tanh(logits / cap)`` (gemma2, some gemma3); None: not."""
+
+    @property
+    def llama_layer(self) -> bool:
+        """The layer is Llama's (two plain norms, silu MLP, one rope, plain scaled-dot attention): what the
+        CPU fast paths assume (the lean forward, the fused residual-add norms). False for gemma: its
+        layers run the modules (eager or compiled)."""
+        return not (self.norm_offset or self.sandwich_norms or self.embed_scale is not None) and (
+            self.attn_softcap is None and self.local_rope is None and self.hidden_act == "silu"
+        )
+
+    def layer_is_sliding(self, index: int) -> bool:
+        """Whether layer ``index`` attends within ``sliding_window`` (False where the model has none)."""
+        if self.sliding_window is None:
+            return False
+        return True if self.layer_sliding is None else self.layer_sliding[index]
 
     @classmethod
     def from_hf_config(cls, config: Any, architecture: str) -> DecoderSpec:
-        """Read a spec off a transformers config object of one of the supported families."""
+        """Read a spec off a transformers config object of one of the supported families.
+
+        Raises:
+            NotImplementedError: The config asks for something the family's implementation lacks
+                (gemma's bidirectional attention).
+        """
+        if architecture in GEMMA_ARCHITECTURES:
+            return cls._from_gemma_config(config, architecture)
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         attention_bias = True if architecture == "Qwen2ForCausalLM" else bool(getattr(config, "attention_bias", False))
@@ -83,23 +125,92 @@ class DecoderSpec:
             hidden_act=getattr(config, "hidden_act", "silu"),
         )
 
+    @classmethod
+    def _from_gemma_config(cls, config: Any, architecture: str) -> DecoderSpec:
+        # Gemma 2 and Gemma 3 (text): the same layer, gemma3 adds q/k norms and a local rope base.
+        if getattr(config, "use_bidirectional_attention", False):
+            raise NotImplementedError(f"{architecture} with use_bidirectional_attention is not supported")
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        num_layers = config.num_hidden_layers
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types is None:  # older configs: a pattern (gemma2: every other layer; gemma3: 5 local : 1 global)
+            pattern = int(getattr(config, "sliding_window_pattern", 2 if architecture == "Gemma2ForCausalLM" else 6))
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+        sliding = tuple(t == "sliding_attention" for t in layer_types[:num_layers])
+        sliding_window = getattr(config, "sliding_window", None)
+        rope, local_rope = rope_parameters(config), None
+        if architecture == "Gemma3ForCausalLM":
+            rope, local_rope = _gemma3_rope(config)
+        return cls(
+            architecture=architecture,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            rope=rope,
+            attention_bias=bool(getattr(config, "attention_bias", False)),
+            qk_norm=architecture == "Gemma3ForCausalLM",
+            sliding_window=sliding_window if any(sliding) else None,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", True)),
+            hidden_act=str(getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu")),
+            layer_sliding=sliding,
+            local_rope=local_rope,
+            norm_offset=True,
+            sandwich_norms=True,
+            embed_scale=float(config.hidden_size) ** 0.5,
+            query_pre_attn_scalar=float(getattr(config, "query_pre_attn_scalar", head_dim)),
+            attn_softcap=getattr(config, "attn_logit_softcapping", None),
+            final_softcap=getattr(config, "final_logit_softcapping", None),
+        )
+
+
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+
+
+def _gemma3_rope(config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(global, local) rope settings of a gemma3 config: transformers 5 nests them per layer type;
+    4.x had ``rope_theta`` (+ ``rope_scaling``) for the global layers and ``rope_local_base_freq``."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and "full_attention" in params:
+        full = dict(params["full_attention"] or {})
+        local = dict(params.get("sliding_attention") or {})
+        full.setdefault("rope_theta", 1_000_000.0)
+        local.setdefault("rope_theta", 10_000.0)
+    else:
+        full = rope_parameters(config)
+        local = {"rope_theta": float(getattr(config, "rope_local_base_freq", 10_000.0))}
+    full["rope_type"] = full.pop("type", full.get("rope_type", "default"))
+    local["rope_type"] = local.pop("type", local.get("rope_type", "default"))
+    return full, local
+
 
 class Attention(nn.Module):
     """Grouped-query self-attention against one layer's paged KV cache."""
 
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, spec: DecoderSpec, index: int = 0) -> None:
         super().__init__()
         self.num_heads = spec.num_heads
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
-        self.scale = spec.head_dim**-0.5
+        scalar = spec.query_pre_attn_scalar
+        self.scale = spec.head_dim**-0.5 if scalar is None else scalar**-0.5
+        self.sliding = spec.layer_is_sliding(index)
+        """This layer attends within the model's sliding window (the backend's), not to the whole context."""
+        self.global_in_windowed = spec.sliding_window is not None and not self.sliding
+        """A global layer of a model with sliding layers: the backend is told to ignore its window."""
+        self.softcap = spec.attn_softcap
         bias = spec.attention_bias
         self.q_proj = Linear(spec.hidden_size, spec.num_heads * spec.head_dim, bias=bias)
         self.k_proj = Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=bias)
         self.v_proj = Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=bias)
         self.o_proj = Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=False)
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.q_norm = _norm(spec, spec.head_dim) if spec.qk_norm else None
+        self.k_norm = _norm(spec, spec.head_dim) if spec.qk_norm else None
         self.qkv_proj: Linear | None = None
         """q, k and v projections as one matmul, once ``fuse`` ran (the three are then gone)."""
 
@@ -146,17 +257,27 @@ class Attention(nn.Module):
         if not rotated:
             backend.rotary_(q, k, *cos_sin)
         backend.write_kv(kv_cache, k, v, meta)
-        out = backend.attend(q, k, v, kv_cache, meta, self.scale)
+        if not self.global_in_windowed and self.softcap is None:
+            out = backend.attend(q, k, v, kv_cache, meta, self.scale)
+        else:
+            sliding = not self.global_in_windowed
+            out = backend.attend(q, k, v, kv_cache, meta, self.scale, sliding=sliding, softcap=self.softcap)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
 
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
+
+
 class MLP(nn.Module):
-    """The gated feed-forward block: down(act(gate(x)) * up(x))."""
+    """The gated feed-forward block: down(act(gate(x)) * up(x)); act is silu (SwiGLU) or tanh-GELU (GeGLU)."""
 
     def __init__(self, spec: DecoderSpec) -> None:
         super().__init__()
-        if spec.hidden_act != "silu":
-            raise NotImplementedError(f"hidden_act {spec.hidden_act!r} is not supported (only silu)")
+        if spec.hidden_act != "silu" and spec.hidden_act not in _GELU_TANH:
+            raise NotImplementedError(
+                f"hidden_act {spec.hidden_act!r} is not supported (only silu and gelu_pytorch_tanh)"
+            )
+        self.gelu = spec.hidden_act in _GELU_TANH
         self.intermediate_size = spec.intermediate_size
         self.gate_proj = Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.up_proj = Linear(spec.hidden_size, spec.intermediate_size, bias=False)
@@ -176,7 +297,7 @@ class MLP(nn.Module):
             gate, up = self.gate_up_proj(x).split((self.intermediate_size, self.intermediate_size), dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        activated = F.silu(gate)
+        activated = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         activated.mul_(up)  # in place: one [tokens, intermediate] tensor less to allocate and fault in
         result: torch.Tensor = self.down_proj(activated)
         return result
@@ -211,12 +332,17 @@ class DecoderLayer(nn.Module):
     is on.
     """
 
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, spec: DecoderSpec, index: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(spec)
+        self.self_attn = Attention(spec, index)
         self.mlp = MLP(spec)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.input_layernorm = _norm(spec, spec.hidden_size)
+        self.post_attention_layernorm = _norm(spec, spec.hidden_size)
+        self.sandwich = spec.sandwich_norms
+        if self.sandwich:
+            # Gemma: post_attention_layernorm norms the attention output; these two wrap the MLP.
+            self.pre_feedforward_layernorm = _norm(spec, spec.hidden_size)
+            self.post_feedforward_layernorm = _norm(spec, spec.hidden_size)
         self.compiled: CompiledParts | None = None
         """Compiled twins of ``pre_attention``/``post_attention`` (``asyncllm.worker._compile``), or None: eager."""
 
@@ -227,7 +353,13 @@ class DecoderLayer(nn.Module):
         return self.self_attn.project(self.input_layernorm(x), cos, sin, rotate)
 
     def post_attention(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        """o_proj and residual, then the post-attention norm, the MLP and residual."""
+        """o_proj and residual, then the post-attention norm, the MLP and residual (gemma: the attention
+        output normed before its residual add, the MLP between two norms)."""
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn.o_proj(attended))
+            mlp_out = self.mlp(self.pre_feedforward_layernorm(x))
+            sandwiched: torch.Tensor = x + self.post_feedforward_layernorm(mlp_out)
+            return sandwiched
         x = x + self.self_attn.o_proj(attended)
         result: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return result
@@ -240,6 +372,8 @@ class DecoderLayer(nn.Module):
         meta: Any,
         backend: AttentionBackend[Any],
     ) -> torch.Tensor:
+        """The layer on the flat batch; ``cos_sin`` is this layer's rotation (gemma3's sliding layers have
+        their own)."""
         compiled = self.compiled
         # A backend may rotate q and k in place in its own kernel, unless a compiled pre_attention
         # already fused the rotation into its kernels.
@@ -287,6 +421,10 @@ class DecoderLayer(nn.Module):
         return result, residual
 
 
+def _norm(spec: DecoderSpec, size: int) -> RMSNorm | OffsetRMSNorm:
+    return OffsetRMSNorm(size, spec.rms_norm_eps) if spec.norm_offset else RMSNorm(size, spec.rms_norm_eps)
+
+
 def _greedy_head(lm_head: Linear) -> greedy_head_cpu.GreedyHead | None:
     """The greedy head over ``lm_head``'s weight (on panels); None where the weights are out of its range."""
     if lm_head.panel_weight is None or lm_head.bias is not None:  # the head computes x @ weight.T alone
@@ -303,8 +441,8 @@ class DecoderModel(nn.Module):
     def __init__(self, spec: DecoderSpec) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(spec, index) for index in range(spec.num_layers))
+        self.norm = _norm(spec, spec.hidden_size)
 
 
 class DecoderForCausalLM(nn.Module):
@@ -315,6 +453,8 @@ class DecoderForCausalLM(nn.Module):
         self.spec = spec
         self.model = DecoderModel(spec)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.rope)
+        self.local_rotary = None if spec.local_rope is None else RotaryEmbedding(spec.head_dim, spec.local_rope)
+        """The sliding layers' rotation where it differs from ``rotary`` (gemma3's local rope base); None: the same."""
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -354,9 +494,19 @@ class DecoderForCausalLM(nn.Module):
         ``meta`` is the step's attention metadata, built by ``self.backend.build_metadata``.
         """
         backend = self.backend
+        spec = self.spec
         x = self.model.embed_tokens(input_ids)
+        if spec.embed_scale is not None:
+            # As HF: the scale rounded to the model's dtype first (bfloat16 rounds sqrt(hidden) itself).
+            x.mul_(torch.tensor(spec.embed_scale, dtype=torch.float32).to(x.dtype))
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
         layers = cast("Sequence[DecoderLayer]", self.model.layers)
+        if not spec.llama_layer:
+            local = cos_sin if self.local_rotary is None else self.local_rotary.cos_sin(positions, x.dtype)
+            for layer, kv_cache in zip(layers, kv_caches):
+                x = layer(x, local if layer.self_attn.sliding else cos_sin, kv_cache, meta, backend)
+            normed: torch.Tensor = self.model.norm(x)
+            return normed
         if self.fused_norm and backend.fuses_norms and all(layer.compiled is None for layer in layers):
             if self.lean is not None and self.lean_forward and backend.runs_lean_forward:
                 return self.lean(x, cos_sin, kv_caches, meta)
@@ -369,6 +519,12 @@ class DecoderForCausalLM(nn.Module):
             x = layer(x, cos_sin, kv_cache, meta, backend)
         result: torch.Tensor = self.model.norm(x)
         return result
+
+    def reset_rotary(self, device: torch.device) -> None:
+        """Recompute the rotary tables on ``device`` (after ``to_empty``, which leaves buffers uninitialised)."""
+        self.rotary = RotaryEmbedding(self.spec.head_dim, self.spec.rope).to(device)
+        if self.spec.local_rope is not None:
+            self.local_rotary = RotaryEmbedding(self.spec.head_dim, self.spec.local_rope).to(device)
 
     def fuse_projections(self) -> None:
         """Stack q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` in every layer.
@@ -427,7 +583,10 @@ class DecoderForCausalLM(nn.Module):
             packed_format = best_packed_format(weight_bytes)
             if packed_format is None:
                 return 0
+        # Not under a final soft-cap: monotonic, but tanh's saturation can round distinct logits to one
+        # value, and the argmax of the capped logits (HF's) then takes the first of them.
         with_head = greedy_head and packed_format in ("both", "panels") and greedy_head_cpu.available()
+        with_head = with_head and self.spec.final_softcap is None
         packed = 0
         self.greedy_head = None
         for module in linears:
@@ -440,10 +599,14 @@ class DecoderForCausalLM(nn.Module):
                     module.release()
             else:
                 packed += module.pack(release=not shared, packed_format=packed_format)
-        self.lean = LeanCpuForward.for_model(self) if packed else None
+        self.lean = LeanCpuForward.for_model(self) if packed and self.spec.llama_layer else None
         return packed
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Project hidden states to float32 vocabulary logits."""
-        result: torch.Tensor = self.lm_head(hidden).float()
-        return result
+        """Project hidden states to float32 vocabulary logits (soft-capped where the model says, in its dtype
+        as HF does)."""
+        logits: torch.Tensor = self.lm_head(hidden)
+        cap = self.spec.final_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()

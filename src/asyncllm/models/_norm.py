@@ -34,3 +34,24 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+
+class OffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the weight is an offset from 1 (``x * (1 + weight)``), computed in float32 and
+    rounded to the input's dtype once at the end, exactly as HF's ``Gemma2RMSNorm`` (so greedy outputs
+    match token for token).
+
+    Args:
+        size: The normalised dimension.
+        eps: Added to the mean square before the square root.
+    """
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)

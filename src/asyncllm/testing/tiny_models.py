@@ -51,6 +51,10 @@ from tokenizers import (
     trainers,
 )
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -80,7 +84,7 @@ __all__ = [
 BUILDER_VERSION = 1
 
 #: Model families ``build_tiny_model`` can build.
-FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START_TOKEN = "<|im_start|>"
@@ -101,14 +105,37 @@ _CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "mistral": MistralConfig,
     "qwen2": Qwen2Config,
     "qwen3": Qwen3Config,
+    "gemma2": Gemma2Config,
+    "gemma3": Gemma3TextConfig,
 }
 _MODEL_CLASSES: dict[str, type[PreTrainedModel]] = {
     "llama": LlamaForCausalLM,
     "mistral": MistralForCausalLM,
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
+    "gemma2": Gemma2ForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
 }
-_TIED_BY_DEFAULT: dict[str, bool] = {"llama": True, "mistral": False, "qwen2": False, "qwen3": True}
+_TIED_BY_DEFAULT: dict[str, bool] = {
+    "llama": True,
+    "mistral": False,
+    "qwen2": False,
+    "qwen3": True,
+    # Untied, unlike real Gemma: with a tied embedding these tiny models mostly repeat their input token,
+    # whatever the attention does, and the parity tests would not see a wrong window or soft-cap.
+    "gemma2": False,
+    "gemma3": False,
+}
+# Gemma's quirks, at sizes where they change the tokens: a window shorter than most test prompts,
+# soft-caps of the order of the scores and logits (so tanh bends them), an attention scale that is
+# not head_dim's, and (gemma3) linear rope scaling on the global layers with a base of their own.
+_GEMMA_SLIDING_WINDOW = 8
+_GEMMA_QUERY_PRE_ATTN_SCALAR = 24
+_GEMMA2_SOFTCAPS: dict[str, float] = {"attn_logit_softcapping": 1.5, "final_logit_softcapping": 10.0}
+_GEMMA3_ROPE: dict[str, Any] = {
+    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+}
 _ROPE_THETA = 10000.0
 _LLAMA3_ROPE: dict[str, Any] = {
     "rope_type": "llama3",
@@ -394,6 +421,7 @@ def _make_config(
     max_position_embeddings: int,
     tie_word_embeddings: bool,
     rope_scaling: str | None,
+    sliding_window: int | None = None,
 ) -> PretrainedConfig:
     """Build the family's ``transformers`` config."""
     kwargs: dict[str, Any] = {
@@ -416,7 +444,17 @@ def _make_config(
     if rope_scaling == "llama3":
         kwargs["rope_parameters"] = dict(_LLAMA3_ROPE)
     if family == "mistral":
-        kwargs["sliding_window"] = None
+        kwargs["sliding_window"] = sliding_window
+    if family in ("gemma2", "gemma3"):
+        kwargs["sliding_window"] = _GEMMA_SLIDING_WINDOW if sliding_window is None else sliding_window
+        kwargs["query_pre_attn_scalar"] = _GEMMA_QUERY_PRE_ATTN_SCALAR
+        kwargs["hidden_activation"] = "gelu_pytorch_tanh"
+    if family == "gemma2":
+        kwargs.update(_GEMMA2_SOFTCAPS)  # layer_types: HF's default, sliding and global alternating
+    if family == "gemma3":
+        kwargs["rope_parameters"] = json.loads(json.dumps(_GEMMA3_ROPE))  # a deep copy
+        kwargs["final_logit_softcapping"] = _GEMMA2_SOFTCAPS["final_logit_softcapping"]
+        # layer_types: HF's default, five sliding layers to one global (num_layers 6 has both)
     return _CONFIG_CLASSES[family](**kwargs)
 
 
@@ -429,11 +467,12 @@ def _init_weights(model: PreTrainedModel, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     hidden_size = int(model.config.hidden_size)
     tied = bool(model.config.tie_word_embeddings)
+    offset_norms = model.config.model_type in ("gemma2", "gemma3_text")  # Gemma's norms scale by 1 + weight
     with torch.no_grad():
         for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
             noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
             if name.endswith("norm.weight"):
-                values = 1.0 + _NORM_STD * noise
+                values = (0.0 if offset_norms else 1.0) + _NORM_STD * noise
             elif name.endswith(".bias"):
                 values = _BIAS_STD * noise
             elif name.endswith("embed_tokens.weight"):
@@ -476,6 +515,7 @@ def build_tiny_model(
     rope_scaling: str | None = None,
     head_dim: int | None = None,
     dtype: str = "float32",
+    sliding_window: int | None = None,
 ) -> pathlib.Path:
     """Write a tiny random model of ``family`` and its tokenizer into the folder ``path``.
 
@@ -487,8 +527,12 @@ def build_tiny_model(
     Args:
         path: Folder to write into; created if missing. Existing files of the same names are
             overwritten.
-        family: ``"llama"``, ``"mistral"``, ``"qwen2"`` (q/k/v biases) or ``"qwen3"`` (q/k norms,
-            ``head_dim`` decoupled from ``hidden_size``).
+        family: ``"llama"``, ``"mistral"``, ``"qwen2"`` (q/k/v biases), ``"qwen3"`` (q/k norms,
+            ``head_dim`` decoupled from ``hidden_size``), ``"gemma2"`` (sliding and global layers
+            alternating, attention and final logit soft-caps, scaled embeddings, GeGLU, four offset
+            RMSNorms per layer, ``query_pre_attn_scalar`` 24) or ``"gemma3"`` (the same without the
+            attention soft-cap, plus q/k norms and a rope per layer type: theta 10000 on the sliding
+            layers, 1e6 with linear scaling 2 on the global ones; five sliding layers to one global).
         seed: Seed of the random weights. The tokenizer does not depend on it.
         vocab_size: Vocabulary size of the model and of the tokenizer (at least 259: 3 special
             tokens and 256 byte tokens). Past about 1500, the corpus runs out of merges and the
@@ -509,6 +553,8 @@ def build_tiny_model(
             qwen3 where it is twice that, so that ``num_heads * head_dim != hidden_size``.
         dtype: ``"float32"`` or ``"bfloat16"``: the checkpoint's dtype (and the config's). The
             weights are drawn in float32 either way and rounded once when saved.
+        sliding_window: The sliding window of mistral (default None: none) and of gemma's sliding
+            layers (default 8, shorter than most test prompts); ignored by the other families.
 
     Returns:
         The folder, as a ``pathlib.Path``.
@@ -546,6 +592,7 @@ def build_tiny_model(
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings,
         rope_scaling=rope_scaling,
+        sliding_window=sliding_window,
     )
     model = _make_model(family, config, seed)
     if dtype == "bfloat16":

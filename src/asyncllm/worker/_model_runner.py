@@ -204,6 +204,7 @@ class TorchModelRunner:
             num_kv_heads=spec.num_kv_heads,
             sliding_window=spec.sliding_window,
             requested=requested_backend == backend_name,
+            attn_softcap=spec.attn_softcap,
         )
         self.attention_backend = backend.name
         packed = self.switches.packed_gemm

@@ -22,7 +22,6 @@ from torch import nn
 
 from asyncllm.errors import ModelLoadError
 from asyncllm.models import DecoderForCausalLM, build_model
-from asyncllm.models._rotary import RotaryEmbedding
 
 LOAD_CHUNK_BYTES = 16 << 20
 """At most this many bytes of a checkpoint tensor (in its own dtype) are read at once while loading:
@@ -146,7 +145,7 @@ def load_model(
                     torch.empty(param.shape, dtype=target, device=device), requires_grad=False
                 )
             setattr(module, name, allocated[id(param)])
-    model.rotary = RotaryEmbedding(model.spec.head_dim, model.spec.rope).to(device)
+    model.reset_rotary(device)
     load_weights(model, tensors)
     return model.eval()
 

@@ -36,11 +36,11 @@ from typing import cast
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from asyncllm.backends.cpu import _native as native
 from asyncllm.backends.cpu._native import F32, I32, I64, PTR
 from asyncllm.backends.torch._attention import PrefillSpan, split_step
+from asyncllm.backends.torch._attention import sdpa as reference_sdpa
 from asyncllm.worker._input_batch import StepInputs
 
 __all__ = [
@@ -127,7 +127,8 @@ static inline void prefetch_row(const float *row, int64_t bytes) {
 /* q: [tokens, q_heads, HEAD_DIM] with row stride q_stride (a view into the fused projection: no copy);
    out: [tokens, q_heads, HEAD_DIM] contiguous; caches: [slots, kv_heads, HEAD_DIM]; rows: [n] the flat-batch row
    of each decode query; tables: [n, max_blocks]; lens: [n] context length, the new token included;
-   window: 0 for none, else the sliding window. Returns 0, or -1 when scratch memory ran out.
+   window: 0 for none, else the sliding window; softcap: 0 for none, else every score s becomes
+   softcap * tanh(s / softcap) before the softmax (gemma2). Returns 0, or -1 when scratch memory ran out.
 
    One pass over the context, a block at a time, with an online softmax: every query head's score against
    each key row of the block (rows in order), per head the exponentials against the running maximum
@@ -136,7 +137,7 @@ static inline void prefetch_row(const float *row, int64_t bytes) {
 int asyncllm_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                               float *out, const int64_t *rows, const int64_t *tables, const int64_t *lens,
                               int64_t n, int64_t q_heads, int64_t kv_heads, int64_t block_size,
-                              int64_t max_blocks, int64_t window, float scale) {
+                              int64_t max_blocks, int64_t window, float scale, float softcap) {
     const int64_t group = q_heads / kv_heads;
     const int64_t row_size = kv_heads * HEAD_DIM;
     int threads = 1;
@@ -206,7 +207,8 @@ int asyncllm_paged_decode_f32(const float *q, int64_t q_stride, const float *k_c
                         for (int64_t h = g * group; h < (g + 1) * group; ++h) {
                             vec s = load(queries + h * HEAD_DIM) * k[0];
                             for (int d = 1; d < HEAD_DIM / W; ++d) s += load(queries + h * HEAD_DIM + d * W) * k[d];
-                            scores[h * padded + p] = hsum(s);
+                            const float score = hsum(s);
+                            scores[h * padded + p] = softcap > 0.0f ? softcap * tanhf(score / softcap) : score;
                             if (ahead && h == g * group) prefetch_row(next_values + slice, slice_bytes);
                         }
                     }
@@ -438,6 +440,8 @@ class CpuAttentionMetadata:
     block_size: int
     sliding_window: int | None
     prefills: tuple[CpuPrefillChunk, ...]
+    global_prefills: tuple[CpuPrefillChunk, ...] | None = None
+    """``prefills`` without the sliding window, for a model's global layers; None: no window (the same)."""
 
 
 def build_metadata(step: StepInputs, *, sliding_window: int | None) -> CpuAttentionMetadata:
@@ -457,6 +461,9 @@ def build_metadata(step: StepInputs, *, sliding_window: int | None) -> CpuAttent
         block_size=block_size,
         sliding_window=sliding_window,
         prefills=tuple(_prefill_chunk(span, block_size, sliding_window) for span in split.prefills),
+        global_prefills=None
+        if sliding_window is None
+        else tuple(_prefill_chunk(span, block_size, None) for span in split.prefills),
     )
 
 
@@ -484,6 +491,9 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: CpuAttentionMetadata,
     scale: float,
+    *,
+    sliding: bool = True,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of every query in the flat batch against its sequence's cached K/V.
 
@@ -495,6 +505,9 @@ def paged_attention(
         v_cache: Like ``k_cache``, for values.
         meta: The step's metadata (``build_metadata``).
         scale: Softmax scale.
+        sliding: Apply the metadata's sliding window (False: a global layer of a model with one).
+        softcap: Soft-cap the scores before the softmax (gemma2): the decode kernel does; prompt chunks
+            then take the torch path (``backends.torch._attention.sdpa``), not the prefill kernel.
 
     Returns:
         [tokens, heads, head_dim] attention outputs.
@@ -509,7 +522,7 @@ def paged_attention(
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype)
-    attend_into(q, k, v, k_cache, v_cache, meta, scale, out)
+    attend_into(q, k, v, k_cache, v_cache, meta, scale, out, sliding=sliding, softcap=softcap)
     return out
 
 
@@ -522,6 +535,9 @@ def attend_into(
     meta: CpuAttentionMetadata,
     scale: float,
     out: torch.Tensor,
+    *,
+    sliding: bool = True,
+    softcap: float | None = None,
 ) -> None:
     """``paged_attention`` into ``out`` ([tokens, heads, head_dim], contiguous), without its checks.
 
@@ -548,14 +564,16 @@ def attend_into(
             k_cache.shape[1],
             meta.block_size,
             meta.decode_block_tables.shape[1],
-            meta.sliding_window or 0,
+            (meta.sliding_window or 0) if sliding else 0,
             scale,
+            softcap or 0.0,
         )
         if status != 0:
             raise RuntimeError("the cpu decode attention kernel could not allocate its scratch memory")
-    fresh = [c for c in meta.prefills if c.kv_slots is None and c.mask is None]
-    prefill = _prefill_kernel(q.shape[-1]) if fresh else None
-    rest: tuple[CpuPrefillChunk, ...] | list[CpuPrefillChunk] = meta.prefills
+    prefills = meta.prefills if sliding or meta.global_prefills is None else meta.global_prefills
+    fresh = [c for c in prefills if c.kv_slots is None and c.mask is None]
+    prefill = _prefill_kernel(q.shape[-1]) if fresh and softcap is None else None
+    rest: tuple[CpuPrefillChunk, ...] | list[CpuPrefillChunk] = prefills
     if prefill is not None and k.stride(2) == 1 and v.stride(2) == 1 and k.stride(1) == v.stride(1) == k.shape[2]:
         # Prompts from position 0 attend to their own new keys and values: the C kernel, all chunks at once.
         bounds = torch.tensor([[c.query_start, c.query_end] for c in fresh], dtype=torch.int64).t().contiguous()
@@ -565,7 +583,7 @@ def attend_into(
         )  # fmt: skip
         if status != 0:
             raise RuntimeError("the cpu prefill attention kernel could not allocate its scratch memory")
-        rest = [c for c in meta.prefills if c.kv_slots is not None or c.mask is not None]
+        rest = [c for c in prefills if c.kv_slots is not None or c.mask is not None]
     for chunk in rest:
         queries = q[chunk.query_start : chunk.query_end].transpose(0, 1).unsqueeze(0)
         if chunk.kv_slots is None:
@@ -574,15 +592,8 @@ def attend_into(
         else:
             keys = k_cache.index_select(0, chunk.kv_slots)
             values = v_cache.index_select(0, chunk.kv_slots)
-        attended = F.scaled_dot_product_attention(
-            queries,
-            keys.transpose(0, 1).unsqueeze(0),
-            values.transpose(0, 1).unsqueeze(0),
-            attn_mask=chunk.mask,
-            is_causal=chunk.mask is None,
-            scale=scale,
-            enable_gqa=True,
-        )
+        keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
+        attended = reference_sdpa(queries, keys, values, chunk.mask, scale, softcap)
         out[chunk.query_start : chunk.query_end] = attended.squeeze(0).transpose(0, 1)
 
 
@@ -611,7 +622,7 @@ _Kernel = Callable[..., int]
 
 
 _SIGNATURES: native.Signatures = {
-    "asyncllm_paged_decode_f32": ([PTR, I64, *[PTR] * 6, *[I64] * 6, F32], I32),
+    "asyncllm_paged_decode_f32": ([PTR, I64, *[PTR] * 6, *[I64] * 6, F32, F32], I32),
     "asyncllm_causal_prefill_f32": ([PTR, I64, *[PTR] * 5, *[I64] * 5, F32], I32),
 }
 

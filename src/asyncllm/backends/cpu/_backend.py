@@ -38,10 +38,19 @@ class CpuAttentionBackend(AttentionBackend[CpuAttentionMetadata]):
         return attention_cpu.build_metadata(step, sliding_window=self.sliding_window)
 
     def attend(
-        self, q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache, meta: CpuAttentionMetadata, scale: float
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        kv_cache: KVCache,
+        meta: CpuAttentionMetadata,
+        scale: float,
+        *,
+        sliding: bool = True,
+        softcap: float | None = None,
     ) -> Tensor:
         """``backends.cpu._attention.paged_attention``: fresh prompts read their own ``k`` and ``v``."""
-        return attention_cpu.paged_attention(q, k, v, *kv_cache, meta, scale)
+        return attention_cpu.paged_attention(q, k, v, *kv_cache, meta, scale, sliding=sliding, softcap=softcap)
 
     def rotary_(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> None:
         """``backends.cpu._elementwise.rotary_``: bit for bit the torch rotation."""

@@ -44,6 +44,10 @@ class AttentionMetadata:
     decode_mask: torch.Tensor
     """[decodes, 1, 1, max_kv_len] True on real (unpadded, in-window) slots."""
     prefills: tuple[PrefillChunk, ...]
+    global_decode_mask: torch.Tensor | None = None
+    """``decode_mask`` without the sliding window, for a model's global layers; None: no window (the same)."""
+    global_prefills: tuple[PrefillChunk, ...] | None = None
+    """``prefills`` with causal masks only, for a model's global layers; None: no window (the same)."""
 
 
 def write_kv(
@@ -54,8 +58,46 @@ def write_kv(
     v_cache.index_copy_(0, slots, v)
 
 
+def sdpa(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` ([batch, heads, len, head_dim], grouped-query), or with ``softcap``
+    the scores soft-capped before the softmax, as HF's eager attention computes them (SDPA has no soft-cap).
+
+    Args:
+        mask: [..., q_len, kv_len] True where a query may attend; None: causal (the queries are the last keys).
+    """
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
+    group = queries.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(group, dim=1)
+    values = values.repeat_interleave(group, dim=1)
+    scores = torch.matmul(queries, keys.transpose(-2, -1)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        q_len, kv_len = queries.shape[-2], keys.shape[-2]
+        mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=queries.device).tril(kv_len - q_len)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(queries.dtype)
+    return torch.matmul(weights, values)
+
+
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    sliding: bool = True,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of every query in the flat batch against its sequence's cached K/V.
 
@@ -65,26 +107,28 @@ def paged_attention(
         v_cache: Like ``k_cache``, for values.
         meta: The step's attention metadata.
         scale: Softmax scale (usually head_dim ** -0.5).
+        sliding: Apply the metadata's sliding window (False: a global layer of a model with one).
+        softcap: Soft-cap the scores before the softmax (``sdpa``); None: not.
 
     Returns:
         [tokens, heads, head_dim] attention outputs.
     """
     out = torch.empty_like(q)
+    decode_mask, prefills = meta.decode_mask, meta.prefills
+    if not sliding:
+        decode_mask = meta.global_decode_mask if meta.global_decode_mask is not None else decode_mask
+        prefills = meta.global_prefills if meta.global_prefills is not None else prefills
     if meta.decode_token_index.numel():
         queries = q[meta.decode_token_index].unsqueeze(2)  # [decodes, heads, 1, head_dim]
         keys = k_cache[meta.decode_kv_slots].transpose(1, 2)  # [decodes, kv_heads, kv_len, head_dim]
         values = v_cache[meta.decode_kv_slots].transpose(1, 2)
-        attended = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-        )
+        attended = sdpa(queries, keys, values, decode_mask, scale, softcap)
         out[meta.decode_token_index] = attended.squeeze(2)
-    for chunk in meta.prefills:
+    for chunk in prefills:
         queries = q[chunk.query_start : chunk.query_end].transpose(0, 1).unsqueeze(0)
         keys = k_cache[chunk.kv_slots].transpose(0, 1).unsqueeze(0)
         values = v_cache[chunk.kv_slots].transpose(0, 1).unsqueeze(0)
-        attended = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=chunk.mask, scale=scale, enable_gqa=True
-        )
+        attended = sdpa(queries, keys, values, chunk.mask, scale, softcap)
         out[chunk.query_start : chunk.query_end] = attended.squeeze(0).transpose(0, 1)
     return out
 
@@ -152,25 +196,34 @@ def build_metadata(step: StepInputs, sliding_window: int | None, device: torch.d
     split = split_step(step)
     block_size = step.block_size
     prefills: list[PrefillChunk] = []
+    global_prefills: list[PrefillChunk] = []  # causal masks only, for the global layers (a window only)
     for span in split.prefills:
         kv_positions = np.arange(span.kv_len, dtype=np.int64)
         kv_slots = span.block_table[kv_positions // block_size] * block_size + kv_positions % block_size
         query_positions = np.arange(span.start_position, span.kv_len, dtype=np.int64)
-        mask = kv_positions[None, :] <= query_positions[:, None]
+        causal = kv_positions[None, :] <= query_positions[:, None]
+        slots = torch.from_numpy(kv_slots).to(device)
+        mask = causal
         if sliding_window is not None:
-            mask &= kv_positions[None, :] > query_positions[:, None] - sliding_window
-        slots, allowed = torch.from_numpy(kv_slots).to(device), torch.from_numpy(mask).to(device)
-        prefills.append(PrefillChunk(span.query_start, span.query_end, slots, allowed))
+            mask = causal & (kv_positions[None, :] > query_positions[:, None] - sliding_window)
+            causal_mask = torch.from_numpy(causal).to(device)
+            global_prefills.append(PrefillChunk(span.query_start, span.query_end, slots, causal_mask))
+        prefills.append(PrefillChunk(span.query_start, span.query_end, slots, torch.from_numpy(mask).to(device)))
     kv_positions = np.arange(split.max_decode_len, dtype=np.int64)
     decode_slots = split.decode_tables[:, kv_positions // block_size] * block_size + kv_positions % block_size
     lens = split.decode_lens[:, None]
-    decode_mask = kv_positions[None, :] < lens
+    unpadded = kv_positions[None, :] < lens
+    decode_mask = unpadded
+    global_decode_mask = None
     if sliding_window is not None:
-        decode_mask &= kv_positions[None, :] > lens - 1 - sliding_window
+        decode_mask = unpadded & (kv_positions[None, :] > lens - 1 - sliding_window)
+        global_decode_mask = torch.from_numpy(unpadded[:, None, None, :].copy()).to(device)
     return AttentionMetadata(
         slot_mapping=torch.from_numpy(step.slot_mapping).to(device),
         decode_token_index=torch.from_numpy(split.decode_rows).to(device),
         decode_kv_slots=torch.from_numpy(decode_slots).to(device),
         decode_mask=torch.from_numpy(decode_mask[:, None, None, :].copy()).to(device),
         prefills=tuple(prefills),
+        global_decode_mask=global_decode_mask,
+        global_prefills=tuple(global_prefills) if sliding_window is not None else None,
     )

@@ -32,7 +32,16 @@ class TorchAttentionBackend(AttentionBackend[AttentionMetadata]):
         return attention.build_metadata(step, self.sliding_window, self.device)
 
     def attend(
-        self, q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        sliding: bool = True,
+        softcap: float | None = None,
     ) -> Tensor:
         """``backends.torch._attention.paged_attention`` (reads the cache only)."""
-        return attention.paged_attention(q, *kv_cache, meta, scale)
+        return attention.paged_attention(q, *kv_cache, meta, scale, sliding=sliding, softcap=softcap)

@@ -5,6 +5,7 @@ Importing it does not import triton; the kernels are imported on their first cal
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -52,9 +53,27 @@ class TritonAttentionBackend(AttentionBackend[TritonAttentionMetadata]):
         attention_triton.write_kv(*kv_cache, k, v, meta.slot_mapping)
 
     def attend(
-        self, q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache, meta: TritonAttentionMetadata, scale: float
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        kv_cache: KVCache,
+        meta: TritonAttentionMetadata,
+        scale: float,
+        *,
+        sliding: bool = True,
+        softcap: float | None = None,
     ) -> Tensor:
-        """The paged-attention kernel, or the split-KV kernels where the metadata asks for splits."""
+        """The paged-attention kernel, or the split-KV kernels where the metadata asks for splits.
+
+        Raises:
+            NotImplementedError: ``softcap`` is set: the kernels have none (``create_backend`` picks the
+                torch backend for soft-capped models instead).
+        """
+        if softcap is not None:
+            raise NotImplementedError("the triton attention kernels have no attention soft-cap")
+        if not sliding and meta.sliding_window is not None:
+            meta = dataclasses.replace(meta, sliding_window=None)  # the kernels derive the window from it
         return attention_triton.paged_attention(q, *kv_cache, meta, scale)
 
     def rotary_(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> None:
