@@ -12,12 +12,22 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    # ---- phi3 / granite / olmo2: begin ----
+    "Phi3ForCausalLM",
+    "GraniteForCausalLM",
+    "Olmo2ForCausalLM",
+    # ---- phi3 / granite / olmo2: end ----
 )
 _BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    # ---- phi3 / granite / olmo2: begin ----
+    "phi3": "Phi3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    # ---- phi3 / granite / olmo2: end ----
 }
 
 

@@ -1,9 +1,12 @@
-"""A Llama-shaped decoder covering the llama, mistral, qwen2 and qwen3 families.
+"""A Llama-shaped decoder covering the llama, mistral, qwen2, qwen3, phi3, granite and olmo2 families.
 
 Parameter names mirror HF transformers' (``model.layers.0.self_attn.q_proj.weight`` ...) so a
 safetensors checkpoint loads with a plain ``load_state_dict``. The families differ in switches:
 q/k/v biases (qwen2), per-head q/k RMSNorm (qwen3), an explicit head_dim (qwen3), a sliding
-window (mistral), and tied input/output embeddings.
+window (mistral), and tied input/output embeddings. Phi-3 checkpoints store q/k/v and gate/up
+fused (split at load, then fused again by ``fuse_projections``) and may rotate part of each head;
+Granite scales embeddings, residual branches, attention and logits by constants; OLMo 2 norms
+after attention and MLP instead of before, and norms q and k over the whole projection.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from asyncllm.backends.cpu import _greedy_head as greedy_head_cpu
 from asyncllm.backends.cpu._lean_forward import LeanCpuForward
 from asyncllm.models._linear import Linear, PackedFormat, best_packed_format
 from asyncllm.models._norm import RMSNorm
-from asyncllm.models._rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from asyncllm.models._rotary import RotaryEmbedding, RotarySpec, apply_partial_rotary, rope_parameters, rotary_spec
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +56,43 @@ class DecoderSpec:
     sliding_window: int | None
     tie_word_embeddings: bool
     hidden_act: str
+    # ---- phi3 / granite / olmo2 quirks and rope scaling (defaults: a Llama layer): begin ----
+    rotary: RotarySpec | None = None
+    """Resolved rotary settings (scaling, partial rotary); None: plain RoPE from ``rope`` over whole heads."""
+    fused_checkpoint: bool = False
+    """The checkpoint stores ``qkv_proj`` and ``gate_up_proj`` (Phi-3): split at load."""
+    embedding_multiplier: float = 1.0
+    """Granite: the embeddings are multiplied by this."""
+    residual_multiplier: float = 1.0
+    """Granite: each attention and MLP output is multiplied by this before its residual add."""
+    attention_multiplier: float | None = None
+    """Granite: the attention scale (instead of ``head_dim ** -0.5``)."""
+    logits_scaling: float = 1.0
+    """Granite: the logits are divided by this."""
+    post_norms: bool = False
+    """OLMo 2: RMSNorm the attention and MLP outputs before their residual adds; no input norms."""
+    whole_qk_norm: bool = False
+    """OLMo 2: the q and k norms span the whole projection (all heads), not each head."""
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading part of each head that rotates."""
+        return self.head_dim if self.rotary is None else self.rotary.rotary_dim
+
+    @property
+    def llama_layer(self) -> bool:
+        """Whether a layer is exactly Llama's (pre-norms, plain residual adds, whole-head rotary,
+        per-head q/k norms): what the fused-norm path, the cpu lean forward and the greedy head assume."""
+        return (
+            self.residual_multiplier == 1.0
+            and self.logits_scaling == 1.0
+            and self.attention_multiplier is None
+            and not self.post_norms
+            and not self.whole_qk_norm
+            and self.rotary_dim == self.head_dim
+        )
+
+    # ---- phi3 / granite / olmo2 quirks and rope scaling: end ----
 
     @classmethod
     def from_hf_config(cls, config: Any, architecture: str) -> DecoderSpec:
@@ -81,7 +121,42 @@ class DecoderSpec:
             sliding_window=sliding_window,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             hidden_act=getattr(config, "hidden_act", "silu"),
+            **_quirks(config, architecture, head_dim),
         )
+
+
+# ---- phi3 / granite / olmo2 quirks and rope scaling: begin ----
+
+
+def _quirks(config: Any, architecture: str, head_dim: int) -> dict[str, Any]:
+    """The ``DecoderSpec`` fields past Llama's that ``config`` sets (rope scaling for every family)."""
+    quirks: dict[str, Any] = {"rotary": rotary_spec(config, head_dim)}
+    if architecture == "Phi3ForCausalLM":
+        quirks["fused_checkpoint"] = True
+    elif architecture == "GraniteForCausalLM":
+        quirks["embedding_multiplier"] = float(config.embedding_multiplier)
+        quirks["residual_multiplier"] = float(config.residual_multiplier)
+        quirks["attention_multiplier"] = float(config.attention_multiplier)
+        quirks["logits_scaling"] = float(config.logits_scaling)
+    elif architecture == "Olmo2ForCausalLM":
+        quirks["post_norms"] = True
+        quirks["whole_qk_norm"] = True
+    return quirks
+
+
+def _split_fused(
+    state_dict: dict[str, Any], fused: str, parts: tuple[str, ...], sizes: tuple[int, ...]
+) -> None:
+    # A fused checkpoint tensor (Phi-3's qkv_proj / gate_up_proj) as the separate ones our modules
+    # load; ``fuse_projections`` stacks them back in the same order (the same bits).
+    weight = state_dict.pop(fused, None)
+    if weight is None:
+        return
+    for name, piece in zip(parts, weight.split(sizes, dim=0), strict=True):
+        state_dict[name] = piece
+
+
+# ---- phi3 / granite / olmo2 quirks and rope scaling: end ----
 
 
 class Attention(nn.Module):
@@ -92,7 +167,9 @@ class Attention(nn.Module):
         self.num_heads = spec.num_heads
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
-        self.scale = spec.head_dim**-0.5
+        self.scale = spec.head_dim**-0.5 if spec.attention_multiplier is None else spec.attention_multiplier
+        self.rotates_itself = spec.rotary_dim != spec.head_dim
+        """Partial rotary: q and k rotate here (torch), never in a backend's whole-head kernel."""
         bias = spec.attention_bias
         self.q_proj = Linear(spec.hidden_size, spec.num_heads * spec.head_dim, bias=bias)
         self.k_proj = Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=bias)
@@ -100,8 +177,20 @@ class Attention(nn.Module):
         self.o_proj = Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=False)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        if spec.whole_qk_norm:
+            self.q_norm = RMSNorm(spec.num_heads * spec.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.num_kv_heads * spec.head_dim, spec.rms_norm_eps)
+        self.whole_qk_norm = spec.whole_qk_norm
         self.qkv_proj: Linear | None = None
         """q, k and v projections as one matmul, once ``fuse`` ran (the three are then gone)."""
+        if spec.fused_checkpoint:
+            sizes = (spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim)
+            self._register_load_state_dict_pre_hook(
+                lambda state_dict, prefix, *_: self.qkv_proj is None
+                and _split_fused(
+                    state_dict, f"{prefix}qkv_proj.weight", tuple(f"{prefix}{n}_proj.weight" for n in "qkv"), sizes
+                )
+            )
 
     def fuse(self) -> None:
         """Replace q_proj, k_proj and v_proj by one ``qkv_proj`` with their weights stacked (after loading)."""
@@ -121,13 +210,15 @@ class Attention(nn.Module):
             q_flat, k_flat, v_flat = self.qkv_proj(x).split((q_size, kv_size, kv_size), dim=-1)
         else:
             q_flat, k_flat, v_flat = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q_flat.view(tokens, self.num_heads, self.head_dim)
-        k = k_flat.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.whole_qk_norm and self.q_norm is not None and self.k_norm is not None:
+            q_flat, k_flat = self.q_norm(q_flat), self.k_norm(k_flat)
+        q = q_flat.reshape(tokens, self.num_heads, self.head_dim)
+        k = k_flat.reshape(tokens, self.num_kv_heads, self.head_dim)
         v = v_flat.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if not self.whole_qk_norm and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if rotate:
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if rotate or self.rotates_itself:
+            q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
         return q, k, v
 
     def attend(
@@ -143,7 +234,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Write this step's K/V to the cache and attend through ``backend`` (rotating q and k in place
         first unless ``rotated``); [tokens, heads * head_dim] (before o_proj)."""
-        if not rotated:
+        if not rotated and not self.rotates_itself:
             backend.rotary_(q, k, *cos_sin)
         backend.write_kv(kv_cache, k, v, meta)
         out = backend.attend(q, k, v, kv_cache, meta, self.scale)
@@ -163,6 +254,14 @@ class MLP(nn.Module):
         self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=False)
         self.gate_up_proj: Linear | None = None
         """gate and up projections as one matmul, once ``fuse`` ran (the two are then gone)."""
+        if spec.fused_checkpoint:
+            sizes = (spec.intermediate_size, spec.intermediate_size)
+            self._register_load_state_dict_pre_hook(
+                lambda state_dict, prefix, *_: self.gate_up_proj is None
+                and _split_fused(
+                    state_dict, f"{prefix}gate_up_proj.weight", (f"{prefix}gate_proj.weight", f"{prefix}up_proj.weight"), sizes
+                )
+            )
 
     def fuse(self) -> None:
         """Replace gate_proj and up_proj by one ``gate_up_proj`` with their weights stacked (after loading)."""
@@ -217,6 +316,15 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(spec)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        # ---- granite / olmo2: begin ----
+        self.residual_multiplier = spec.residual_multiplier
+        self.post_norms = spec.post_norms
+        self.post_feedforward_layernorm: RMSNorm | None = None
+        """OLMo 2: the norm of the MLP output (``post_attention_layernorm`` norms the attention output)."""
+        if spec.post_norms:
+            del self.input_layernorm  # OLMo 2 has none: the checkpoint has no such weight
+            self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        # ---- granite / olmo2: end ----
         self.compiled: CompiledParts | None = None
         """Compiled twins of ``pre_attention``/``post_attention`` (``asyncllm.worker._compile``), or None: eager."""
 
@@ -224,10 +332,18 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Input norm and q/k/v projections (rotary applied if ``rotate``)."""
+        if self.post_norms:
+            return self.self_attn.project(x, cos, sin, rotate)
         return self.self_attn.project(self.input_layernorm(x), cos, sin, rotate)
 
     def post_attention(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """o_proj and residual, then the post-attention norm, the MLP and residual."""
+        if self.post_norms and self.post_feedforward_layernorm is not None:  # OLMo 2
+            x = x + self.post_attention_layernorm(self.self_attn.o_proj(attended))
+            return x + self.post_feedforward_layernorm(self.mlp(x))
+        if self.residual_multiplier != 1.0:  # Granite
+            x = x + self.self_attn.o_proj(attended) * self.residual_multiplier
+            return x + self.mlp(self.post_attention_layernorm(x)) * self.residual_multiplier
         x = x + self.self_attn.o_proj(attended)
         result: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return result
@@ -243,7 +359,7 @@ class DecoderLayer(nn.Module):
         compiled = self.compiled
         # A backend may rotate q and k in place in its own kernel, unless a compiled pre_attention
         # already fused the rotation into its kernels.
-        rotate = compiled is not None or not backend.rotates_in_kernel
+        rotate = compiled is not None or not backend.rotates_in_kernel or self.self_attn.rotates_itself
         pre = compiled.pre_attention if compiled is not None else self.pre_attention
         post = compiled.post_attention if compiled is not None else self.post_attention
         q, k, v = pre(x, cos_sin[0], cos_sin[1], rotate)
@@ -314,7 +430,7 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.model = DecoderModel(spec)
-        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope)
+        self.rotary = RotaryEmbedding.of(spec)
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -355,9 +471,12 @@ class DecoderForCausalLM(nn.Module):
         """
         backend = self.backend
         x = self.model.embed_tokens(input_ids)
+        if self.spec.embedding_multiplier != 1.0:  # Granite
+            x = x * self.spec.embedding_multiplier
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
         layers = cast("Sequence[DecoderLayer]", self.model.layers)
-        if self.fused_norm and backend.fuses_norms and all(layer.compiled is None for layer in layers):
+        fusable = self.spec.llama_layer and all(layer.compiled is None for layer in layers)
+        if self.fused_norm and backend.fuses_norms and fusable:
             if self.lean is not None and self.lean_forward and backend.runs_lean_forward:
                 return self.lean(x, cos_sin, kv_caches, meta)
             residual = None
@@ -414,10 +533,14 @@ class DecoderForCausalLM(nn.Module):
                     module.release()
             else:
                 packed += module.pack(release=not shared, packed_format=packed_format)
-        self.lean = LeanCpuForward.for_model(self) if packed else None
+        if not self.spec.llama_layer:  # the lean forward and the greedy head assume a Llama layer
+            self.greedy_head = None
+        self.lean = LeanCpuForward.for_model(self) if packed and self.spec.llama_layer else None
         return packed
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project hidden states to float32 vocabulary logits."""
         result: torch.Tensor = self.lm_head(hidden).float()
+        if self.spec.logits_scaling != 1.0:  # Granite; as transformers: after the projection
+            result = result / self.spec.logits_scaling
         return result

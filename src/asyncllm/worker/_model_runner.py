@@ -190,7 +190,7 @@ class TorchModelRunner:
         model.load_state_dict(load_state_dict(self.model_path, model.spec.tie_word_embeddings), strict=True)
         if model.spec.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
-        model.rotary = RotaryEmbedding(model.spec.head_dim, model.spec.rope).to(device)
+        model.rotary = RotaryEmbedding.of(model.spec).to(device)
         model.eval()
         model.fused_norm = self.switches.fused_norm  # before any CUDA graph is captured: graphs keep their path
         if self.switches.fuse_projections:
