@@ -122,7 +122,12 @@ def test_granite_and_olmo2_leave_the_llama_fast_paths(tiny_cache: Path) -> None:
     # The fused-norm path, the cpu lean forward and the greedy head assume a Llama layer.
     from transformers import AutoConfig
 
-    for name, llama_layer in (("granite", False), ("olmo2", False), ("phi3-partial-rotary", False), ("qwen3-rope-yarn", True)):
+    for name, llama_layer in (
+        ("granite", False),
+        ("olmo2", False),
+        ("phi3-partial-rotary", False),
+        ("qwen3-rope-yarn", True),
+    ):
         with torch.device("meta"):
             model = build_model(AutoConfig.from_pretrained(_model_dir(str(tiny_cache), name)))
         assert model.spec.llama_layer is llama_layer, name
@@ -154,7 +159,12 @@ def test_longrope_rotates_past_the_original_context_as_transformers(tiny_cache: 
     assert ours.settings.long_inv_freq is not None and ours.settings.attention_scaling > 1.0
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).model.rotary_emb
     original = ours.settings.long_from_position
-    for positions in (torch.arange(original), torch.arange(original + 5), torch.tensor([original - 1]), torch.tensor([original])):
+    for positions in (
+        torch.arange(original),
+        torch.arange(original + 5),
+        torch.tensor([original - 1]),
+        torch.tensor([original]),
+    ):
         expected_cos, expected_sin = reference(torch.zeros(1), positions[None])
         cos, sin = ours.cos_sin(positions, torch.float32)
         past = positions >= original

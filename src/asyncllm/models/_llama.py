@@ -144,9 +144,7 @@ def _quirks(config: Any, architecture: str, head_dim: int) -> dict[str, Any]:
     return quirks
 
 
-def _split_fused(
-    state_dict: dict[str, Any], fused: str, parts: tuple[str, ...], sizes: tuple[int, ...]
-) -> None:
+def _split_fused(state_dict: dict[str, Any], fused: str, parts: tuple[str, ...], sizes: tuple[int, ...]) -> None:
     # A fused checkpoint tensor (Phi-3's qkv_proj / gate_up_proj) as the separate ones our modules
     # load; ``fuse_projections`` stacks them back in the same order (the same bits).
     weight = state_dict.pop(fused, None)
@@ -184,13 +182,18 @@ class Attention(nn.Module):
         self.qkv_proj: Linear | None = None
         """q, k and v projections as one matmul, once ``fuse`` ran (the three are then gone)."""
         if spec.fused_checkpoint:
-            sizes = (spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim)
-            self._register_load_state_dict_pre_hook(
-                lambda state_dict, prefix, *_: self.qkv_proj is None
-                and _split_fused(
-                    state_dict, f"{prefix}qkv_proj.weight", tuple(f"{prefix}{n}_proj.weight" for n in "qkv"), sizes
-                )
+            sizes = (
+                spec.num_heads * spec.head_dim,
+                spec.num_kv_heads * spec.head_dim,
+                spec.num_kv_heads * spec.head_dim,
             )
+
+            def split(state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+                if self.qkv_proj is None:
+                    names = tuple(f"{prefix}{n}_proj.weight" for n in "qkv")
+                    _split_fused(state_dict, f"{prefix}qkv_proj.weight", names, sizes)
+
+            self._register_load_state_dict_pre_hook(split)
 
     def fuse(self) -> None:
         """Replace q_proj, k_proj and v_proj by one ``qkv_proj`` with their weights stacked (after loading)."""
@@ -256,12 +259,13 @@ class MLP(nn.Module):
         """gate and up projections as one matmul, once ``fuse`` ran (the two are then gone)."""
         if spec.fused_checkpoint:
             sizes = (spec.intermediate_size, spec.intermediate_size)
-            self._register_load_state_dict_pre_hook(
-                lambda state_dict, prefix, *_: self.gate_up_proj is None
-                and _split_fused(
-                    state_dict, f"{prefix}gate_up_proj.weight", (f"{prefix}gate_proj.weight", f"{prefix}up_proj.weight"), sizes
-                )
-            )
+
+            def split(state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+                if self.gate_up_proj is None:
+                    names = (f"{prefix}gate_proj.weight", f"{prefix}up_proj.weight")
+                    _split_fused(state_dict, f"{prefix}gate_up_proj.weight", names, sizes)
+
+            self._register_load_state_dict_pre_hook(split)
 
     def fuse(self) -> None:
         """Replace gate_proj and up_proj by one ``gate_up_proj`` with their weights stacked (after loading)."""
@@ -340,10 +344,12 @@ class DecoderLayer(nn.Module):
         """o_proj and residual, then the post-attention norm, the MLP and residual."""
         if self.post_norms and self.post_feedforward_layernorm is not None:  # OLMo 2
             x = x + self.post_attention_layernorm(self.self_attn.o_proj(attended))
-            return x + self.post_feedforward_layernorm(self.mlp(x))
+            olmo: torch.Tensor = x + self.post_feedforward_layernorm(self.mlp(x))
+            return olmo
         if self.residual_multiplier != 1.0:  # Granite
             x = x + self.self_attn.o_proj(attended) * self.residual_multiplier
-            return x + self.mlp(self.post_attention_layernorm(x)) * self.residual_multiplier
+            granite: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x)) * self.residual_multiplier
+            return granite
         x = x + self.self_attn.o_proj(attended)
         result: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return result

@@ -113,7 +113,9 @@ def _rotary_spec(config: Any, head_dim: int) -> RotarySpec:
     partial = float(params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0))
     rotary_dim = int(head_dim * partial)
     if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
-        raise NotImplementedError(f"a rotary dimension of {rotary_dim} (head_dim {head_dim} * {partial}) is not supported")
+        raise NotImplementedError(
+            f"a rotary dimension of {rotary_dim} (head_dim {head_dim} * {partial}) is not supported"
+        )
     if rope_type == "default":
         return RotarySpec(rotary_dim, tuple(inverse_frequencies(rotary_dim, params).tolist()))
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
