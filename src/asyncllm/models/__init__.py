@@ -14,6 +14,11 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    # ---- phi3 / granite / olmo2: begin ----
+    "Phi3ForCausalLM",
+    "GraniteForCausalLM",
+    "Olmo2ForCausalLM",
+    # ---- phi3 / granite / olmo2: end ----
 )
 _BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -22,6 +27,11 @@ _BY_MODEL_TYPE = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    # ---- phi3 / granite / olmo2: begin ----
+    "phi3": "Phi3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    # ---- phi3 / granite / olmo2: end ----
 }
 
 

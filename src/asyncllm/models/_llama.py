@@ -1,4 +1,5 @@
-"""A Llama-shaped decoder covering the llama, mistral, qwen2, qwen3, gemma2 and gemma3 families.
+"""A Llama-shaped decoder covering the llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3, granite and
+olmo2 families.
 
 Parameter names mirror HF transformers' (``model.layers.0.self_attn.q_proj.weight`` ...) so a
 safetensors checkpoint loads with a plain ``load_state_dict``. The families differ in switches
@@ -7,7 +8,10 @@ safetensors checkpoint loads with a plain ``load_state_dict``. The families diff
 tied input/output embeddings, and Gemma's quirks: embeddings scaled by sqrt(hidden_size), RMSNorm
 weights stored as offsets from 1, norms after attention and around the MLP (four per layer), GeGLU,
 an attention scale from ``query_pre_attn_scalar``, soft-capped attention scores and logits, and
-(gemma3) a rope base of its own for the sliding layers.
+(gemma3) a rope base of its own for the sliding layers. Phi-3 checkpoints store q/k/v and gate/up
+fused and may rotate part of each head; Granite scales embeddings, residual branches, attention and
+logits by constants; OLMo 2 norms after attention and MLP instead of before, and norms q and k over
+the whole projection.
 """
 
 from __future__ import annotations
@@ -25,7 +29,13 @@ from asyncllm.backends.cpu import _greedy_head as greedy_head_cpu
 from asyncllm.backends.cpu._lean_forward import LeanCpuForward
 from asyncllm.models._linear import Linear, PackedFormat, best_packed_format
 from asyncllm.models._norm import OffsetRMSNorm, RMSNorm
-from asyncllm.models._rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from asyncllm.models._rotary import (
+    RotaryEmbedding,
+    RotarySpec,
+    apply_partial_rotary,
+    rope_parameters,
+    rotary_spec,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,13 +84,48 @@ class DecoderSpec:
     final_softcap: float | None = None
     """Logits become ``cap * tanh(logits / cap)`` (gemma2, some gemma3); None: not."""
 
+    # ---- phi3 / granite / olmo2 quirks and rope scaling (defaults: a Llama layer): begin ----
+    rotary: RotarySpec | None = None
+    """Resolved rotary settings (scaling, partial rotary); None: plain RoPE from ``rope`` over whole heads."""
+    fused_checkpoint: bool = False
+    """The checkpoint stores ``qkv_proj`` and ``gate_up_proj`` (Phi-3): split at load."""
+    embedding_multiplier: float = 1.0
+    """Granite: the embeddings are multiplied by this."""
+    residual_multiplier: float = 1.0
+    """Granite: each attention and MLP output is multiplied by this before its residual add."""
+    attention_multiplier: float | None = None
+    """Granite: the attention scale (instead of ``head_dim ** -0.5``)."""
+    logits_scaling: float = 1.0
+    """Granite: the logits are divided by this."""
+    post_norms: bool = False
+    """OLMo 2: RMSNorm the attention and MLP outputs before their residual adds; no input norms."""
+    whole_qk_norm: bool = False
+    """OLMo 2: the q and k norms span the whole projection (all heads), not each head."""
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading part of each head that rotates."""
+        return self.head_dim if self.rotary is None else self.rotary.rotary_dim
+
     @property
     def llama_layer(self) -> bool:
-        """The layer is Llama's (two plain norms, silu MLP, one rope, plain scaled-dot attention): what the
-        CPU fast paths assume (the lean forward, the fused residual-add norms). False for gemma: its
-        layers run the modules (eager or compiled)."""
-        return not (self.norm_offset or self.sandwich_norms or self.embed_scale is not None) and (
-            self.attn_softcap is None and self.local_rope is None and self.hidden_act == "silu"
+        """The layer is exactly Llama's (two plain pre-norms, plain residual adds, a silu MLP, one rope over
+        whole heads, per-head q/k norms, plain scaled-dot attention, unscaled logits): what the CPU fast
+        paths assume (the lean forward, the fused residual-add norms, the greedy head). False for gemma,
+        granite, olmo2 and partial-rotary phi3: their layers run the modules (eager or compiled)."""
+        gemma = (self.norm_offset or self.sandwich_norms or self.embed_scale is not None) or (
+            self.attn_softcap is not None or self.final_softcap is not None or self.local_rope is not None
+        )
+        return (
+            not gemma
+            and self.hidden_act == "silu"
+            and self.residual_multiplier == 1.0
+            and self.embedding_multiplier == 1.0
+            and self.logits_scaling == 1.0
+            and self.attention_multiplier is None
+            and not self.post_norms
+            and not self.whole_qk_norm
+            and self.rotary_dim == self.head_dim
         )
 
     def layer_is_sliding(self, index: int) -> bool:
@@ -123,6 +168,7 @@ class DecoderSpec:
             sliding_window=sliding_window,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             hidden_act=getattr(config, "hidden_act", "silu"),
+            **_quirks(config, architecture, head_dim),
         )
 
     @classmethod
@@ -189,6 +235,38 @@ def _gemma3_rope(config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     return full, local
 
 
+# ---- phi3 / granite / olmo2 quirks and rope scaling: begin ----
+
+
+def _quirks(config: Any, architecture: str, head_dim: int) -> dict[str, Any]:
+    """The ``DecoderSpec`` fields past Llama's that ``config`` sets (rope scaling for every family)."""
+    quirks: dict[str, Any] = {"rotary": rotary_spec(config, head_dim)}
+    if architecture == "Phi3ForCausalLM":
+        quirks["fused_checkpoint"] = True
+    elif architecture == "GraniteForCausalLM":
+        quirks["embedding_multiplier"] = float(config.embedding_multiplier)
+        quirks["residual_multiplier"] = float(config.residual_multiplier)
+        quirks["attention_multiplier"] = float(config.attention_multiplier)
+        quirks["logits_scaling"] = float(config.logits_scaling)
+    elif architecture == "Olmo2ForCausalLM":
+        quirks["post_norms"] = True
+        quirks["whole_qk_norm"] = True
+    return quirks
+
+
+def _split_fused(state_dict: dict[str, Any], fused: str, parts: tuple[str, ...], sizes: tuple[int, ...]) -> None:
+    # A fused checkpoint tensor (Phi-3's qkv_proj / gate_up_proj) as the separate ones our modules
+    # load; ``fuse_projections`` stacks them back in the same order (the same bits).
+    weight = state_dict.pop(fused, None)
+    if weight is None:
+        return
+    for name, piece in zip(parts, weight.split(sizes, dim=0), strict=True):
+        state_dict[name] = piece
+
+
+# ---- phi3 / granite / olmo2 quirks and rope scaling: end ----
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention against one layer's paged KV cache."""
 
@@ -198,12 +276,17 @@ class Attention(nn.Module):
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
         scalar = spec.query_pre_attn_scalar
-        self.scale = spec.head_dim**-0.5 if scalar is None else scalar**-0.5
+        if spec.attention_multiplier is not None:  # granite
+            self.scale = spec.attention_multiplier
+        else:
+            self.scale = spec.head_dim**-0.5 if scalar is None else scalar**-0.5
         self.sliding = spec.layer_is_sliding(index)
         """This layer attends within the model's sliding window (the backend's), not to the whole context."""
         self.global_in_windowed = spec.sliding_window is not None and not self.sliding
         """A global layer of a model with sliding layers: the backend is told to ignore its window."""
         self.softcap = spec.attn_softcap
+        self.rotates_itself = spec.rotary_dim != spec.head_dim
+        """Partial rotary: q and k rotate here (torch), never in a backend's whole-head kernel."""
         bias = spec.attention_bias
         self.q_proj = Linear(spec.hidden_size, spec.num_heads * spec.head_dim, bias=bias)
         self.k_proj = Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=bias)
@@ -211,8 +294,25 @@ class Attention(nn.Module):
         self.o_proj = Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=False)
         self.q_norm = _norm(spec, spec.head_dim) if spec.qk_norm else None
         self.k_norm = _norm(spec, spec.head_dim) if spec.qk_norm else None
+        if spec.whole_qk_norm:
+            self.q_norm = _norm(spec, spec.num_heads * spec.head_dim)
+            self.k_norm = _norm(spec, spec.num_kv_heads * spec.head_dim)
+        self.whole_qk_norm = spec.whole_qk_norm
         self.qkv_proj: Linear | None = None
         """q, k and v projections as one matmul, once ``fuse`` ran (the three are then gone)."""
+        if spec.fused_checkpoint:
+            sizes = (
+                spec.num_heads * spec.head_dim,
+                spec.num_kv_heads * spec.head_dim,
+                spec.num_kv_heads * spec.head_dim,
+            )
+
+            def split(state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+                if self.qkv_proj is None:
+                    names = tuple(f"{prefix}{n}_proj.weight" for n in "qkv")
+                    _split_fused(state_dict, f"{prefix}qkv_proj.weight", names, sizes)
+
+            self._register_load_state_dict_pre_hook(split)
 
     def fuse(self) -> None:
         """Replace q_proj, k_proj and v_proj by one ``qkv_proj`` with their weights stacked (after loading)."""
@@ -232,13 +332,15 @@ class Attention(nn.Module):
             q_flat, k_flat, v_flat = self.qkv_proj(x).split((q_size, kv_size, kv_size), dim=-1)
         else:
             q_flat, k_flat, v_flat = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q_flat.view(tokens, self.num_heads, self.head_dim)
-        k = k_flat.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.whole_qk_norm and self.q_norm is not None and self.k_norm is not None:
+            q_flat, k_flat = self.q_norm(q_flat), self.k_norm(k_flat)
+        q = q_flat.reshape(tokens, self.num_heads, self.head_dim)
+        k = k_flat.reshape(tokens, self.num_kv_heads, self.head_dim)
         v = v_flat.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if not self.whole_qk_norm and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if rotate:
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if rotate or self.rotates_itself:
+            q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
         return q, k, v
 
     def attend(
@@ -254,7 +356,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Write this step's K/V to the cache and attend through ``backend`` (rotating q and k in place
         first unless ``rotated``); [tokens, heads * head_dim] (before o_proj)."""
-        if not rotated:
+        if not rotated and not self.rotates_itself:
             backend.rotary_(q, k, *cos_sin)
         backend.write_kv(kv_cache, k, v, meta)
         if not self.global_in_windowed and self.softcap is None:
@@ -284,6 +386,15 @@ class MLP(nn.Module):
         self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=False)
         self.gate_up_proj: Linear | None = None
         """gate and up projections as one matmul, once ``fuse`` ran (the two are then gone)."""
+        if spec.fused_checkpoint:
+            sizes = (spec.intermediate_size, spec.intermediate_size)
+
+            def split(state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+                if self.gate_up_proj is None:
+                    names = (f"{prefix}gate_proj.weight", f"{prefix}up_proj.weight")
+                    _split_fused(state_dict, f"{prefix}gate_up_proj.weight", names, sizes)
+
+            self._register_load_state_dict_pre_hook(split)
 
     def fuse(self) -> None:
         """Replace gate_proj and up_proj by one ``gate_up_proj`` with their weights stacked (after loading)."""
@@ -339,9 +450,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = _norm(spec, spec.hidden_size)
         self.post_attention_layernorm = _norm(spec, spec.hidden_size)
         self.sandwich = spec.sandwich_norms
+        self.residual_multiplier = spec.residual_multiplier
+        self.post_norms = spec.post_norms
+        self.post_feedforward_layernorm: RMSNorm | OffsetRMSNorm | None = None
+        """The norm of the MLP output (gemma, olmo2); ``post_attention_layernorm`` norms the attention output."""
         if self.sandwich:
             # Gemma: post_attention_layernorm norms the attention output; these two wrap the MLP.
             self.pre_feedforward_layernorm = _norm(spec, spec.hidden_size)
+            self.post_feedforward_layernorm = _norm(spec, spec.hidden_size)
+        if spec.post_norms:
+            del self.input_layernorm  # OLMo 2 has none: the checkpoint has no such weight
             self.post_feedforward_layernorm = _norm(spec, spec.hidden_size)
         self.compiled: CompiledParts | None = None
         """Compiled twins of ``pre_attention``/``post_attention`` (``asyncllm.worker._compile``), or None: eager."""
@@ -350,16 +468,27 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Input norm and q/k/v projections (rotary applied if ``rotate``)."""
+        if self.post_norms:
+            return self.self_attn.project(x, cos, sin, rotate)
         return self.self_attn.project(self.input_layernorm(x), cos, sin, rotate)
 
     def post_attention(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """o_proj and residual, then the post-attention norm, the MLP and residual (gemma: the attention
-        output normed before its residual add, the MLP between two norms)."""
-        if self.sandwich:
+        output normed before its residual add, the MLP between two norms; olmo2: both outputs normed
+        before their residual adds; granite: both scaled)."""
+        if self.sandwich and self.post_feedforward_layernorm is not None:
             x = x + self.post_attention_layernorm(self.self_attn.o_proj(attended))
             mlp_out = self.mlp(self.pre_feedforward_layernorm(x))
             sandwiched: torch.Tensor = x + self.post_feedforward_layernorm(mlp_out)
             return sandwiched
+        if self.post_norms and self.post_feedforward_layernorm is not None:  # OLMo 2
+            x = x + self.post_attention_layernorm(self.self_attn.o_proj(attended))
+            olmo: torch.Tensor = x + self.post_feedforward_layernorm(self.mlp(x))
+            return olmo
+        if self.residual_multiplier != 1.0:  # Granite
+            x = x + self.self_attn.o_proj(attended) * self.residual_multiplier
+            granite: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x)) * self.residual_multiplier
+            return granite
         x = x + self.self_attn.o_proj(attended)
         result: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return result
@@ -377,7 +506,7 @@ class DecoderLayer(nn.Module):
         compiled = self.compiled
         # A backend may rotate q and k in place in its own kernel, unless a compiled pre_attention
         # already fused the rotation into its kernels.
-        rotate = compiled is not None or not backend.rotates_in_kernel
+        rotate = compiled is not None or not backend.rotates_in_kernel or self.self_attn.rotates_itself
         pre = compiled.pre_attention if compiled is not None else self.pre_attention
         post = compiled.post_attention if compiled is not None else self.post_attention
         q, k, v = pre(x, cos_sin[0], cos_sin[1], rotate)
@@ -452,7 +581,7 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.model = DecoderModel(spec)
-        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope)
+        self.rotary = RotaryEmbedding.of(spec)
         self.local_rotary = None if spec.local_rope is None else RotaryEmbedding(spec.head_dim, spec.local_rope)
         """The sliding layers' rotation where it differs from ``rotary`` (gemma3's local rope base); None: the same."""
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
@@ -499,6 +628,8 @@ class DecoderForCausalLM(nn.Module):
         if spec.embed_scale is not None:
             # As HF: the scale rounded to the model's dtype first (bfloat16 rounds sqrt(hidden) itself).
             x.mul_(torch.tensor(spec.embed_scale, dtype=torch.float32).to(x.dtype))
+        if spec.embedding_multiplier != 1.0:  # Granite
+            x = x * spec.embedding_multiplier
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
         layers = cast("Sequence[DecoderLayer]", self.model.layers)
         if not spec.llama_layer:
@@ -522,7 +653,7 @@ class DecoderForCausalLM(nn.Module):
 
     def reset_rotary(self, device: torch.device) -> None:
         """Recompute the rotary tables on ``device`` (after ``to_empty``, which leaves buffers uninitialised)."""
-        self.rotary = RotaryEmbedding(self.spec.head_dim, self.spec.rope).to(device)
+        self.rotary = RotaryEmbedding.of(self.spec).to(device)
         if self.spec.local_rope is not None:
             self.local_rotary = RotaryEmbedding(self.spec.head_dim, self.spec.local_rope).to(device)
 
@@ -599,14 +730,19 @@ class DecoderForCausalLM(nn.Module):
                     module.release()
             else:
                 packed += module.pack(release=not shared, packed_format=packed_format)
+        if not self.spec.llama_layer:  # the lean forward and the greedy head assume a Llama layer
+            self.greedy_head = None
         self.lean = LeanCpuForward.for_model(self) if packed and self.spec.llama_layer else None
         return packed
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Project hidden states to float32 vocabulary logits (soft-capped where the model says, in its dtype
-        as HF does)."""
+        """Project hidden states to float32 vocabulary logits: soft-capped where the model says (gemma, in its
+        dtype as HF does), divided by ``logits_scaling`` (granite, after the projection as HF does)."""
         logits: torch.Tensor = self.lm_head(hidden)
         cap = self.spec.final_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        result = logits.float()
+        if self.spec.logits_scaling != 1.0:
+            result = result / self.spec.logits_scaling
+        return result

@@ -1,8 +1,14 @@
-"""Rotary position embeddings with the scaling variants HF configs name (default, linear, llama3)."""
+"""Rotary position embeddings with the scaling variants HF configs name.
+
+Plain RoPE is computed here; every scaled variant (linear, llama3, yarn, longrope, dynamic's
+initial frequencies) is computed by transformers' own ``ROPE_INIT_FUNCTIONS`` from the config, so
+the frequencies and YaRN's/LongRoPE's attention scaling are the reference's to the bit.
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -60,24 +66,139 @@ def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
     raise NotImplementedError(f"rope scaling type {rope_type!r} is not supported")
 
 
+# ---- rope scaling through transformers (llama3, yarn, longrope) and partial rotary: begin ----
+
+
+@dataclass(frozen=True, slots=True)
+class RotarySpec:
+    """The resolved rotary settings of a model: frequencies, scaling and how much of a head rotates.
+
+    Attributes:
+        rotary_dim: The leading part of each head that rotates (``partial_rotary_factor`` times
+            ``head_dim``: Phi-4-mini rotates 3/4); the rest passes through unrotated.
+        inv_freq: The per-pair frequencies (``rotary_dim // 2`` of them), as float32 values.
+        attention_scaling: The factor cos and sin are multiplied by (YaRN's mscale, LongRoPE's
+            attention factor; 1.0 otherwise), as transformers applies it.
+        long_inv_freq: LongRoPE's long-context frequencies, or None for every other type.
+        long_from_position: With ``long_inv_freq``: positions at or past this one (the
+            checkpoint's ``original_max_position_embeddings``) rotate by the long frequencies.
+    """
+
+    rotary_dim: int
+    inv_freq: tuple[float, ...]
+    attention_scaling: float = 1.0
+    long_inv_freq: tuple[float, ...] | None = None
+    long_from_position: int = 0
+
+
+def rotary_spec(config: Any, head_dim: int) -> RotarySpec:
+    """Resolve the rotary settings of an HF config for heads of ``head_dim`` (see ``_rotary_spec``)."""
+    with torch.device("cpu"):  # real values even while the model is built on the meta device
+        return _rotary_spec(config, head_dim)
+
+
+def _rotary_spec(config: Any, head_dim: int) -> RotarySpec:
+    """Resolve the rotary settings of an HF config for heads of ``head_dim``.
+
+    The scaled types go through ``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS`` with the
+    config itself (the reference implementation, so our frequencies equal transformers' bit for
+    bit); plain RoPE uses transformers' default formula here.
+
+    Raises:
+        NotImplementedError: The scaling type is not one transformers computes, or is ``dynamic``
+            (its frequencies depend on each forward's length; not supported yet).
+    """
+    params = rope_parameters(config)
+    rope_type = params.get("rope_type", "default")
+    partial = float(params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0))
+    rotary_dim = int(head_dim * partial)
+    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise NotImplementedError(
+            f"a rotary dimension of {rotary_dim} (head_dim {head_dim} * {partial}) is not supported"
+        )
+    if rope_type == "default":
+        return RotarySpec(rotary_dim, tuple(inverse_frequencies(rotary_dim, params).tolist()))
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
+        raise NotImplementedError(f"rope scaling type {rope_type!r} is not supported")
+    init = ROPE_INIT_FUNCTIONS[rope_type]
+    inv_freq, scaling = init(config, None)
+    if rope_type != "longrope":
+        return RotarySpec(rotary_dim, tuple(inv_freq.tolist()), float(scaling))
+    original = int(params.get("original_max_position_embeddings") or config.original_max_position_embeddings)
+    # transformers picks the long factors when the forward's length (largest position + 1) passes
+    # the original context: asking for one past it gives them.
+    long_inv_freq, _ = init(config, None, seq_len=original + 1)
+    return RotarySpec(
+        rotary_dim,
+        tuple(inv_freq.tolist()),
+        float(scaling),
+        long_inv_freq=tuple(long_inv_freq.tolist()),
+        long_from_position=original,
+    )
+
+
 class RotaryEmbedding(nn.Module):
     """Applies rotary embeddings (the half-split layout HF Llama uses) at given positions.
 
+    LongRoPE chooses its frequencies per token: a token at a position past the original context
+    (``RotarySpec.long_from_position``) rotates by the long ones, every other by the short ones.
+    That is transformers' choice for each forward of its own generation whose prompt fits the
+    original context (its prefill is short, and each decode step's length is its position + 1),
+    and it does not depend on batching, chunking or preemption. See docs/architecture.md for a
+    prompt longer than the original context.
+
     Args:
-        head_dim: The rotated head dimension.
-        params: The config's rope settings (see ``rope_parameters``).
+        head_dim: The head dimension (the rotated part is ``rotary.rotary_dim`` of it).
+        params: The config's rope settings (see ``rope_parameters``); used only without ``rotary``.
+        rotary: The resolved settings (``rotary_spec``); None computes plain or scaled
+            frequencies from ``params`` over the whole head.
     """
 
-    def __init__(self, head_dim: int, params: dict[str, Any]) -> None:
+    def __init__(self, head_dim: int, params: dict[str, Any], rotary: RotarySpec | None = None) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", inverse_frequencies(head_dim, params), persistent=False)
+        if rotary is None:
+            with torch.device("cpu"):  # host arithmetic, also while the model is built on the meta device
+                rotary = RotarySpec(head_dim, tuple(inverse_frequencies(head_dim, params).tolist()))
+        self.settings = rotary
+        self.register_buffer("inv_freq", torch.tensor(rotary.inv_freq, dtype=torch.float32), persistent=False)
         self.inv_freq: torch.Tensor
+        long = rotary.long_inv_freq
+        self.register_buffer(
+            "long_inv_freq", None if long is None else torch.tensor(long, dtype=torch.float32), persistent=False
+        )
+        self.long_inv_freq: torch.Tensor | None
+
+    @classmethod
+    def of(cls, spec: Any) -> RotaryEmbedding:
+        """The rotary embedding a ``DecoderSpec`` describes."""
+        return cls(spec.head_dim, spec.rope, spec.rotary)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of shape [tokens, head_dim] for the given positions; shared by every layer."""
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        """cos and sin of shape [tokens, rotary_dim] for the given positions; shared by every layer."""
+        inv_freq = self.inv_freq[None, :]
+        if self.long_inv_freq is not None:
+            is_long = (positions >= self.settings.long_from_position)[:, None]
+            inv_freq = torch.where(is_long, self.long_inv_freq[None, :], inv_freq)
+        freqs = positions.to(torch.float32)[:, None] * inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        cos, sin = angles.cos(), angles.sin()
+        scaling = self.settings.attention_scaling
+        if scaling != 1.0:  # as transformers: the float32 cos/sin times the factor, then the cast
+            cos, sin = cos * scaling, sin * scaling
+        return cos.to(dtype), sin.to(dtype)
+
+
+def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary`` on the leading ``cos.shape[-1]`` of each head; the rest passes through."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return apply_rotary(x, cos, sin)
+    return torch.cat((apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
+
+
+# ---- rope scaling through transformers and partial rotary: end ----
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -55,10 +55,16 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
@@ -83,8 +89,12 @@ __all__ = [
 #: Bump when the output of ``build_tiny_model`` changes, so ``tiny_model_path`` caches rebuild.
 BUILDER_VERSION = 1
 
+# ---- phi3 / granite / olmo2 and rope scaling: begin ----
+_PHI_GRANITE_OLMO: tuple[str, ...] = ("phi3", "granite", "olmo2")
+# ---- phi3 / granite / olmo2 and rope scaling: end ----
+
 #: Model families ``build_tiny_model`` can build.
-FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", *_PHI_GRANITE_OLMO)
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START_TOKEN = "<|im_start|>"
@@ -137,6 +147,67 @@ _GEMMA3_ROPE: dict[str, Any] = {
     "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
 }
 _ROPE_THETA = 10000.0
+
+# ---- phi3 / granite / olmo2 and rope scaling: begin ----
+_CONFIG_CLASSES.update({"phi3": Phi3Config, "granite": GraniteConfig, "olmo2": Olmo2Config})
+_MODEL_CLASSES.update({"phi3": Phi3ForCausalLM, "granite": GraniteForCausalLM, "olmo2": Olmo2ForCausalLM})
+_TIED_BY_DEFAULT.update({"phi3": False, "granite": True, "olmo2": False})
+#: Which ``rope_scaling`` each family accepts (besides None).
+_ROPE_SCALINGS: dict[str, tuple[str, ...]] = {
+    "llama": ("llama3", "yarn"),
+    "qwen2": ("yarn",),
+    "qwen3": ("yarn",),
+    "phi3": ("longrope",),
+}
+# Phi-4-mini rotates 3/4 of each head. LongRoPE's original context is past the parity tests' longest
+# sequence (70 + 16 tokens): transformers recomputes a sequence that crosses it with the long factors,
+# which asyncllm does not do (docs/architecture.md); the long factors are checked at the rotary level.
+_PHI3_PARTIAL_ROTARY = 0.75
+_LONGROPE_ORIGINAL_CONTEXT = 96
+_YARN_ROPE: dict[str, Any] = {
+    "rope_type": "yarn",
+    "rope_theta": _ROPE_THETA,
+    "factor": 4.0,
+    "original_max_position_embeddings": 256,
+}
+# Granite's constants, away from 1 so that a forgotten one shows (Granite 3 uses 12, 0.22, 1/128, 8).
+_GRANITE_MULTIPLIERS: dict[str, float] = {
+    "embedding_multiplier": 2.0,
+    "residual_multiplier": 0.5,
+    "attention_multiplier": 0.3,
+    "logits_scaling": 1.5,
+}
+
+
+def _longrope(head_dim: int) -> dict[str, Any]:
+    """Phi-3-style LongRoPE settings with distinct, deterministic short and long factors."""
+    pairs = int(head_dim * _PHI3_PARTIAL_ROTARY) // 2
+    return {
+        "rope_type": "longrope",
+        "rope_theta": _ROPE_THETA,
+        "short_factor": [1.0 + 0.05 * index for index in range(pairs)],
+        "long_factor": [1.0 + 1.5 * index for index in range(pairs)],
+        "original_max_position_embeddings": _LONGROPE_ORIGINAL_CONTEXT,
+        "partial_rotary_factor": _PHI3_PARTIAL_ROTARY,
+    }
+
+
+def _family_config_kwargs(family: str, kwargs: dict[str, Any], rope_scaling: str | None) -> None:
+    """Add the family's quirks and the rope scaling to ``kwargs`` (the config's arguments)."""
+    if rope_scaling == "yarn":
+        kwargs["rope_parameters"] = dict(_YARN_ROPE)
+    if family == "phi3":
+        kwargs["partial_rotary_factor"] = _PHI3_PARTIAL_ROTARY
+        kwargs["rope_parameters"]["partial_rotary_factor"] = _PHI3_PARTIAL_ROTARY
+        if rope_scaling == "longrope":
+            kwargs["rope_parameters"] = _longrope(int(kwargs["head_dim"]))
+            kwargs["original_max_position_embeddings"] = _LONGROPE_ORIGINAL_CONTEXT
+        del kwargs["head_dim"]  # Phi-3 derives it (hidden_size // heads)
+    elif family == "granite":
+        kwargs.update(_GRANITE_MULTIPLIERS)
+
+
+# ---- phi3 / granite / olmo2 and rope scaling: end ----
 _LLAMA3_ROPE: dict[str, Any] = {
     "rope_type": "llama3",
     "rope_theta": _ROPE_THETA,
@@ -443,6 +514,7 @@ def _make_config(
     }
     if rope_scaling == "llama3":
         kwargs["rope_parameters"] = dict(_LLAMA3_ROPE)
+    _family_config_kwargs(family, kwargs, rope_scaling)
     if family == "mistral":
         kwargs["sliding_window"] = sliding_window
     if family in ("gemma2", "gemma3"):
@@ -532,7 +604,10 @@ def build_tiny_model(
             alternating, attention and final logit soft-caps, scaled embeddings, GeGLU, four offset
             RMSNorms per layer, ``query_pre_attn_scalar`` 24) or ``"gemma3"`` (the same without the
             attention soft-cap, plus q/k norms and a rope per layer type: theta 10000 on the sliding
-            layers, 1e6 with linear scaling 2 on the global ones; five sliding layers to one global).
+            layers, 1e6 with linear scaling 2 on the global ones; five sliding layers to one global),
+            ``"phi3"`` (fused qkv and gate_up weights, 3/4 of each head rotated), ``"granite"``
+            (embedding, residual, attention and logit multipliers away from 1) or ``"olmo2"``
+            (post-norms, whole-projection q/k norms).
         seed: Seed of the random weights. The tokenizer does not depend on it.
         vocab_size: Vocabulary size of the model and of the tokenizer (at least 259: 3 special
             tokens and 256 byte tokens). Past about 1500, the corpus runs out of merges and the
@@ -547,8 +622,10 @@ def build_tiny_model(
             ``model_max_length``).
         tie_word_embeddings: Share the input embedding with the output projection. Default:
             ``True`` for llama and qwen3, ``False`` for mistral and qwen2.
-        rope_scaling: ``None`` for plain RoPE (theta 10000), or ``"llama3"`` (llama only) for
-            Llama 3.1-style frequency scaling (factor 8, original context 128).
+        rope_scaling: ``None`` for plain RoPE (theta 10000); ``"llama3"`` (llama) for Llama
+            3.1-style frequency scaling (factor 8, original context 128); ``"yarn"`` (llama, qwen2,
+            qwen3) for YaRN (factor 4, original context 256, its attention scaling); ``"longrope"``
+            (phi3) for LongRoPE (original context 96, distinct short and long factors).
         head_dim: Size of each attention head. Default: ``hidden_size // num_heads``, except for
             qwen3 where it is twice that, so that ``num_heads * head_dim != hidden_size``.
         dtype: ``"float32"`` or ``"bfloat16"``: the checkpoint's dtype (and the config's). The
@@ -560,14 +637,15 @@ def build_tiny_model(
         The folder, as a ``pathlib.Path``.
 
     Raises:
-        ValueError: If ``family`` is not one of the four families, ``rope_scaling`` is not
-            ``None`` or ``"llama3"`` for llama (``None`` for other families), or the sizes are
+        ValueError: If ``family`` is not one of ``FAMILIES``, ``rope_scaling`` is not ``None`` or
+            one the family takes (see above), or the sizes are
             inconsistent (heads not dividing, odd ``head_dim``, vocabulary too small).
     """
     _check_args(family, vocab_size, hidden_size, num_heads, num_kv_heads)
-    if rope_scaling is not None and (family != "llama" or rope_scaling != "llama3"):
+    if rope_scaling is not None and rope_scaling not in _ROPE_SCALINGS.get(family, ()):
         raise ValueError(
-            f"rope_scaling={rope_scaling!r} is not supported for family {family!r}; only 'llama3' for 'llama'"
+            f"rope_scaling={rope_scaling!r} is not supported for family {family!r};"
+            f" it takes {_ROPE_SCALINGS.get(family, ())} or None"
         )
     if head_dim is None:
         head_dim = hidden_size // num_heads * (2 if family == "qwen3" else 1)

@@ -80,8 +80,8 @@ def compile_dense_parts(model: DecoderForCausalLM) -> float:
             # that each one's guards are known to pass before the first request.
             for tokens in (_WARMUP_TOKENS, 1):
                 x = torch.zeros(tokens, spec.hidden_size, device=device, dtype=dtype)
-                cos = torch.ones(tokens, spec.head_dim, device=device, dtype=dtype)
-                sin = torch.zeros(tokens, spec.head_dim, device=device, dtype=dtype)
+                cos = torch.ones(tokens, spec.rotary_dim, device=device, dtype=dtype)
+                sin = torch.zeros(tokens, spec.rotary_dim, device=device, dtype=dtype)
                 attended = torch.zeros(tokens, spec.num_heads * spec.head_dim, device=device, dtype=dtype)
                 if tokens > 1:
                     for tensor in (x, cos, sin, attended):

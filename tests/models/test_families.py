@@ -1,0 +1,175 @@
+"""Phi-3, Granite, OLMo 2 and the scaled ropes (llama3, YaRN, LongRoPE) token for token against transformers.
+
+Each tiny model carries its family's quirks (see ``asyncllm.testing.tiny_models``); greedy float32
+tokens must equal transformers' ``generate`` on the same weights, on the torch and cpu attention
+backends, in one batch, through chunked prefill, through recompute preemption, and on a second
+pass served from the prefix cache.
+"""
+
+from __future__ import annotations
+
+import random
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from asyncllm import Engine, SamplingParams
+from asyncllm.models import SUPPORTED_ARCHITECTURES, build_model
+from asyncllm.testing.tiny_models import tiny_model_path
+
+pytestmark = pytest.mark.anyio
+
+PROMPT_LENGTHS = (1, 3, 7, 12, 20, 33, 48, 70)
+MAX_NEW_TOKENS = 16
+
+# name -> (family, build_tiny_model arguments)
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-rope-yarn": ("llama", {"rope_scaling": "yarn"}),
+    "qwen2-rope-yarn": ("qwen2", {"rope_scaling": "yarn"}),
+    "qwen3-rope-yarn": ("qwen3", {"rope_scaling": "yarn"}),
+    "phi3-partial-rotary": ("phi3", {}),
+    # Within LongRoPE's original context (96): short factors and the attention factor.
+    "phi3-longrope": ("phi3", {"rope_scaling": "longrope"}),
+    "granite": ("granite", {}),
+    "olmo2": ("olmo2", {}),
+}
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "one-batch": {},
+    "chunked-prefill": {"max_num_batched_tokens": 16},
+    "preemption": {"block_size": 4, "kv_cache_blocks": 32, "max_model_len": 128},
+    "prefix-hit": {"block_size": 4},
+}
+
+
+@cache
+def _model_dir(cache_root: str, name: str) -> Path:
+    family, kwargs = MODELS[name]
+    return tiny_model_path(cache_root, family, **kwargs)
+
+
+def _prompts(vocab_size: int, eos_ids: set[int]) -> list[list[int]]:
+    rng = random.Random(1234)
+    allowed = [t for t in range(3, vocab_size) if t not in eos_ids]
+    return [[rng.choice(allowed) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+@cache
+def _hf_greedy(model_dir: Path, prompts: tuple[tuple[int, ...], ...]) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW_TOKENS, do_sample=False
+            )
+            outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+async def _generate_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    # All requests are added in order before any is consumed (the same arrival order on both anyio backends).
+    streams = [engine.stream(prompt, params) for prompt in prompts]
+    results: list[list[int]] = [[] for _ in prompts]
+
+    async def consume(index: int) -> None:
+        async with streams[index] as stream:
+            async for chunk in stream:
+                results[index].extend(chunk.token_ids)
+
+    async with anyio.create_task_group() as tg:
+        for index in range(len(prompts)):
+            tg.start_soon(consume, index)
+    return results
+
+
+@pytest.mark.parametrize("attention_backend", ["torch", "cpu"])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("name", sorted(MODELS))
+async def test_greedy_matches_transformers(tiny_cache: Path, name: str, variant: str, attention_backend: str) -> None:
+    model_dir = _model_dir(str(tiny_cache), name)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+    async with Engine.open(model_dir, device="cpu", attention_backend=attention_backend, **VARIANTS[variant]) as engine:
+        assert engine._info is not None
+        prompts = _prompts(engine._info.vocab_size, set(engine._info.eos_token_ids))
+        expected = _hf_greedy(model_dir, tuple(map(tuple, prompts)))
+        got = await _generate_all(engine, prompts, params)
+        if variant == "prefix-hit":
+            hits_before = engine.statistics().prefix_cache_hits
+            got = await _generate_all(engine, prompts, params)  # the same prompts: their blocks are cached
+            assert engine.statistics().prefix_cache_hits > hits_before
+        stats = engine.statistics()
+    assert got == expected
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+    if variant == "preemption":
+        assert stats.num_preemptions > 0
+    if variant == "chunked-prefill":
+        assert stats.num_steps > MAX_NEW_TOKENS + sum(PROMPT_LENGTHS) // 16
+
+
+@pytest.mark.parametrize("architecture", ["Phi3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM"])
+def test_families_are_supported(architecture: str) -> None:
+    assert architecture in SUPPORTED_ARCHITECTURES
+
+
+def test_granite_and_olmo2_leave_the_llama_fast_paths(tiny_cache: Path) -> None:
+    # The fused-norm path, the cpu lean forward and the greedy head assume a Llama layer.
+    from transformers import AutoConfig
+
+    for name, llama_layer in (
+        ("granite", False),
+        ("olmo2", False),
+        ("phi3-partial-rotary", False),
+        ("qwen3-rope-yarn", True),
+    ):
+        with torch.device("meta"):
+            model = build_model(AutoConfig.from_pretrained(_model_dir(str(tiny_cache), name)))
+        assert model.spec.llama_layer is llama_layer, name
+
+
+def test_dynamic_rope_is_refused() -> None:
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        hidden_size=64, num_attention_heads=4, num_hidden_layers=1, intermediate_size=64, vocab_size=300,
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+        architectures=["LlamaForCausalLM"],
+    )  # fmt: skip
+    with pytest.raises(NotImplementedError, match="dynamic"):
+        build_model(config)
+
+
+def test_longrope_rotates_past_the_original_context_as_transformers(tiny_cache: Path) -> None:
+    # transformers rotates a forward by the long factors when it reaches past the original context;
+    # asyncllm picks per token: positions at or past it rotate by the long factors, exactly as there.
+    from transformers import AutoConfig
+
+    from asyncllm.models._rotary import RotaryEmbedding
+
+    model_dir = _model_dir(str(tiny_cache), "phi3-longrope")
+    with torch.device("meta"):
+        spec = build_model(AutoConfig.from_pretrained(model_dir)).spec
+    ours = RotaryEmbedding.of(spec)
+    assert ours.settings.long_inv_freq is not None and ours.settings.attention_scaling > 1.0
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).model.rotary_emb
+    original = ours.settings.long_from_position
+    for positions in (
+        torch.arange(original),
+        torch.arange(original + 5),
+        torch.tensor([original - 1]),
+        torch.tensor([original]),
+    ):
+        expected_cos, expected_sin = reference(torch.zeros(1), positions[None])
+        cos, sin = ours.cos_sin(positions, torch.float32)
+        past = positions >= original
+        if past.any():  # the reference rotates the whole forward by the long factors: compare those rows
+            expected_cos, expected_sin, cos, sin = expected_cos[0][past], expected_sin[0][past], cos[past], sin[past]
+        else:
+            expected_cos, expected_sin = expected_cos[0], expected_sin[0]
+        assert torch.equal(cos, expected_cos) and torch.equal(sin, expected_sin)
