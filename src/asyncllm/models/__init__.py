@@ -19,6 +19,8 @@ SUPPORTED_ARCHITECTURES = (
     "GraniteForCausalLM",
     "Olmo2ForCausalLM",
     # ---- phi3 / granite / olmo2: end ----
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
 _BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -32,6 +34,8 @@ _BY_MODEL_TYPE = {
     "granite": "GraniteForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     # ---- phi3 / granite / olmo2: end ----
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 
 

@@ -1,5 +1,5 @@
-"""A Llama-shaped decoder covering the llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3, granite and
-olmo2 families.
+"""A Llama-shaped decoder covering the llama, mistral, qwen2, qwen3, gemma2, gemma3, phi3, granite,
+olmo2, qwen3_moe and mixtral families.
 
 Parameter names mirror HF transformers' (``model.layers.0.self_attn.q_proj.weight`` ...) so a
 safetensors checkpoint loads with a plain ``load_state_dict``. The families differ in switches
@@ -11,7 +11,8 @@ an attention scale from ``query_pre_attn_scalar``, soft-capped attention scores 
 (gemma3) a rope base of its own for the sliding layers. Phi-3 checkpoints store q/k/v and gate/up
 fused and may rotate part of each head; Granite scales embeddings, residual branches, attention and
 logits by constants; OLMo 2 norms after attention and MLP instead of before, and norms q and k over
-the whole projection.
+the whole projection. Qwen3-MoE and Mixtral replace the MLP of their sparse layers by a routed
+Mixture of Experts (``asyncllm.models._moe``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from asyncllm.backends import AttentionBackend, TorchAttentionBackend
 from asyncllm.backends.cpu import _greedy_head as greedy_head_cpu
 from asyncllm.backends.cpu._lean_forward import LeanCpuForward
 from asyncllm.models._linear import Linear, PackedFormat, best_packed_format
+from asyncllm.models._moe import MoeSpec, SparseMoeBlock
 from asyncllm.models._norm import OffsetRMSNorm, RMSNorm
 from asyncllm.models._rotary import (
     RotaryEmbedding,
@@ -101,6 +103,9 @@ class DecoderSpec:
     """OLMo 2: RMSNorm the attention and MLP outputs before their residual adds; no input norms."""
     whole_qk_norm: bool = False
     """OLMo 2: the q and k norms span the whole projection (all heads), not each head."""
+    # ---- phi3 / granite / olmo2 quirks and rope scaling: end ----
+    moe: MoeSpec | None = None
+    """Qwen3-MoE, Mixtral: the sparse layers' MLP is a routed Mixture of Experts (``models._moe``); None: dense."""
 
     @property
     def rotary_dim(self) -> int:
@@ -112,7 +117,7 @@ class DecoderSpec:
         """The layer is exactly Llama's (two plain pre-norms, plain residual adds, a silu MLP, one rope over
         whole heads, per-head q/k norms, plain scaled-dot attention, unscaled logits): what the CPU fast
         paths assume (the lean forward, the fused residual-add norms, the greedy head). False for gemma,
-        granite, olmo2 and partial-rotary phi3: their layers run the modules (eager or compiled)."""
+        granite, olmo2, partial-rotary phi3 and MoE: their layers run the modules (eager or compiled)."""
         gemma = (self.norm_offset or self.sandwich_norms or self.embed_scale is not None) or (
             self.attn_softcap is not None or self.final_softcap is not None or self.local_rope is not None
         )
@@ -126,6 +131,7 @@ class DecoderSpec:
             and not self.post_norms
             and not self.whole_qk_norm
             and self.rotary_dim == self.head_dim
+            and self.moe is None
         )
 
     def layer_is_sliding(self, index: int) -> bool:
@@ -148,7 +154,7 @@ class DecoderSpec:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         attention_bias = True if architecture == "Qwen2ForCausalLM" else bool(getattr(config, "attention_bias", False))
         sliding_window = getattr(config, "sliding_window", None)
-        if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not getattr(
+        if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and not getattr(
             config, "use_sliding_window", False
         ):
             sliding_window = None
@@ -164,7 +170,7 @@ class DecoderSpec:
             rms_norm_eps=config.rms_norm_eps,
             rope=rope_parameters(config),
             attention_bias=attention_bias,
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=sliding_window,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             hidden_act=getattr(config, "hidden_act", "silu"),
@@ -251,7 +257,39 @@ def _quirks(config: Any, architecture: str, head_dim: int) -> dict[str, Any]:
     elif architecture == "Olmo2ForCausalLM":
         quirks["post_norms"] = True
         quirks["whole_qk_norm"] = True
+    elif architecture in MOE_ARCHITECTURES:
+        quirks["moe"] = _moe_spec(config, architecture)
     return quirks
+
+
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+
+
+def _moe_spec(config: Any, architecture: str) -> MoeSpec:
+    """The expert layout of a Qwen3-MoE or Mixtral config (which layers are sparse: as transformers decides)."""
+    num_layers = int(config.num_hidden_layers)
+    if architecture == "MixtralForCausalLM":
+        return MoeSpec(
+            num_experts=int(config.num_local_experts),
+            top_k=int(config.num_experts_per_tok),
+            intermediate_size=int(config.intermediate_size),
+            norm_topk_prob=True,
+            sparse_layers=(True,) * num_layers,
+            weights_in_router_dtype=False,
+            checkpoint_style="mixtral",
+        )
+    num_experts = int(config.num_experts)
+    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(config, "mlp_only_layers", None) or ())
+    return MoeSpec(
+        num_experts=num_experts,
+        top_k=int(config.num_experts_per_tok),
+        intermediate_size=int(config.moe_intermediate_size),
+        norm_topk_prob=bool(getattr(config, "norm_topk_prob", False)),
+        sparse_layers=tuple(i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)),
+        weights_in_router_dtype=True,
+        checkpoint_style="qwen3_moe",
+    )
 
 
 def _split_fused(state_dict: dict[str, Any], fused: str, parts: tuple[str, ...], sizes: tuple[int, ...]) -> None:
@@ -446,7 +484,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: DecoderSpec, index: int = 0) -> None:
         super().__init__()
         self.self_attn = Attention(spec, index)
-        self.mlp = MLP(spec)
+        self.mlp: MLP | SparseMoeBlock
+        if spec.moe is not None and spec.moe.sparse_layers[index]:
+            self.mlp = SparseMoeBlock(spec.moe, spec.hidden_size, spec.hidden_act)
+        else:
+            self.mlp = MLP(spec)
         self.input_layernorm = _norm(spec, spec.hidden_size)
         self.post_attention_layernorm = _norm(spec, spec.hidden_size)
         self.sandwich = spec.sandwich_norms
@@ -677,19 +719,21 @@ class DecoderForCausalLM(nn.Module):
         are row ranges of ``qkv_proj``, and ``gate_proj``/``up_proj`` of ``gate_up_proj``, stacked in
         that order. A loader writes each checkpoint tensor straight into its range, so the separate
         copies never exist (``asyncllm.worker._weights.load_weights``). Names not listed here map to
-        themselves at row 0. Empty before fusing.
+        themselves at row 0. Before fusing, only the per-expert tensors of a MoE checkpoint are listed.
         """
         rows: dict[str, tuple[str, int]] = {}
         for index, layer in enumerate(self.model.layers):
             assert isinstance(layer, DecoderLayer)
             prefix = f"model.layers.{index}"
             attn, mlp = layer.self_attn, layer.mlp
+            if isinstance(mlp, SparseMoeBlock) and self.spec.moe is not None:
+                rows.update(mlp.checkpoint_rows(f"{prefix}.mlp", self.spec.moe.checkpoint_style))
             if attn.qkv_proj is not None:
                 q_size, kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
                 for part, start in (("q_proj", 0), ("k_proj", q_size), ("v_proj", q_size + kv_size)):
                     for kind in ("weight", "bias"):
                         rows[f"{prefix}.self_attn.{part}.{kind}"] = (f"{prefix}.self_attn.qkv_proj.{kind}", start)
-            if mlp.gate_up_proj is not None:
+            if isinstance(mlp, MLP) and mlp.gate_up_proj is not None:
                 for part, start in (("gate_proj", 0), ("up_proj", mlp.intermediate_size)):
                     rows[f"{prefix}.mlp.{part}.weight"] = (f"{prefix}.mlp.gate_up_proj.weight", start)
         return rows

@@ -61,6 +61,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
     Phi3Config,
@@ -72,6 +74,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 __all__ = [
@@ -94,7 +98,8 @@ _PHI_GRANITE_OLMO: tuple[str, ...] = ("phi3", "granite", "olmo2")
 # ---- phi3 / granite / olmo2 and rope scaling: end ----
 
 #: Model families ``build_tiny_model`` can build.
-FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", *_PHI_GRANITE_OLMO)
+_MOE: tuple[str, ...] = ("qwen3_moe", "mixtral")
+FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", *_PHI_GRANITE_OLMO, *_MOE)
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START_TOKEN = "<|im_start|>"
@@ -150,6 +155,9 @@ _ROPE_THETA = 10000.0
 
 # ---- phi3 / granite / olmo2 and rope scaling: begin ----
 _CONFIG_CLASSES.update({"phi3": Phi3Config, "granite": GraniteConfig, "olmo2": Olmo2Config})
+_CONFIG_CLASSES.update({"qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig})
+_MODEL_CLASSES.update({"qwen3_moe": Qwen3MoeForCausalLM, "mixtral": MixtralForCausalLM})
+_TIED_BY_DEFAULT.update({"qwen3_moe": False, "mixtral": False})
 _MODEL_CLASSES.update({"phi3": Phi3ForCausalLM, "granite": GraniteForCausalLM, "olmo2": Olmo2ForCausalLM})
 _TIED_BY_DEFAULT.update({"phi3": False, "granite": True, "olmo2": False})
 #: Which ``rope_scaling`` each family accepts (besides None).
@@ -205,6 +213,27 @@ def _family_config_kwargs(family: str, kwargs: dict[str, Any], rope_scaling: str
         del kwargs["head_dim"]  # Phi-3 derives it (hidden_size // heads)
     elif family == "granite":
         kwargs.update(_GRANITE_MULTIPLIERS)
+    elif family in _MOE:
+        _moe_config_kwargs(family, kwargs)
+
+
+# Mixture of Experts: 4 experts, top-2. Qwen3-MoE's experts are half the dense width, and its last
+# layer is dense (``mlp_only_layers``), so a model of two layers has both kinds.
+_MOE_EXPERTS = 4
+_MOE_TOP_K = 2
+
+
+def _moe_config_kwargs(family: str, kwargs: dict[str, Any]) -> None:
+    kwargs["num_experts_per_tok"] = _MOE_TOP_K
+    if family == "mixtral":
+        kwargs["num_local_experts"] = _MOE_EXPERTS
+        del kwargs["head_dim"]  # Mixtral derives it (hidden_size // heads)
+        return
+    kwargs["num_experts"] = _MOE_EXPERTS
+    kwargs["moe_intermediate_size"] = max(2, int(kwargs["intermediate_size"]) // 2)
+    kwargs["norm_topk_prob"] = True
+    kwargs["decoder_sparse_step"] = 1
+    kwargs["mlp_only_layers"] = [int(kwargs["num_hidden_layers"]) - 1] if int(kwargs["num_hidden_layers"]) > 1 else []
 
 
 # ---- phi3 / granite / olmo2 and rope scaling: end ----
@@ -607,7 +636,9 @@ def build_tiny_model(
             layers, 1e6 with linear scaling 2 on the global ones; five sliding layers to one global),
             ``"phi3"`` (fused qkv and gate_up weights, 3/4 of each head rotated), ``"granite"``
             (embedding, residual, attention and logit multipliers away from 1) or ``"olmo2"``
-            (post-norms, whole-projection q/k norms).
+            (post-norms, whole-projection q/k norms), ``"qwen3_moe"`` (qwen3's attention, 4 experts of
+            half ``intermediate_size``, top-2 renormalised; the last layer dense when there are two
+            or more) or ``"mixtral"`` (4 experts of ``intermediate_size``, top-2).
         seed: Seed of the random weights. The tokenizer does not depend on it.
         vocab_size: Vocabulary size of the model and of the tokenizer (at least 259: 3 special
             tokens and 256 byte tokens). Past about 1500, the corpus runs out of merges and the
@@ -648,7 +679,7 @@ def build_tiny_model(
             f" it takes {_ROPE_SCALINGS.get(family, ())} or None"
         )
     if head_dim is None:
-        head_dim = hidden_size // num_heads * (2 if family == "qwen3" else 1)
+        head_dim = hidden_size // num_heads * (2 if family in ("qwen3", "qwen3_moe") else 1)
     if head_dim <= 0 or head_dim % 2:
         raise ValueError(f"head_dim must be a positive even number (RoPE rotates pairs), got {head_dim}")
     if tie_word_embeddings is None:

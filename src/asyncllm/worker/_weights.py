@@ -151,7 +151,8 @@ def load_model(
 
 
 def load_weights(model: DecoderForCausalLM, tensors: Iterable[CheckpointTensor]) -> None:
-    """Copy every checkpoint tensor into its parameter (or its rows of a fused one), casting on the way.
+    """Copy every checkpoint tensor into its parameter (or its rows of a fused one, or of a stacked MoE
+    expert parameter), casting on the way.
 
     Reads at most ``LOAD_CHUNK_BYTES`` at a time. With tied embeddings a checkpoint's ``lm_head.weight``
     is ignored (the input embedding is the output projection). Precomputed rotary tables are ignored:
@@ -171,7 +172,12 @@ def load_weights(model: DecoderForCausalLM, tensors: Iterable[CheckpointTensor])
         if target is None:
             raise ModelLoadError(f"the checkpoint has a tensor {name!r} that the model does not have")
         count = shape[0] if shape else 1
-        destination = target.data.view(-1, *target.shape[1:]) if target.dim() else target.data.view(1)
+        if target.dim() == len(shape) + 1 and len(shape) >= 1:
+            # One expert's matrix of a stacked [experts, rows, columns] parameter (``models._moe``):
+            # its rows are rows of the stack seen as [experts * rows, columns].
+            destination = target.data.view(-1, *target.shape[2:])
+        else:
+            destination = target.data.view(-1, *target.shape[1:]) if target.dim() else target.data.view(1)
         if tuple(destination.shape[1:]) != tuple(shape[1:]) or first + count > destination.shape[0]:
             raise ModelLoadError(
                 f"the checkpoint's {name!r} has shape {list(shape)}, which does not fit the model's "
@@ -185,8 +191,8 @@ def load_weights(model: DecoderForCausalLM, tensors: Iterable[CheckpointTensor])
                 chunk = read(start, stop) if shape else read(0, 1).reshape(1)
                 destination[first + start : first + stop].copy_(chunk)
                 del chunk
-        filled[target_name] += count
-    missing = [name for name, param in params.items() if filled[name] != (param.shape[0] if param.dim() else 1)]
+        filled[target_name] += count * math.prod(shape[1:])
+    missing = [name for name, param in params.items() if filled[name] != param.numel()]
     if missing:
         raise ModelLoadError(
             f"the checkpoint does not fill the model's {', '.join(missing[:5])}"

@@ -135,7 +135,8 @@ class LeanCpuForward:
         (no bias but the q/k/v one), where the element-wise and attention C kernels are built. Build
         it after ``pack_weights``.
         """
-        from asyncllm.models._llama import DecoderLayer
+        from asyncllm.models._llama import MLP, DecoderLayer
+
         spec = model.spec
         if spec.head_dim % 2 or not elementwise_cpu.available():
             return None
@@ -145,8 +146,8 @@ class LeanCpuForward:
         for layer in model.model.layers:
             assert isinstance(layer, DecoderLayer)
             attention, mlp = layer.self_attn, layer.mlp
-            if attention.qkv_proj is None or mlp.gate_up_proj is None:
-                return None
+            if attention.qkv_proj is None or not isinstance(mlp, MLP) or mlp.gate_up_proj is None:
+                return None  # unfused, or a MoE block (never lean: ``DecoderSpec.llama_layer``)
             qkv = _Matmul.of(attention.qkv_proj, bias_allowed=True)
             o, gate_up, down = (_Matmul.of(m) for m in (attention.o_proj, mlp.gate_up_proj, mlp.down_proj))
             if qkv is None or o is None or gate_up is None or down is None:

@@ -1,0 +1,190 @@
+"""Mixture of Experts (Qwen3-MoE, Mixtral) token for token against transformers, and the expert computation.
+
+The tiny models (``asyncllm.testing.tiny_models``: 4 experts, top-2; Qwen3-MoE with a dense last
+layer) must give transformers' greedy float32 tokens on the torch and cpu attention backends, in one
+batch, through chunked prefill, through recompute preemption, and from the prefix cache. The grouped
+expert computation must equal a plain per-token loop, and the routing must pick HF's experts and
+weights on random logits, ties included.
+"""
+
+from __future__ import annotations
+
+import random
+from functools import cache
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+from asyncllm import Engine, SamplingParams
+from asyncllm.models import SUPPORTED_ARCHITECTURES, build_model
+from asyncllm.models._moe import SparseMoeBlock, grouped_experts, route
+from asyncllm.testing.tiny_models import tiny_model_path
+
+pytestmark = pytest.mark.anyio
+
+PROMPT_LENGTHS = (1, 3, 7, 12, 20, 33, 48, 70)
+MAX_NEW_TOKENS = 16
+FAMILIES = ("qwen3_moe", "mixtral")
+
+VARIANTS: dict[str, dict[str, int]] = {
+    "one-batch": {},
+    "chunked-prefill": {"max_num_batched_tokens": 16},
+    "preemption": {"block_size": 4, "kv_cache_blocks": 32, "max_model_len": 128},
+    "prefix-hit": {"block_size": 4},
+}
+
+
+@cache
+def _model_dir(cache_root: str, family: str) -> Path:
+    return tiny_model_path(cache_root, family)
+
+
+def _prompts(vocab_size: int, eos_ids: set[int]) -> list[list[int]]:
+    rng = random.Random(1234)
+    allowed = [t for t in range(3, vocab_size) if t not in eos_ids]
+    return [[rng.choice(allowed) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+@cache
+def _hf_greedy(model_dir: Path, prompts: tuple[tuple[int, ...], ...]) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW_TOKENS, do_sample=False
+            )
+            outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+async def _generate_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    # All requests are added in order before any is consumed (the same arrival order on both anyio backends).
+    streams = [engine.stream(prompt, params) for prompt in prompts]
+    results: list[list[int]] = [[] for _ in prompts]
+
+    async def consume(index: int) -> None:
+        async with streams[index] as stream:
+            async for chunk in stream:
+                results[index].extend(chunk.token_ids)
+
+    async with anyio.create_task_group() as tg:
+        for index in range(len(prompts)):
+            tg.start_soon(consume, index)
+    return results
+
+
+@pytest.mark.parametrize("attention_backend", ["torch", "cpu"])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("family", FAMILIES)
+async def test_greedy_matches_transformers(tiny_cache: Path, family: str, variant: str, attention_backend: str) -> None:
+    model_dir = _model_dir(str(tiny_cache), family)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+    async with Engine.open(model_dir, device="cpu", attention_backend=attention_backend, **VARIANTS[variant]) as engine:
+        assert engine._info is not None
+        prompts = _prompts(engine._info.vocab_size, set(engine._info.eos_token_ids))
+        expected = _hf_greedy(model_dir, tuple(map(tuple, prompts)))
+        got = await _generate_all(engine, prompts, params)
+        if variant == "prefix-hit":
+            hits_before = engine.statistics().prefix_cache_hits
+            got = await _generate_all(engine, prompts, params)  # the same prompts: their blocks are cached
+            assert engine.statistics().prefix_cache_hits > hits_before
+        stats = engine.statistics()
+    assert got == expected
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+    if variant == "preemption":
+        assert stats.num_preemptions > 0
+    if variant == "chunked-prefill":
+        assert stats.num_steps > MAX_NEW_TOKENS + sum(PROMPT_LENGTHS) // 16
+
+
+@pytest.mark.parametrize("architecture", ["Qwen3MoeForCausalLM", "MixtralForCausalLM"])
+def test_moe_architectures_are_supported(architecture: str) -> None:
+    assert architecture in SUPPORTED_ARCHITECTURES
+
+
+def test_moe_layers_and_fast_paths(tiny_cache: Path) -> None:
+    # The CPU fast paths (lean forward, fused norms, greedy head) assume a dense Llama MLP.
+    for family, sparse in (("qwen3_moe", [True, False]), ("mixtral", [True, True])):
+        config = AutoConfig.from_pretrained(_model_dir(str(tiny_cache), family))
+        with torch.device("meta"):
+            model = build_model(config)
+        assert model.spec.llama_layer is False, family
+        assert [isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers] == sparse, family
+
+
+def _naive_experts(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+) -> torch.Tensor:
+    # One token and one choice at a time, in float64: the definition the grouped computation must meet.
+    intermediate = down.shape[-1]
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for token in range(x.shape[0]):
+        for choice in range(experts.shape[1]):
+            expert = int(experts[token, choice])
+            h = gate_up[expert].double() @ x[token].double()
+            act = F.silu(h[:intermediate]) * h[intermediate:]
+            out[token] += float(weights[token, choice]) * (down[expert].double() @ act)
+    return out
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 7, 33])
+def test_grouped_experts_equal_a_per_token_loop(tokens: int) -> None:
+    generator = torch.Generator().manual_seed(tokens)
+    num_experts, top_k, hidden, intermediate = 6, 2, 16, 12
+    x = torch.randn(tokens, hidden, generator=generator)
+    gate_up = torch.randn(num_experts, 2 * intermediate, hidden, generator=generator) / 4
+    down = torch.randn(num_experts, hidden, intermediate, generator=generator) / 4
+    weights, experts = route(torch.randn(tokens, num_experts, generator=generator), top_k, True)
+    got = grouped_experts(x, gate_up, down, weights, experts)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    torch.testing.assert_close(got.double(), _naive_experts(x, gate_up, down, weights, experts), rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_experts_skip_experts_without_tokens() -> None:
+    # Every token on one expert: the others get no rows and are never run.
+    x = torch.randn(5, 8)
+    gate_up, down = torch.randn(3, 8, 8), torch.randn(3, 8, 4)
+    experts = torch.full((5, 1), 2)
+    weights = torch.ones(5, 1)
+    got = grouped_experts(x, gate_up, down, weights, experts)
+    torch.testing.assert_close(got.double(), _naive_experts(x, gate_up, down, weights, experts), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("ties", [False, True])
+def test_routing_matches_transformers(normalize: bool, ties: bool) -> None:
+    num_experts, top_k, hidden, tokens = 8, 2, 16, 64
+    config = Qwen3MoeConfig(
+        hidden_size=hidden, num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=normalize
+    )
+    qwen = Qwen3MoeTopKRouter(config)
+    mixtral = MixtralTopKRouter(
+        MixtralConfig(hidden_size=hidden, num_local_experts=num_experts, num_experts_per_tok=top_k)
+    )
+    generator = torch.Generator().manual_seed(int(normalize) + 2 * int(ties))
+    weight = torch.randn(num_experts, hidden, generator=generator)
+    if ties:  # duplicated router rows: equal logits, so topk's tie-breaking decides
+        weight[1], weight[5], weight[6] = weight[0], weight[0], weight[3]
+    x = torch.randn(tokens, hidden, generator=generator)
+    if ties:
+        x[:4] = 0.0  # all experts equal
+    with torch.no_grad():
+        qwen.weight.copy_(weight)
+        mixtral.weight.copy_(weight)
+        logits = F.linear(x, weight)
+        _, qwen_weights, qwen_experts = qwen(x)
+        _, mixtral_weights, mixtral_experts = mixtral(x)
+    ours_weights, ours_experts = route(logits, top_k, normalize)
+    assert torch.equal(ours_experts, qwen_experts)
+    assert torch.equal(ours_weights.to(logits.dtype), qwen_weights)
+    ours_weights, ours_experts = route(logits, top_k, True)  # Mixtral always renormalises
+    assert torch.equal(ours_experts, mixtral_experts)
+    assert torch.equal(ours_weights, mixtral_weights)
