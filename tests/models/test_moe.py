@@ -22,9 +22,11 @@ from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 from asyncllm import Engine, SamplingParams
+from asyncllm.errors import ModelLoadError
 from asyncllm.models import SUPPORTED_ARCHITECTURES, build_model
 from asyncllm.models._moe import SparseMoeBlock, grouped_experts, route
 from asyncllm.testing.tiny_models import tiny_model_path
+from asyncllm.worker._weights import CheckpointTensor, checkpoint_tensors, load_config, load_model
 
 pytestmark = pytest.mark.anyio
 
@@ -188,3 +190,35 @@ def test_routing_matches_transformers(normalize: bool, ties: bool) -> None:
     ours_weights, ours_experts = route(logits, top_k, True)  # Mixtral always renormalises
     assert torch.equal(ours_experts, mixtral_experts)
     assert torch.equal(ours_weights, mixtral_weights)
+
+
+def _as_checkpoint(tensors: dict[str, torch.Tensor]) -> list[CheckpointTensor]:
+    return [
+        (name, tuple(t.shape), lambda start, stop, t=t: t[start:stop].clone() if t.dim() else t.reshape(1))
+        for name, t in tensors.items()
+    ]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_per_expert_and_stacked_checkpoints_load_the_same(tiny_cache: Path, family: str) -> None:
+    model_dir = _model_dir(str(tiny_cache), family)
+    config = load_config(model_dir)
+    cpu = torch.device("cpu")
+    per_expert = load_model(
+        config, checkpoint_tensors(model_dir), device=cpu, dtype=torch.float32, fuse_projections=True
+    )
+    # transformers 5's in-memory layout: the experts stacked (``experts.gate_up_proj``), under ``mlp.``.
+    stacked = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    assert any(name.endswith("experts.gate_up_proj") for name in stacked)
+    loaded = load_model(config, _as_checkpoint(stacked), device=cpu, dtype=torch.float32, fuse_projections=True)
+    for (name, ours), (other, theirs) in zip(per_expert.named_parameters(), loaded.named_parameters(), strict=True):
+        assert name == other and torch.equal(ours, theirs), name
+
+
+def test_a_missing_expert_is_a_load_error(tiny_cache: Path) -> None:
+    model_dir = _model_dir(str(tiny_cache), "mixtral")
+    tensors = [t for t in checkpoint_tensors(model_dir) if ".experts.3.w2." not in t[0]]
+    with pytest.raises(ModelLoadError, match="does not fill"):
+        load_model(
+            load_config(model_dir), tensors, device=torch.device("cpu"), dtype=torch.float32, fuse_projections=True
+        )

@@ -237,7 +237,9 @@ class TorchModelRunner:
             from asyncllm.worker._compile import compile_dense_parts
 
             self.compile_seconds = compile_dense_parts(model)
-        if device.type == "cuda" and backend.captures_graphs and not self.options.enforce_eager:
+        # A MoE layer reads its per-expert token counts on the host (``models._moe``), which a CUDA graph
+        # cannot capture: such a model decodes eagerly.
+        if device.type == "cuda" and backend.captures_graphs and not self.options.enforce_eager and spec.moe is None:
             longest = min(max_model_len, self.options.max_model_len or max_model_len, slots)
             self.graphs = self._capture_graphs(model, longest)
         return RunnerInfo(
