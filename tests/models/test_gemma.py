@@ -13,19 +13,18 @@ import random
 from functools import cache
 from pathlib import Path
 
-import anyio
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from asyncllm import Engine, SamplingParams
 from asyncllm.models import build_model
+from asyncllm.testing.parity import stream_all, transformers_greedy
 from asyncllm.testing.tiny_models import tiny_model_path
 
 pytestmark = pytest.mark.anyio
 
 PROMPT_LENGTHS = (1, 5, 9, 17, 30, 45)
 MAX_NEW_TOKENS = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
 
 MODELS = {"gemma2": {"num_layers": 4}, "gemma3": {"num_layers": 6}}
 VARIANTS = {
@@ -45,37 +44,6 @@ def _prompts(vocab_size: int, lengths: tuple[int, ...] = PROMPT_LENGTHS, seed: i
     rng = random.Random(seed)
     allowed = list(range(3, vocab_size))  # 0-2 are pad and the special tokens (eos among them)
     return [[rng.choice(allowed) for _ in range(n)] for n in lengths]
-
-
-@cache
-def _hf_greedy(model_dir: Path, prompts: tuple[tuple[int, ...], ...]) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW_TOKENS, do_sample=False
-            )
-            outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
-
-
-async def _generate_all(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
-    # All streams are opened before any is consumed: the same arrival order on asyncio and trio.
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
-    streams = [engine.stream(prompt, params) for prompt in prompts]
-    results: list[list[int]] = [[] for _ in prompts]
-
-    async def consume(index: int) -> None:
-        async with streams[index] as stream:
-            async for chunk in stream:
-                results[index].extend(chunk.token_ids)
-
-    async with anyio.create_task_group() as tg:
-        for index in range(len(prompts)):
-            tg.start_soon(consume, index)
-    return results
 
 
 def test_specs_carry_the_quirks(tiny_cache: Path) -> None:
@@ -100,9 +68,9 @@ async def test_greedy_matches_transformers(tiny_cache: Path, family: str, varian
     async with Engine.open(model_dir, device="cpu", **options) as engine:
         assert engine._info is not None
         prompts = _prompts(engine._info.vocab_size)
-        got = await _generate_all(engine, prompts)
+        got = await stream_all(engine, prompts, GREEDY)
         stats = engine.statistics()
-    assert got == _hf_greedy(model_dir, tuple(map(tuple, prompts)))
+    assert got == transformers_greedy(model_dir, tuple(map(tuple, prompts)), MAX_NEW_TOKENS)
     assert stats.kv_blocks_free == stats.kv_blocks_total
     if variant == "preemption":
         assert stats.num_preemptions > 0
@@ -121,12 +89,12 @@ async def test_prefix_cache_hits_match_transformers(tiny_cache: Path, family: st
         first = _prompts(engine._info.vocab_size, (40, 44))
         tails = _prompts(engine._info.vocab_size, (3, 7), seed=99)
         second = [first[0][:24] + tails[0], first[1][:36] + tails[1]]
-        got_first = await _generate_all(engine, first)
-        got_second = await _generate_all(engine, second)
+        got_first = await stream_all(engine, first, GREEDY)
+        got_second = await stream_all(engine, second, GREEDY)
         stats = engine.statistics()
     assert stats.prefix_cache_hits >= 24 + 36 - 8  # full blocks only
-    assert got_first == _hf_greedy(model_dir, tuple(map(tuple, first)))
-    assert got_second == _hf_greedy(model_dir, tuple(map(tuple, second)))
+    assert got_first == transformers_greedy(model_dir, tuple(map(tuple, first)), MAX_NEW_TOKENS)
+    assert got_second == transformers_greedy(model_dir, tuple(map(tuple, second)), MAX_NEW_TOKENS)
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the interpreter is slow: one loop, one short case
@@ -140,8 +108,8 @@ async def test_gemma3_triton_interpreter_matches_transformers(tiny_cache: Path) 
     ) as engine:
         assert engine._info is not None
         prompts = _prompts(engine._info.vocab_size, (5, 20))
-        got = await _generate_all(engine, prompts)
-    assert got == _hf_greedy(model_dir, tuple(map(tuple, prompts)))
+        got = await stream_all(engine, prompts, GREEDY)
+    assert got == transformers_greedy(model_dir, tuple(map(tuple, prompts)), MAX_NEW_TOKENS)
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
@@ -153,6 +121,6 @@ async def test_gemma2_on_triton_gets_torch_attention(tiny_cache: Path, caplog: p
         async with Engine.open(model_dir, device="cpu", attention_backend="triton") as engine:
             assert engine._info is not None
             prompts = _prompts(engine._info.vocab_size, (20,))
-            got = await _generate_all(engine, prompts)
+            got = await stream_all(engine, prompts, GREEDY)
     assert "no attention soft-cap" in caplog.text
-    assert got == _hf_greedy(model_dir, tuple(map(tuple, prompts)))
+    assert got == transformers_greedy(model_dir, tuple(map(tuple, prompts)), MAX_NEW_TOKENS)

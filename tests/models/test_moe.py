@@ -13,7 +13,6 @@ import random
 from functools import cache
 from pathlib import Path
 
-import anyio
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,6 +24,7 @@ from asyncllm import Engine, SamplingParams
 from asyncllm.errors import ModelLoadError
 from asyncllm.models import SUPPORTED_ARCHITECTURES, build_model
 from asyncllm.models._moe import SparseMoeBlock, grouped_experts, route
+from asyncllm.testing.parity import stream_all, transformers_greedy
 from asyncllm.testing.tiny_models import tiny_model_path
 from asyncllm.worker._weights import CheckpointTensor, checkpoint_tensors, load_config, load_model
 
@@ -53,36 +53,6 @@ def _prompts(vocab_size: int, eos_ids: set[int]) -> list[list[int]]:
     return [[rng.choice(allowed) for _ in range(n)] for n in PROMPT_LENGTHS]
 
 
-@cache
-def _hf_greedy(model_dir: Path, prompts: tuple[tuple[int, ...], ...]) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW_TOKENS, do_sample=False
-            )
-            outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
-
-
-async def _generate_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    # All requests are added in order before any is consumed (the same arrival order on both anyio backends).
-    streams = [engine.stream(prompt, params) for prompt in prompts]
-    results: list[list[int]] = [[] for _ in prompts]
-
-    async def consume(index: int) -> None:
-        async with streams[index] as stream:
-            async for chunk in stream:
-                results[index].extend(chunk.token_ids)
-
-    async with anyio.create_task_group() as tg:
-        for index in range(len(prompts)):
-            tg.start_soon(consume, index)
-    return results
-
-
 @pytest.mark.parametrize("attention_backend", ["torch", "cpu"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("family", FAMILIES)
@@ -92,11 +62,11 @@ async def test_greedy_matches_transformers(tiny_cache: Path, family: str, varian
     async with Engine.open(model_dir, device="cpu", attention_backend=attention_backend, **VARIANTS[variant]) as engine:
         assert engine._info is not None
         prompts = _prompts(engine._info.vocab_size, set(engine._info.eos_token_ids))
-        expected = _hf_greedy(model_dir, tuple(map(tuple, prompts)))
-        got = await _generate_all(engine, prompts, params)
+        expected = transformers_greedy(model_dir, tuple(map(tuple, prompts)), MAX_NEW_TOKENS)
+        got = await stream_all(engine, prompts, params)
         if variant == "prefix-hit":
             hits_before = engine.statistics().prefix_cache_hits
-            got = await _generate_all(engine, prompts, params)  # the same prompts: their blocks are cached
+            got = await stream_all(engine, prompts, params)  # the same prompts: their blocks are cached
             assert engine.statistics().prefix_cache_hits > hits_before
         stats = engine.statistics()
     assert got == expected

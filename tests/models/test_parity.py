@@ -7,12 +7,12 @@ import random
 from functools import cache
 from pathlib import Path
 
-import anyio
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from asyncllm import Engine, SamplingParams
+from asyncllm.testing.parity import stream_all, transformers_greedy
 from asyncllm.testing.tiny_models import tiny_model_path
 from asyncllm.worker._model_runner import TorchModelRunner
 
@@ -50,40 +50,6 @@ def _prompts(vocab_size: int, eos_ids: set[int]) -> list[list[int]]:
     return [[rng.choice(allowed) for _ in range(n)] for n in PROMPT_LENGTHS]
 
 
-@cache
-def _hf_greedy(
-    model_dir: Path, prompts: tuple[tuple[int, ...], ...], max_new_tokens: int, dtype: torch.dtype = torch.float32
-) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
-            )
-            outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
-
-
-async def _generate_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    # Every request is added, in prompt order, before any is consumed: the scheduler sees the same
-    # arrival order on asyncio and on trio (which runs ready tasks in a random order), so the
-    # preemption variant's cache really overflows on both instead of only for some orders.
-    streams = [engine.stream(prompt, params) for prompt in prompts]
-    results: list[list[int]] = [[] for _ in prompts]
-
-    async def consume(index: int) -> None:
-        async with streams[index] as stream:
-            async for chunk in stream:
-                results[index].extend(chunk.token_ids)
-
-    async with anyio.create_task_group() as tg:
-        for index in range(len(prompts)):
-            tg.start_soon(consume, index)
-    return results
-
-
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("name", sorted(MODELS))
 async def test_greedy_matches_transformers(tiny_cache: Path, name: str, variant: str) -> None:
@@ -91,8 +57,8 @@ async def test_greedy_matches_transformers(tiny_cache: Path, name: str, variant:
     async with Engine.open(model_dir, device="cpu", **VARIANTS[variant]) as engine:
         config_eos = engine._info.eos_token_ids if engine._info else frozenset()
         prompts = _prompts(engine._info.vocab_size if engine._info else 0, set(config_eos))
-        expected = _hf_greedy(model_dir, tuple(map(tuple, prompts)), MAX_NEW_TOKENS)
-        got = await _generate_all(engine, prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS))
+        expected = transformers_greedy(model_dir, tuple(map(tuple, prompts)), MAX_NEW_TOKENS)
+        got = await stream_all(engine, prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS))
         stats = engine.statistics()
     assert got == expected
     assert stats.kv_blocks_free == stats.kv_blocks_total
@@ -126,9 +92,9 @@ async def test_default_model_matches_transformers(smollm2_dir: Path) -> None:
         )
         for p in REAL_PROMPTS
     ]
-    expected = _hf_greedy(smollm2_dir, tuple(map(tuple, prompts)), 32)
+    expected = transformers_greedy(smollm2_dir, tuple(map(tuple, prompts)), 32)
     async with Engine.open(device="cpu", kv_cache_blocks=256) as engine:
-        got = await _generate_all(engine, prompts, SamplingParams(temperature=0.0, max_tokens=32))
+        got = await stream_all(engine, prompts, SamplingParams(temperature=0.0, max_tokens=32))
         texts = [engine.tokenizer.decode(ids, skip_special_tokens=True) for ids in got]
     assert got == expected
     assert "Paris" in texts[0]
@@ -177,8 +143,8 @@ async def _run(
         assert engine._info is not None and runner.attention_backend == "torch"
         assert runner.model is not None and runner.model.lm_head.weight.dtype == torch.bfloat16
         prompts = _prompts(engine._info.vocab_size, set(engine._info.eos_token_ids))
-        expected = _hf_greedy(model_dir, tuple(map(tuple, prompts)), MAX_NEW_TOKENS, torch.bfloat16)
-        got = await _generate_all(engine, prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS))
+        expected = transformers_greedy(model_dir, tuple(map(tuple, prompts)), MAX_NEW_TOKENS, torch.bfloat16)
+        got = await stream_all(engine, prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS))
     return got, expected
 
 
