@@ -37,6 +37,9 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3-longrope": ("phi3", {"rope_scaling": "longrope"}),
     "granite": ("granite", {}),
     "olmo2": ("olmo2", {}),
+    # Mixture of Experts (their routing and expert tests: test_moe.py).
+    "qwen3-moe": ("qwen3_moe", {}),
+    "mixtral": ("mixtral", {}),
 }
 
 VARIANTS: dict[str, dict[str, Any]] = {
