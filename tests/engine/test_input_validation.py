@@ -68,6 +68,14 @@ async def test_the_largest_seeds_sample(tiny_llama: Path) -> None:
     assert two.samples[1].token_ids == one.token_ids  # sample 1 of n uses seed + 1
 
 
+async def test_an_empty_cache_salt_fails_at_the_call(tiny_llama: Path) -> None:
+    async with _open(tiny_llama) as engine:
+        with pytest.raises(InvalidRequestError, match="non-empty") as raised:
+            await engine.generate("hi", SamplingParams(max_tokens=2), cache_salt="")
+        assert raised.value.param == "cache_salt"
+        await _still_serving(engine)
+
+
 # -- text that is not UTF-8 ----------------------------------------------------------------------
 
 

@@ -165,12 +165,18 @@ class InputProcessor:
         Raises:
             InvalidSamplingParamsError: ``params`` is invalid, names ids outside the vocabulary, or
                 asks for more than a limit allows.
-            InvalidRequestError: ``cache_salt`` is not valid text.
+            InvalidRequestError: ``cache_salt`` is empty or not valid text.
         """
         if cache_salt is not None:
             if not isinstance(cache_salt, str):
                 raise InvalidRequestError(
                     f"cache_salt must be a str, got {type(cache_salt).__name__}", param="cache_salt"
+                )
+            if not cache_salt:
+                # An empty salt is nearly always a missing tenant id; it would silently form one
+                # shared tenant of every caller that lost theirs.
+                raise InvalidRequestError(
+                    "cache_salt must be a non-empty str (or None for the shared cache)", param="cache_salt"
                 )
             # The salt is hashed as UTF-8 with the first KV block, in the step loop: checked here instead.
             utf8_size("cache_salt", cache_salt, InvalidRequestError, param="cache_salt")
