@@ -4,6 +4,8 @@
   by a BOS the tokenizer added to a text prompt, and by one per extra byte token of a character split
   across tokens (each decodes alone to U+FFFD); the generated tokens' offsets then started past the end.
 - ``/tokenize`` with ``messages`` ignored ``tools``, so the count was not the chat request's prompt.
+- ``text_offset`` of generated tokens summed their texts too, so a split character or a stop string
+  pushed the offsets past the returned text.
 """
 
 from __future__ import annotations
@@ -113,3 +115,34 @@ async def test_tokenize_counts_the_tools_the_chat_request_renders(asyncllm_engin
     for response, param in ((bad, "tools"), (stray, "tools")):
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
         assert response.json()["error"]["code"]
+
+
+async def test_generated_text_offset_stays_inside_the_text_across_split_characters(asyncllm_engine: Engine) -> None:
+    """A grammar forces characters the tiny vocabulary splits into byte tokens: their offsets, streamed
+    and whole, stay inside the returned text and start each chunk where the text before it ends."""
+    forced = "é€é€é€"
+    schema = {"type": "string", "enum": [forced]}
+    request = {
+        "prompt": "Say it",
+        "max_tokens": 40,
+        "temperature": 0,
+        "logprobs": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+    }
+    async with client(create_app(asyncllm_engine)) as http:
+        whole = (await http.post("/v1/completions", json=request)).json()["choices"][0]
+        assert whole["text"] == json.dumps(forced, ensure_ascii=False)  # the premise: the grammar forced it
+        offsets = whole["logprobs"]["text_offset"]
+        assert len(offsets) > len(whole["text"])  # the premise: more tokens than characters
+        assert offsets == sorted(offsets) and all(0 <= o <= len(whole["text"]) for o in offsets)
+        response = await http.post("/v1/completions", json={**request, "stream": True})
+        events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+        text = ""
+        for event in events:
+            for choice in event["choices"]:
+                if choice["logprobs"] and choice["logprobs"]["text_offset"]:
+                    chunk_offsets = choice["logprobs"]["text_offset"]
+                    assert chunk_offsets[0] == len(text)
+                    assert all(len(text) <= o <= len(text) + len(choice["text"]) for o in chunk_offsets)
+                text += choice["text"]
+        assert text == whole["text"]

@@ -384,21 +384,34 @@ def aborted() -> HTTPError:
     return HTTPError(503, "the request was aborted: the engine is shutting down", type="server_error", code="aborted")
 
 
-def completion_logprobs(entries: Sequence[Any], offset: int) -> tuple[CompletionLogprobs, int]:
-    """The legacy completions ``logprobs`` object for ``entries`` (``asyncllm.outputs.Logprobs``),
-    whose first token starts at character ``offset`` of the choice's text; and the next offset."""
+def completion_logprobs(
+    segments: Sequence[tuple[Sequence[Any], int]], offset: int
+) -> tuple[CompletionLogprobs, int]:
+    """The legacy completions ``logprobs`` object for ``segments``, each a chunk's logprob entries
+    (``asyncllm.outputs.Logprobs``) and the length of the text that chunk added, the first starting at
+    character ``offset`` of the choice's text; and the offset after the last segment's text.
+
+    Each token starts where the tokens before it in its chunk end, capped at its chunk's end, and each
+    chunk starts where the text before it ends: a token's own text is not always in the choice's text
+    (a character split across tokens decodes alone to U+FFFD, a stop string cuts the text), so summing
+    the tokens' texts alone would run past it.
+    """
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float] | None] = []
     offsets: list[int] = []
-    for entry in entries:
-        tokens.append(entry.token.text)
-        token_logprobs.append(entry.token.logprob)
-        top = {alt.text: alt.logprob for alt in entry.top}
-        top.setdefault(entry.token.text, entry.token.logprob)  # the chosen token is always listed
-        top_logprobs.append(top)
-        offsets.append(offset)
-        offset += len(entry.token.text)
+    for entries, text_length in segments:
+        end = offset + text_length
+        running = offset
+        for entry in entries:
+            tokens.append(entry.token.text)
+            token_logprobs.append(entry.token.logprob)
+            top = {alt.text: alt.logprob for alt in entry.top}
+            top.setdefault(entry.token.text, entry.token.logprob)  # the chosen token is always listed
+            top_logprobs.append(top)
+            offsets.append(min(running, end))
+            running += len(entry.token.text)
+        offset = end
     return CompletionLogprobs(tokens, token_logprobs, top_logprobs, offsets), offset
 
 
@@ -506,7 +519,8 @@ class _Choices:
     def __init__(self, num_choices: int, n: int) -> None:
         self.n = n
         self.texts: dict[int, list[str]] = {i: [] for i in range(num_choices)}
-        self.logprobs: dict[int, list[Any]] = {i: [] for i in range(num_choices)}
+        # Per choice, each chunk's logprob entries and the length of its text (see completion_logprobs).
+        self.logprobs: dict[int, list[tuple[Sequence[Any], int]]] = {i: [] for i in range(num_choices)}
         self.offsets: dict[int, int] = dict.fromkeys(range(num_choices), 0)
         self.reasons: dict[int, str | None] = dict.fromkeys(range(num_choices))
         self.generated = 0
@@ -525,7 +539,7 @@ class _Choices:
         entries: Sequence[Any] = getattr(chunk, "logprobs", None) or ()
         if keep:
             self.texts[index].append(chunk.text)
-            self.logprobs[index].extend(entries)
+            self.logprobs[index].append((entries, len(chunk.text)))
         if chunk.finished:
             self.reasons[index] = chunk.finish_reason
         return index, entries
@@ -678,7 +692,9 @@ class CompletionHandlers:
                         extra = msgspec.UNSET
                 logprobs = None
                 if want_logprobs:
-                    logprobs, choices.offsets[index] = completion_logprobs(entries, choices.offsets[index])
+                    logprobs, choices.offsets[index] = completion_logprobs(
+                        [(entries, len(chunk.text))], choices.offsets[index]
+                    )
                 if chunk.text or chunk.finished or entries or extra is not msgspec.UNSET:
                     item = CompletionChoice(index, chunk.text, logprobs, chunk.finish_reason, extra)
                     await exchange.event(response([item]))
@@ -824,7 +840,9 @@ class CompletionHandlers:
                     out = [ToolCallOut(c.id, ToolCallFunction(c.name, c.arguments)) for c in calls]
                     message = AssistantMessage(content or None, "assistant", tool_calls=out)
                     reason = "tool_calls" if reason == "stop" else reason
-            entries = chat_logprobs(choices.logprobs[i]) if body.logprobs else None
+            entries = None
+            if body.logprobs:
+                entries = chat_logprobs([entry for segment, _ in choices.logprobs[i] for entry in segment])
             items.append(ChatChoice(i, message, entries, reason))
         usage = choices.usage(prompt_tokens, [stream])
         response = ChatCompletionResponse(
