@@ -1,9 +1,10 @@
 """Priority scheduling's pieces: the policy names, a request's rank, and the waiting heap.
 
 Under ``"priority"`` a request's rank is ``(priority, request_id)``: lower priority values first,
-ties in arrival order (ids are handed out as requests are accepted, a group's samples right after
-their first). The scheduler keeps its waiting queue in ``WaitingHeap`` and its running list sorted
-by rank, so the lowest-ranked running request, the one preempted first, is always the last.
+ties in arrival order (``InputProcessor`` hands out the ids as it builds requests, a group's
+samples right after their first). The scheduler keeps its waiting queue in ``WaitingHeap`` and its
+running list sorted by rank, so the lowest-ranked running request, the one preempted first, is
+always the last.
 """
 
 from __future__ import annotations

@@ -465,9 +465,9 @@ class Engine:
             RequestFailedError: An input's request failed inside the engine.
         """
         core, processor = self._require_running()
+        processor.check_priority(priority)  # once, rather than as "input 0: ..."
         prompts = _embedding_inputs(inputs, self.options.max_embedding_inputs)
         chosen, normalize = self._embedding_options(pooling, normalize, dimensions)
-        processor.check_priority(priority)  # once, rather than as "input 0: ..."
         self._check_room(core, len(prompts))
         requests = []
         for index, prompt in enumerate(prompts):
@@ -702,6 +702,8 @@ class Engine:
             EngineClosedError: The engine is not running.
             EngineDeadError: The engine died.
         """
+        _, inputs = self._require_running()
+        inputs.check_priority(priority)  # before rendering: a refused request costs no tokenizing
         return self.stream(self.apply_chat_template(messages), params, cache_salt=cache_salt, priority=priority)
 
     async def chat(
@@ -744,6 +746,8 @@ class Engine:
             EngineDeadError: The engine died.
         """
         plan = self.tool_plan(tools, tool_choice, parallel_tool_calls)
+        _, inputs = self._require_running()
+        inputs.check_priority(priority)  # before rendering: a refused request costs no tokenizing
         prompt = await self.encode_chat(messages, tools=plan)
         if plan is None:
             return await self.generate(prompt, params, cache_salt=cache_salt, priority=priority)
