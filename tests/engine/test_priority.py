@@ -11,9 +11,13 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from asyncllm import (
     Engine,
@@ -237,3 +241,89 @@ async def test_a_request_whose_grammar_compiles_takes_its_rank_when_compiled(tin
         low_chunks = await drain(low)
     assert re.fullmatch("[a-z]{2,6}", text)
     assert low_chunks[-1].finish_reason == "length"
+
+
+# -- random workloads through the engine -----------------------------------------------------------
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> dict[str, Any]:
+    block_size = draw(st.sampled_from([4, 16]))
+    num_blocks = draw(st.integers(3, 7))
+    capacity = num_blocks * block_size
+    requests = []
+    for _ in range(draw(st.integers(2, 6))):
+        prompt_len = draw(st.integers(1, capacity - 1))
+        requests.append(
+            {
+                "prompt_len": prompt_len,
+                "max_tokens": draw(st.integers(1, capacity - prompt_len)),
+                "n": draw(st.sampled_from([1, 1, 2, 3])),
+                "priority": draw(st.integers(-2, 2)),
+                "cancel_after": draw(st.none() | st.integers(0, 3)),
+                "stop": draw(st.booleans()),
+            }
+        )
+    return {
+        "block_size": block_size,
+        "num_blocks": num_blocks,
+        "async_scheduling": draw(st.booleans()),
+        "prefix_caching": draw(st.booleans()),
+        "max_batched": draw(st.sampled_from([block_size, 2 * block_size + 1, 2048])),
+        "max_num_seqs": draw(st.integers(1, 3)),
+        "requests": requests,
+    }
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workload=workloads())
+def test_random_priority_workloads_end_whole_and_free_every_block(backend: str, workload: dict[str, Any]) -> None:
+    # Priorities, arrivals a checkpoint apart, n > 1, stop strings, cancellation, tiny caches (every
+    # kind of preemption), async scheduling on and off: every request ends by itself with exactly its
+    # script's text (or is cancelled), and every block comes back.
+    async def main() -> None:
+        size, blocks = workload["block_size"], workload["num_blocks"]
+        runner = ScriptedRunner(b"abc", num_kv_blocks=blocks, block_size=size, max_model_len=blocks * size)
+        async with Engine.open(
+            runner=runner,
+            tokenizer=ByteTokenizer(),
+            scheduling_policy="priority",
+            async_scheduling=workload["async_scheduling"],
+            enable_prefix_caching=workload["prefix_caching"],
+            max_num_batched_tokens=workload["max_batched"],
+            max_num_seqs=workload["max_num_seqs"],
+        ) as engine:
+            finished: list[tuple[dict[str, Any], list[str], list[str | None]]] = []
+
+            async def consume(spec: dict[str, Any], stream: RequestStream) -> None:
+                texts, reasons = [""] * spec["n"], [None] * spec["n"]
+                async with stream:
+                    count = 0
+                    async for chunk in stream:
+                        texts[chunk.index] += chunk.text
+                        if chunk.finished:
+                            reasons[chunk.index] = chunk.finish_reason
+                        count += 1
+                        if spec["cancel_after"] is not None and count > spec["cancel_after"]:
+                            return  # leaving the `async with` aborts the rest
+                finished.append((spec, texts, reasons))
+
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as group:
+                    for spec in workload["requests"]:
+                        stop = ("ca",) if spec["stop"] else ()
+                        params = SamplingParams(n=spec["n"], max_tokens=spec["max_tokens"], ignore_eos=True, stop=stop)
+                        stream = engine.stream("p" * spec["prompt_len"], params, priority=spec["priority"])
+                        group.start_soon(consume, spec, stream)
+                        await anyio.lowlevel.checkpoint()
+                await engine.generate("z", SamplingParams(max_tokens=1, ignore_eos=True))  # aborts applied
+            stats = engine.statistics()
+        assert stats.num_running == stats.num_waiting == 0
+        assert stats.kv_blocks_free == stats.kv_blocks_total
+        for spec, texts, reasons in finished:
+            length = 2 if spec["stop"] and spec["max_tokens"] > 3 else spec["max_tokens"]
+            assert reasons == ["stop" if length < spec["max_tokens"] else "length"] * spec["n"]
+            assert texts == [("abc" * length)[:length]] * spec["n"]
+
+    anyio.run(main, backend=backend)
