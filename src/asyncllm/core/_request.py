@@ -47,6 +47,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
     """Keeps this request's prefix-cache entries apart from requests with another salt."""
+    priority: int = 0
+    """Under the priority scheduling policy, lower values are scheduled first (ties in arrival
+    order); the FCFS policy only takes 0 (``InputProcessor`` refuses others)."""
     block_hashes: list[bytes] = field(default_factory=list)
     """Chained hashes of the request's full blocks, extended as blocks fill."""
     num_cached_blocks: int = 0

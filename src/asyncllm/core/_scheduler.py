@@ -5,14 +5,21 @@ There are no prefill or decode phases. Every request has ``num_computed_tokens``
 first (in arrival order), then waiting ones. A long prompt simply takes several steps (chunked
 prefill). When the cache runs out of blocks, the latest-arrived running request is preempted: its
 blocks are freed and it goes back to the front of the queue to be recomputed later.
+
+Under the priority policy (``_priority.py``) both lists are kept in rank order, ``(priority,
+arrival)``: the same code then serves the best-ranked first and preempts the worst-ranked first,
+and a waiting request that cannot be admitted (no seat or no blocks) preempts running requests
+it outranks, worst first, until it can.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from asyncllm.core._priority import SCHEDULING_POLICIES, SchedulingPolicy, WaitingHeap, rank
 from asyncllm.core._request import Request, RequestStatus
 from asyncllm.core.kv._manager import CacheHit, KVCacheManager
 from asyncllm.executor._runner import PooledVector, PositionLogprobs, StepOutput
@@ -73,14 +80,29 @@ class Scheduler:
         kv_cache: The block tables the scheduler allocates into.
         max_num_seqs: The most requests running at once.
         max_num_batched_tokens: The most tokens fed to the model in one step.
+        policy: ``"fcfs"`` (arrival order) or ``"priority"`` (``Request.priority``, then arrival).
+
+    Raises:
+        ValueError: ``policy`` is neither.
     """
 
-    def __init__(self, kv_cache: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        policy: SchedulingPolicy = "fcfs",
+    ) -> None:
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {policy!r}")
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Request] = deque()
+        self.policy = policy
+        self.waiting: deque[Request] | WaitingHeap = deque() if policy == "fcfs" else WaitingHeap()
         self.running: list[Request] = []
+        """In admission order (FCFS) or rank order (priority): the last is preempted first."""
         self.num_preemptions = 0
         self._finished_ids: list[int] = []
 
@@ -120,9 +142,18 @@ class Scheduler:
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
             index += 1
-        # Admitting new work right after a preemption would only thrash the cache.
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # Admitting new work right after a preemption would only thrash the cache. (Preempting
+        # outranked requests to admit one is not that: see _preempt_outranked.)
+        evicted: list[Request] = []
+        while not preempted and self.waiting and budget > 0:
             request = self.waiting[0]
+            if any(request is victim for victim in evicted):  # it waits a step, as any preempted request
+                break
+            if len(self.running) >= self.max_num_seqs:
+                if not self._preempt_outranked(request, scheduled, evicted):
+                    break
+                budget = self.max_num_batched_tokens - sum(item.num_new_tokens for item in scheduled)
+                continue
             # Waiting requests hold no blocks. A sample shares its first sample's computed prompt
             # blocks while that one runs; every other request (or sample) asks the prefix cache.
             shared = self._shared_prompt(request)
@@ -130,7 +161,10 @@ class Scheduler:
             start = hit.num_tokens
             num_new = min(request.num_tokens + request.num_pending_tokens - start, budget)
             if self.kv_cache.allocate_slots(request, start + num_new, hit) is None:
-                break
+                if not self._preempt_outranked(request, scheduled, evicted):
+                    break
+                budget = self.max_num_batched_tokens - sum(item.num_new_tokens for item in scheduled)
+                continue
             if shared is None:
                 self.kv_cache.record_lookup(request, hit)
             request.num_computed_tokens = start
@@ -140,13 +174,39 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            if self.policy == "fcfs":
+                self.running.append(request)
+            else:
+                bisect.insort(self.running, request, key=rank)
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
         if not scheduled:  # no step to carry them: they go with the next one that runs
             return SchedulerOutput([])
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(scheduled, finished)
+
+    def _preempt_outranked(self, request: Request, scheduled: list[ScheduledRequest], evicted: list[Request]) -> bool:
+        """Priority policy: preempt the worst-ranked running request if ``request`` outranks it.
+
+        Only a strictly greater ``priority`` value is outranked (ties are first come, first served),
+        so two requests never preempt each other back and forth. A victim scheduled earlier in this
+        step is taken out of ``scheduled`` again; it is appended to ``evicted``.
+
+        Returns:
+            Whether a request was preempted (never under FCFS).
+        """
+        if self.policy == "fcfs" or not self.running or self.running[-1].priority <= request.priority:
+            return False
+        victim = self.running.pop()
+        for index, item in enumerate(scheduled):
+            if item.request is victim:
+                del scheduled[index]
+                if item.sample:  # the token it would have sampled is not coming after all
+                    victim.num_pending_tokens -= 1
+                break
+        self._preempt(victim)
+        evicted.append(victim)
+        return True
 
     def _fully_scheduled(self, request: Request) -> bool:
         if request.prefill_only:  # no output tokens: done once its prompt is

@@ -168,7 +168,10 @@ class Engine:
             info.num_kv_blocks, info.block_size, enable_prefix_caching=self.options.enable_prefix_caching
         )
         scheduler = Scheduler(
-            kv_cache, max_num_seqs=self.options.max_num_seqs, max_num_batched_tokens=self.options.max_num_batched_tokens
+            kv_cache,
+            max_num_seqs=self.options.max_num_seqs,
+            max_num_batched_tokens=self.options.max_num_batched_tokens,
+            policy=self.options.scheduling_policy,
         )
         outputs = OutputProcessor(tokenizer)
         grammars = _grammar_compiler(tokenizer, info, self.options.grammar_cache_size)
@@ -190,6 +193,7 @@ class Engine:
             eos_token_ids=info.eos_token_ids,
             limits=self.options.request_limits(),
             grammars=grammars,
+            scheduling_policy=self.options.scheduling_policy,
         )
         task_group = await stack.enter_async_context(anyio.create_task_group())
         await task_group.start(core.run)
@@ -248,6 +252,7 @@ class Engine:
         params: SamplingParams | Mapping[str, Any] | None = None,
         *,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Submit a request and return its live output.
 
@@ -262,6 +267,9 @@ class Engine:
                 are rejected); defaults to ``SamplingParams()``.
             cache_salt: Requests share prefix-cache entries only when their salts are equal: give
                 each tenant that must not share cached KV (or timing) its own salt.
+            priority: With ``scheduling_policy="priority"``: lower values are scheduled first (ties
+                in arrival order), and may preempt running requests of larger values; any int.
+                Under the default ``"fcfs"`` only 0 is accepted.
 
         Returns:
             A ``RequestStream``: iterate it for ``StreamChunk`` deltas. Leaving it early by
@@ -269,24 +277,27 @@ class Engine:
             ``break`` aborts only once the stream object is dropped (use ``async with``).
 
         Raises:
-            InvalidRequestError: The prompt or parameters are invalid (a ``ValueError``).
+            InvalidRequestError: The prompt, parameters or priority are invalid (a ``ValueError``).
             EngineOverloadedError: ``max_waiting_requests`` requests are already waiting.
             EngineClosedError: The engine is not running.
             EngineDeadError: The engine died.
         """
-        return self._submit(prompt, params, cache_salt, wake_at_end=False)
+        return self._submit(prompt, params, cache_salt, priority, wake_at_end=False)
 
     def _submit(
         self,
         prompt: str | Sequence[int],
         params: SamplingParams | Mapping[str, Any] | None,
         cache_salt: str | None,
+        priority: int,
         *,
         wake_at_end: bool,
     ) -> RequestStream:
         core, inputs = self._require_running()
         self._check_capacity(core)
-        request = inputs.process(prompt, params if params is not None else SamplingParams(), cache_salt=cache_salt)
+        request = inputs.process(
+            prompt, params if params is not None else SamplingParams(), cache_salt=cache_salt, priority=priority
+        )
         return self._admit(core, request, wake_at_end=wake_at_end)
 
     async def _submit_async(
@@ -294,13 +305,14 @@ class Engine:
         prompt: str | Sequence[int],
         params: SamplingParams | Mapping[str, Any] | None,
         cache_salt: str | None,
+        priority: int,
         *,
         wake_at_end: bool,
     ) -> RequestStream:
         core, inputs = self._require_running()
         self._check_capacity(core)  # an overloaded engine refuses before any tokenizing
         request = await inputs.process_async(
-            prompt, params if params is not None else SamplingParams(), cache_salt=cache_salt
+            prompt, params if params is not None else SamplingParams(), cache_salt=cache_salt, priority=priority
         )
         core, _ = self._require_running()  # it may have closed or died while the prompt was tokenized
         self._check_capacity(core)
@@ -328,6 +340,7 @@ class Engine:
         params: SamplingParams | Mapping[str, Any] | None = None,
         *,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Submit a request and return its live output, as ``stream`` does, without holding the event loop.
 
@@ -341,6 +354,7 @@ class Engine:
             prompt: Text or token ids, as for ``stream``.
             params: How to sample, as for ``stream``.
             cache_salt: As for ``stream``.
+            priority: As for ``stream``.
 
         Returns:
             A ``RequestStream``, as ``stream`` returns.
@@ -351,7 +365,7 @@ class Engine:
             EngineClosedError: The engine is not running (or was closed while the prompt was tokenized).
             EngineDeadError: The engine died.
         """
-        return await self._submit_async(prompt, params, cache_salt, wake_at_end=False)
+        return await self._submit_async(prompt, params, cache_salt, priority, wake_at_end=False)
 
     async def generate(
         self,
@@ -359,6 +373,7 @@ class Engine:
         params: SamplingParams | Mapping[str, Any] | None = None,
         *,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> Completion:
         """Run a request to the end and return its whole output (a long prompt is tokenized in a
         worker thread, as ``open_stream`` does).
@@ -367,6 +382,7 @@ class Engine:
             prompt: Text or token ids, as for ``stream``.
             params: How to sample.
             cache_salt: As for ``stream``.
+            priority: As for ``stream``.
 
         Returns:
             The ``Completion``. Cancelling the call aborts the request.
@@ -380,7 +396,7 @@ class Engine:
         parts: list[_SampleParts] = []
         prompt_logprobs: tuple[Logprobs | None, ...] | None = None
         # Woken once, when the request ends: the output arrives merged, one chunk per sample.
-        async with await self._submit_async(prompt, params, cache_salt, wake_at_end=True) as stream:
+        async with await self._submit_async(prompt, params, cache_salt, priority, wake_at_end=True) as stream:
             parts = [_SampleParts() for _ in range(stream.num_samples)]
             async for chunk in stream:
                 parts[chunk.index].add(chunk)
@@ -408,6 +424,7 @@ class Engine:
         normalize: bool | None = None,
         dimensions: int | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> list[Embedding]:
         """Embed each input: its prompt's final hidden states (after the final norm), pooled.
 
@@ -428,6 +445,7 @@ class Engine:
             dimensions: Keep only the first ``dimensions`` values (Matryoshka truncation), normalized
                 afterwards when normalizing; None keeps the hidden size.
             cache_salt: As for ``stream``.
+            priority: As for ``stream``, for every input.
 
         Returns:
             One ``Embedding`` per input, in order (a list even for one input). Cancelling the call
@@ -439,21 +457,24 @@ class Engine:
             PromptTooLongError: An input is longer than ``max_model_len`` tokens, or its text larger
                 than ``max_prompt_bytes``.
             InvalidRequestError: More inputs than ``max_embedding_inputs`` (or than
-                ``max_waiting_requests``), a bad ``pooling``, ``normalize`` or ``dimensions`` (outside
-                1..hidden size), no pooling to use, or a runner that cannot pool.
+                ``max_waiting_requests``), a bad ``pooling``, ``normalize``, ``dimensions`` (outside
+                1..hidden size) or ``priority``, no pooling to use, or a runner that cannot pool.
             EngineOverloadedError: The inputs do not fit in the waiting queue now (``max_waiting_requests``).
             EngineClosedError: The engine is not running (or closed while the inputs ran).
             EngineDeadError: The engine died.
             RequestFailedError: An input's request failed inside the engine.
         """
         core, processor = self._require_running()
+        processor.check_priority(priority)  # once, rather than as "input 0: ..."
         prompts = _embedding_inputs(inputs, self.options.max_embedding_inputs)
         chosen, normalize = self._embedding_options(pooling, normalize, dimensions)
         self._check_room(core, len(prompts))
         requests = []
         for index, prompt in enumerate(prompts):
             try:
-                requests.append(await processor.process_pooling_async(prompt, chosen, cache_salt=cache_salt))
+                requests.append(
+                    await processor.process_pooling_async(prompt, chosen, cache_salt=cache_salt, priority=priority)
+                )
             except InvalidRequestError as exc:
                 param = "input" if exc.param in ("prompt", None) else exc.param
                 where = f"input {index}: " if len(prompts) > 1 else ""
@@ -659,6 +680,7 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Submit a conversation (see ``apply_chat_template``) and return the reply's live output.
 
@@ -669,6 +691,7 @@ class Engine:
             messages: The conversation so far, oldest first.
             params: How to sample.
             cache_salt: As for ``stream``.
+            priority: As for ``stream``.
 
         Returns:
             A ``RequestStream``, as ``stream`` returns.
@@ -679,7 +702,9 @@ class Engine:
             EngineClosedError: The engine is not running.
             EngineDeadError: The engine died.
         """
-        return self.stream(self.apply_chat_template(messages), params, cache_salt=cache_salt)
+        _, inputs = self._require_running()
+        inputs.check_priority(priority)  # before rendering: a refused request costs no tokenizing
+        return self.stream(self.apply_chat_template(messages), params, cache_salt=cache_salt, priority=priority)
 
     async def chat(
         self,
@@ -687,6 +712,7 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         cache_salt: str | None = None,
+        priority: int = 0,
         tools: Sequence[Mapping[str, Any]] | None = None,
         tool_choice: str | Mapping[str, Any] | None = None,
         parallel_tool_calls: bool | None = None,
@@ -703,6 +729,7 @@ class Engine:
             messages: The conversation so far, oldest first (see ``apply_chat_template``).
             params: How to sample.
             cache_salt: As for ``stream``.
+            priority: As for ``stream``.
             tools: Functions the model may call (see ``tool_plan``).
             tool_choice: See ``tool_plan``.
             parallel_tool_calls: See ``tool_plan``.
@@ -719,13 +746,15 @@ class Engine:
             EngineDeadError: The engine died.
         """
         plan = self.tool_plan(tools, tool_choice, parallel_tool_calls)
+        _, inputs = self._require_running()
+        inputs.check_priority(priority)  # before rendering: a refused request costs no tokenizing
         prompt = await self.encode_chat(messages, tools=plan)
         if plan is None:
-            return await self.generate(prompt, params, cache_salt=cache_salt)
+            return await self.generate(prompt, params, cache_salt=cache_salt, priority=priority)
         base = params if params is not None else SamplingParams()
         constrained = plan.constrain(base)
         try:
-            completion = await self.generate(prompt, constrained, cache_salt=cache_salt)
+            completion = await self.generate(prompt, constrained, cache_salt=cache_salt, priority=priority)
         except StructuredOutputError as exc:
             if constrained is base:  # the caller's own structured_output
                 raise

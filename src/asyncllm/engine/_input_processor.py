@@ -31,6 +31,7 @@ import anyio
 import anyio.lowlevel
 import msgspec
 
+from asyncllm.core._priority import SchedulingPolicy
 from asyncllm.core._request import Request
 from asyncllm.engine._detokenizer import Tokenizer
 from asyncllm.engine._tools import (
@@ -132,6 +133,7 @@ class InputProcessor:
         limits: The caps on one request.
         grammars: Compiles ``structured_output`` (None: the runner cannot apply grammars, and such
             requests are refused).
+        scheduling_policy: The engine's; under ``"fcfs"`` a request's ``priority`` must be 0.
     """
 
     def __init__(
@@ -143,8 +145,10 @@ class InputProcessor:
         eos_token_ids: frozenset[int],
         limits: RequestLimits = RequestLimits(),
         grammars: GrammarCompiler | None = None,
+        scheduling_policy: SchedulingPolicy = "fcfs",
     ) -> None:
         self.tokenizer = tokenizer
+        self.scheduling_policy = scheduling_policy
         self.grammars = grammars
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -159,14 +163,18 @@ class InputProcessor:
 
     # -- checks that cost nothing like tokenizing ------------------------------------------------
 
-    def check(self, params: SamplingParams | Mapping[str, Any], cache_salt: str | None) -> SamplingParams:
-        """Everything about a request but its prompt: the parameters, the salt, the limits.
+    def check(
+        self, params: SamplingParams | Mapping[str, Any], cache_salt: str | None, priority: int = 0
+    ) -> SamplingParams:
+        """Everything about a request but its prompt: the parameters, the salt, the priority, the limits.
 
         Raises:
             InvalidSamplingParamsError: ``params`` is invalid, names ids outside the vocabulary, or
                 asks for more than a limit allows.
-            InvalidRequestError: ``cache_salt`` is empty or not valid text.
+            InvalidRequestError: ``cache_salt`` is empty or not valid text; ``priority`` is not an int,
+                or not 0 under the FCFS policy.
         """
+        self.check_priority(priority)
         if cache_salt is not None:
             if not isinstance(cache_salt, str):
                 raise InvalidRequestError(
@@ -184,6 +192,22 @@ class InputProcessor:
         self.check_limits(params)
         self.check_token_ids(params)
         return params
+
+    def check_priority(self, priority: int) -> None:
+        """Refuse a ``priority`` that is not an int, or that the FCFS policy would silently ignore.
+
+        Raises:
+            InvalidRequestError: As ``check`` raises (``param="priority"``).
+        """
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an int, got {type(priority).__name__}", param="priority")
+        if priority != 0 and self.scheduling_policy == "fcfs":
+            # An ignored priority would fail silently: the caller believes the request goes first.
+            raise InvalidRequestError(
+                f"priority={priority} needs an engine opened with scheduling_policy='priority' "
+                "(`asyncllm serve --scheduling-policy priority`); this one schedules first come, first served",
+                param="priority",
+            )
 
     def check_limits(self, params: SamplingParams) -> None:
         """Check ``params`` against ``limits``.
@@ -394,6 +418,7 @@ class InputProcessor:
         params: SamplingParams | Mapping[str, Any],
         *,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> Request:
         """Build the engine's request for ``prompt``, tokenizing in the calling thread.
 
@@ -401,22 +426,24 @@ class InputProcessor:
             prompt: Text or token ids.
             params: A ``SamplingParams``, or a mapping of its fields (unknown keys are rejected).
             cache_salt: See ``Engine.stream``.
+            priority: See ``Engine.stream``.
 
         Raises:
             InvalidPromptError: See ``tokenize``.
             InvalidSamplingParamsError: ``params`` is invalid, has unknown keys, names ids outside
                 the vocabulary, or exceeds a limit.
-            InvalidRequestError: ``cache_salt`` is not a str of valid text.
+            InvalidRequestError: ``cache_salt`` is not a str of valid text; a bad ``priority`` (see
+                ``check_priority``).
             PromptTooLongError: The prompt plus ``max_tokens`` exceeds ``max_model_len``, or the
                 prompt's text is larger than ``max_prompt_bytes``.
         """
-        checked = self.check(params, cache_salt)
+        checked = self.check(params, cache_salt, priority)
         prompt_ids, bad_words = self._tokenize_all(prompt, checked)
         grammar = None
         if checked.structured_output is not None:
             assert self.grammars is not None  # check() refused it otherwise
             grammar = self.grammars.cached(checked.structured_output)  # else the core compiles it
-        return self._build(prompt_ids, checked, cache_salt, bad_words, grammar)
+        return self._build(prompt_ids, checked, cache_salt, bad_words, grammar, priority)
 
     async def process_async(
         self,
@@ -424,6 +451,7 @@ class InputProcessor:
         params: SamplingParams | Mapping[str, Any],
         *,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> Request:
         """``process``, with a long text prompt (``THREAD_MIN_CHARS`` or more) or many bad words
         (``THREAD_MIN_BAD_WORDS``) tokenized in a worker thread, so the event loop keeps running.
@@ -437,7 +465,7 @@ class InputProcessor:
             InvalidRequestError: As ``process`` raises.
         """
         await anyio.lowlevel.cancel_shielded_checkpoint()
-        checked = self.check(params, cache_salt)
+        checked = self.check(params, cache_salt, priority)
         if self._heavy(prompt, checked):
             if isinstance(prompt, str):
                 self._check_text_prompt(prompt)  # an oversized prompt is refused here, without a thread
@@ -451,7 +479,7 @@ class InputProcessor:
         if checked.structured_output is not None:
             assert self.grammars is not None  # check() refused it otherwise
             grammar = await self.grammars.compile_async(checked.structured_output)
-        return self._build(prompt_ids, checked, cache_salt, bad_words, grammar)
+        return self._build(prompt_ids, checked, cache_salt, bad_words, grammar, priority)
 
     def _build(
         self,
@@ -460,6 +488,7 @@ class InputProcessor:
         cache_salt: str | None,
         bad_words: tuple[tuple[int, ...], ...],
         grammar: CompiledGrammar | None = None,
+        priority: int = 0,
     ) -> Request:
         stop_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
@@ -471,6 +500,7 @@ class InputProcessor:
             stop_token_ids=stop_ids,
             max_total_tokens=self.max_model_len,
             cache_salt=cache_salt,
+            priority=priority,
             bad_words_token_ids=bad_words,
             grammar=grammar,
         )
@@ -479,19 +509,19 @@ class InputProcessor:
         return request
 
     async def process_pooling_async(
-        self, prompt: str | Sequence[int], pooling: Pooling, *, cache_salt: str | None = None
+        self, prompt: str | Sequence[int], pooling: Pooling, *, cache_salt: str | None = None, priority: int = 0
     ) -> Request:
         """An embedding request for ``prompt``: tokenized as ``process_async`` does (a long text in a
         worker thread), checked against ``max_model_len`` (the prompt alone: nothing is generated).
 
         Raises:
             InvalidPromptError: See ``tokenize``.
-            InvalidRequestError: ``cache_salt`` is not a str of valid text.
+            InvalidRequestError: ``cache_salt`` is not a str of valid text; a bad ``priority``.
             PromptTooLongError: The prompt is longer than ``max_model_len`` tokens, or its text is larger
                 than ``max_prompt_bytes``.
         """
         await anyio.lowlevel.cancel_shielded_checkpoint()
-        params = self.check(_POOLING_PARAMS, cache_salt)
+        params = self.check(_POOLING_PARAMS, cache_salt, priority)
         if not isinstance(prompt, str) and isinstance(prompt, Sequence):
             self._check_pooled_length(len(prompt))  # before looking at each id of an overlong prompt
         if isinstance(prompt, str) and len(prompt) >= THREAD_MIN_CHARS:
@@ -507,6 +537,7 @@ class InputProcessor:
             stop_token_ids=frozenset(),
             max_total_tokens=self.max_model_len,
             cache_salt=cache_salt,
+            priority=priority,
             pooling=pooling,
         )
 

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncllm.core._priority import SCHEDULING_POLICIES, SchedulingPolicy
 from asyncllm.engine._input_processor import RequestLimits
 from asyncllm.worker._memory import check_kv_cache_memory
 
@@ -87,6 +88,16 @@ class EngineOptions:
     )
     enable_prefix_caching: bool = field(
         default=True, metadata=_doc("Reuse the KV cache of identical prompt prefixes (full blocks) across requests.")
+    )
+    scheduling_policy: SchedulingPolicy = field(
+        default="fcfs",
+        metadata=_doc(""""fcfs": first come, first served, and a request's priority must be 0
+        (InvalidRequestError otherwise). "priority": each request's priority (stream(priority=...),
+        the HTTP field "priority"; any int, 0 by default) orders the waiting queue, lower values
+        first and ties in arrival order; under memory pressure the running request with the largest
+        value (the latest arrival among equals) is preempted first, and a waiting request that finds
+        no seat (max_num_seqs) or no KV blocks preempts running requests of larger values, largest
+        first. No aging: a steady load of better priorities starves worse ones."""),
     )
     max_waiting_requests: int | None = field(
         default=DEFAULT_MAX_WAITING_REQUESTS,
@@ -205,6 +216,8 @@ class EngineOptions:
             raise ValueError(f"step_timeout must be a positive number of seconds or None, got {self.step_timeout!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32', 'float16' or 'bfloat16', got {self.dtype!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.pooling not in ("auto", "last", "mean"):
             raise ValueError(f"pooling must be 'auto', 'last' or 'mean', got {self.pooling!r}")
         for name in (

@@ -571,6 +571,7 @@ class CompletionHandlers:
         prompts: Sequence[str | list[int]],
         params: SamplingParams,
         cache_salt: str | None,
+        priority: int,
         constraint_from: str = "response_format",
     ) -> list[RequestStream]:
         # open_stream tokenizes long prompts in a worker thread and is a checkpoint, so admitting
@@ -578,7 +579,9 @@ class CompletionHandlers:
         streams: list[RequestStream] = []
         try:
             for prompt in prompts:
-                streams.append(await self.engine.open_stream(prompt, params, cache_salt=cache_salt))
+                streams.append(
+                    await self.engine.open_stream(prompt, params, cache_salt=cache_salt, priority=priority)
+                )
         except StructuredOutputError as exc:
             for stream in streams:
                 await stream.aclose()
@@ -624,7 +627,7 @@ class CompletionHandlers:
             logprobs=body.logprobs,
             prompt_logprobs=engine_prompt_logprobs,
         )
-        streams = await self._open(prompts, params, body.cache_salt)
+        streams = await self._open(prompts, params, body.cache_salt, body.priority)
         request_id, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.app.model_name
         prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
         choices = _Choices(len(prompts) * body.n, body.n)
@@ -772,7 +775,7 @@ class CompletionHandlers:
         )
         params = plan.constrain(base) if plan is not None else base
         source = "response_format" if params is base else "tools"
-        (stream,) = await self._open([prompt_ids], params, body.cache_salt, source)
+        (stream,) = await self._open([prompt_ids], params, body.cache_salt, body.priority, source)
         parsers = {i: plan.parser() for i in range(body.n)} if plan is not None and plan.parses else {}
         single = plan is not None and not plan.parallel
         request_id, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.app.model_name

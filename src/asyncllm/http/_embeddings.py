@@ -43,6 +43,8 @@ class EmbeddingRequest(msgspec.Struct, frozen=True, kw_only=True):
     encoding_format: str = "float"
     dimensions: int | None = None
     user: str | None = None
+    priority: int = 0
+    """vLLM's extension, as on completions."""
 
 
 class EmbeddingData(msgspec.Struct, frozen=True, kw_only=True):
@@ -83,7 +85,9 @@ class EmbeddingHandlers:
         results: list[Embedding] = []
 
         async def work() -> None:
-            results.extend(await self.app.engine.embed(body.input, dimensions=body.dimensions))
+            results.extend(
+                await self.app.engine.embed(body.input, dimensions=body.dimensions, priority=body.priority)
+            )
 
         await exchange.until_disconnect(work)
         tokens = sum(len(result.prompt_token_ids) for result in results)

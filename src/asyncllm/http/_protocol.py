@@ -57,6 +57,8 @@ class SamplingRequest(msgspec.Struct, frozen=True, kw_only=True):
     spaces_between_special_tokens: bool | None = None
     cache_salt: str | None = None
     """Requests share prefix-cache entries only with requests of the same salt (per tenant)."""
+    priority: int = 0
+    """vLLM's: under ``--scheduling-policy priority`` lower values go first; elsewhere only 0."""
     prompt_logprobs: int | None = None
     """vLLM's: the log-probabilities of each prompt token and of this many alternatives."""
     response_format: Any = None

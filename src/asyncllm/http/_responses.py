@@ -54,6 +54,8 @@ class ResponsesRequest(msgspec.Struct, frozen=True, kw_only=True):
     temperature: float | None = None
     top_p: float | None = None
     stream: bool = False
+    priority: int = 0
+    """vLLM's extension, as on completions."""
     # Accepted and ignored: nothing is stored (``store: true`` keeps nothing).
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -330,7 +332,7 @@ class ResponsesHandler:
             sampling["top_p"] = body.top_p
         params = SamplingParams(**sampling)
         try:
-            stream = await self.engine.open_stream(prompt_ids, params)
+            stream = await self.engine.open_stream(prompt_ids, params, priority=body.priority)
         except StructuredOutputError as exc:
             raise schema_error(exc, "text.format") from exc
         except PromptTooLongError as exc:
