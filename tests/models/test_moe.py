@@ -11,6 +11,7 @@ weights on random logits, ties included.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,15 +20,18 @@ from transformers import AutoConfig, AutoModelForCausalLM, MixtralConfig, Qwen3M
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
+from asyncllm import Engine, SamplingParams
 from asyncllm.errors import ModelLoadError
 from asyncllm.models import SUPPORTED_ARCHITECTURES, build_model
 from asyncllm.models._moe import SparseMoeBlock, grouped_experts, route
+from asyncllm.testing.parity import stream_all, transformers_greedy
 from asyncllm.testing.tiny_models import tiny_model_path
 from asyncllm.worker._weights import CheckpointTensor, checkpoint_tensors, load_config, load_model
 
 pytestmark = pytest.mark.anyio
 
 FAMILIES = ("qwen3_moe", "mixtral")
+MAX_NEW_TOKENS = 8
 
 
 def _model_dir(cache_root: str, family: str) -> Path:
@@ -149,3 +153,39 @@ def test_a_missing_expert_is_a_load_error(tiny_cache: Path) -> None:
         load_model(
             load_config(model_dir), tensors, device=torch.device("cpu"), dtype=torch.float32, fuse_projections=True
         )
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("family", FAMILIES)
+async def test_triton_backend_fused_experts_match_transformers(
+    anyio_backend: str, tiny_cache: Path, family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The triton backend runs the experts in the fused kernels (in triton's interpreter on the CPU,
+    # hence few prompts and tokens): greedy float32 tokens as transformers', through chunked prefill
+    # (8 tokens a step: steps mix prefill chunks and decodes) and a second pass from the prefix cache.
+    pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[gpu]')")
+    from asyncllm.backends.triton._kernels import fused_moe
+
+    calls = 0
+    kernel = fused_moe.fused_experts
+
+    def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(fused_moe, "fused_experts", counting)
+    model_dir = _model_dir(str(tiny_cache), family)
+    prompts = [[5, 17, 33, 2, 90, 41, 7, 8, 9, 10, 11], [300, 4, 4], [7]]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+    expected = transformers_greedy(model_dir, tuple(map(tuple, prompts)), MAX_NEW_TOKENS)
+    async with Engine.open(
+        model_dir, device="cpu", attention_backend="triton", block_size=4, max_num_batched_tokens=8, kv_cache_blocks=32
+    ) as engine:
+        assert "triton attention" in engine._info.description  # type: ignore[union-attr]
+        first = await stream_all(engine, prompts, params)
+        hits_before = engine.statistics().prefix_cache_hits
+        second = await stream_all(engine, prompts, params)
+        assert engine.statistics().prefix_cache_hits > hits_before
+    assert first == expected and second == expected
+    assert calls > 0

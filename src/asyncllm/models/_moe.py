@@ -16,6 +16,7 @@ added back into their tokens in one ``index_add_``. The Python loop runs over ex
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -102,6 +103,19 @@ def grouped_experts(
     return torch.zeros_like(x).index_add_(0, token_of, weighted)
 
 
+def _fused_experts_eager(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+) -> torch.Tensor:
+    """``grouped_experts`` in the fused Triton kernels (triton imported on first use)."""
+    from asyncllm.backends.triton._kernels.fused_moe import fused_experts
+
+    return fused_experts(x, gate_up, down, weights, experts)
+
+
+# A compiled layer (``compile=True``) leaves the launcher to run eagerly: triton launches its kernels.
+_fused_experts: Callable[..., torch.Tensor] = torch.compiler.disable(_fused_experts_eager)
+
+
 class MoeExperts(nn.Module):
     """The stacked expert weights (HF's ``mlp.experts``)."""
 
@@ -130,6 +144,10 @@ class SparseMoeBlock(nn.Module):
         self.experts = MoeExperts(moe.num_experts, hidden_size, moe.intermediate_size)
         self.gate_up_proj: Linear | None = None
         """Never set: the expert weights are stacked already (read by the dense MLP's callers)."""
+        self.fused = False
+        """Compute the experts with the fused Triton kernels (``backends.triton._kernels.fused_moe``);
+        False: ``grouped_experts``, the torch reference. The model sets it with its attention backend
+        (``DecoderForCausalLM.backend``: True on triton, which runs on CUDA or in triton's interpreter)."""
 
     def fuse(self) -> None:
         """Nothing to fuse: the experts' gate and up weights are one stacked tensor already."""
@@ -139,6 +157,8 @@ class SparseMoeBlock(nn.Module):
         weights, experts = route(logits, self.top_k, self.norm_topk_prob)
         if self.weights_in_router_dtype:
             weights = weights.to(logits.dtype)
+        if self.fused:
+            return _fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, experts)
         return grouped_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, experts)
 
     def checkpoint_rows(self, ours: str, style: str) -> dict[str, tuple[str, int]]:
