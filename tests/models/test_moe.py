@@ -22,7 +22,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 from asyncllm import Engine, SamplingParams
 from asyncllm.errors import ModelLoadError
-from asyncllm.models import SUPPORTED_ARCHITECTURES, build_model
+from asyncllm.models import SUPPORTED_ARCHITECTURES, _moe, build_model
 from asyncllm.models._moe import SparseMoeBlock, grouped_experts, route
 from asyncllm.testing.parity import stream_all, transformers_greedy
 from asyncllm.testing.tiny_models import tiny_model_path
@@ -79,6 +79,30 @@ def test_grouped_experts_equal_a_per_token_loop(tokens: int) -> None:
     got = grouped_experts(x, gate_up, down, weights, experts)
     assert got.dtype == x.dtype and got.shape == x.shape
     torch.testing.assert_close(got.double(), _naive_experts(x, gate_up, down, weights, experts), rtol=1e-5, atol=1e-5)
+
+
+ONE_TOKEN_DTYPES = [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.float32),  # Mixtral: float32 routing weights
+    (torch.bfloat16, torch.bfloat16),  # Qwen3-MoE: rounded to the dtype
+    (torch.float16, torch.float16),
+]
+
+
+@pytest.mark.parametrize(("dtype", "routing_dtype"), ONE_TOKEN_DTYPES)
+def test_one_token_path_is_the_grouped_path_bit_for_bit(dtype: torch.dtype, routing_dtype: torch.dtype) -> None:
+    # A one-token step skips the sort, gather and scatter; the tokens must not change (HF parity).
+    generator = torch.Generator().manual_seed(5)
+    num_experts, top_k, hidden, intermediate = 8, 4, 32, 24
+    gate_up = (torch.randn(num_experts, 2 * intermediate, hidden, generator=generator) / 4).to(dtype)
+    down = (torch.randn(num_experts, hidden, intermediate, generator=generator) / 4).to(dtype)
+    for seed in range(20):
+        x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(seed)).to(dtype)
+        weights, experts = route(torch.randn(1, num_experts, generator=generator), top_k, True)
+        weights = weights.to(routing_dtype)
+        one = _moe._one_token_experts(x, gate_up, down, weights, experts)
+        assert torch.equal(one, _moe._experts_by_group(x, gate_up, down, weights, experts))
+        assert torch.equal(grouped_experts(x, gate_up, down, weights, experts), one)
 
 
 def test_grouped_experts_skip_experts_without_tokens() -> None:
