@@ -186,7 +186,8 @@ async def test_triton_backend_fused_experts_match_transformers(
 ) -> None:
     # The triton backend runs the experts in the fused kernels (in triton's interpreter on the CPU,
     # hence few prompts and tokens): greedy float32 tokens as transformers', through chunked prefill
-    # (8 tokens a step: steps mix prefill chunks and decodes) and a second pass from the prefix cache.
+    # (8 tokens a step: steps mix prefill chunks and decodes), and the first tokens again from the
+    # prefix cache (a short second pass: the interpreter's attention is most of the test's time).
     pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[gpu]')")
     from asyncllm.backends.triton._kernels import fused_moe
 
@@ -209,7 +210,7 @@ async def test_triton_backend_fused_experts_match_transformers(
         assert "triton attention" in engine._info.description  # type: ignore[union-attr]
         first = await stream_all(engine, prompts, params)
         hits_before = engine.statistics().prefix_cache_hits
-        second = await stream_all(engine, prompts, params)
+        second = await stream_all(engine, prompts, SamplingParams(temperature=0.0, max_tokens=3))
         assert engine.statistics().prefix_cache_hits > hits_before
-    assert first == expected and second == expected
+    assert first == expected and second == [tokens[:3] for tokens in expected]
     assert calls > 0
