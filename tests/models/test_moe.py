@@ -204,9 +204,11 @@ async def test_triton_backend_fused_experts_match_transformers(
     prompts = [[5, 17, 33, 2, 90, 41, 7, 8, 9, 10, 11], [300, 4, 4], [7]]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
     expected = transformers_greedy(model_dir, tuple(map(tuple, prompts)), MAX_NEW_TOKENS)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter only off CUDA
     async with Engine.open(
-        model_dir, device="cpu", attention_backend="triton", block_size=4, max_num_batched_tokens=8, kv_cache_blocks=32
-    ) as engine:
+        model_dir, device=device, dtype="float32", attention_backend="triton", block_size=4,
+        max_num_batched_tokens=8, kv_cache_blocks=32,
+    ) as engine:  # fmt: skip
         assert "triton attention" in engine._info.description  # type: ignore[union-attr]
         first = await stream_all(engine, prompts, params)
         hits_before = engine.statistics().prefix_cache_hits
