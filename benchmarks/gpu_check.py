@@ -18,6 +18,8 @@ time limit, and a step that fails or runs out of time is recorded and the next o
 6. The number of Triton kernel variants compiled by steps 5 and 7 (cubins in a fresh cache).
 7. ``benchmarks/gpu.py --quick``: kernel bandwidth, the fused norm, and the engine on the
    nano-vllm workload with the decode step against the memory roofline.
+8. ``benchmarks/moe.py --fused``: the MoE layer (float32) on the torch path, a dense layer of equal
+   active parameters, transformers' block and the fused-MoE Triton kernels, at 1 to 2,048 tokens.
 
 Where there is no CUDA, each device step is recorded as skipped and the script exits 0: its flow
 is tested on the CPU (tests/test_benchmarks.py). docs/gpu.md says how to run it on a lent machine.
@@ -127,6 +129,11 @@ def main(argv: list[str] | None = None) -> int:
         ("CUDA graphs", [*pytest, "tests/backends/triton/test_graphs.py"], 45),
         ("engine parity, bfloat16", [python, "-c", ENGINE_PARITY], 90),
         ("benchmarks/gpu.py --quick", [python, "benchmarks/gpu.py", "--quick", "--json", str(args.out / "gpu.json")], 100),
+        (
+            "benchmarks/moe.py --fused",
+            [python, "benchmarks/moe.py", "--device", "cuda", "--fused", "--tokens", "1", "16", "256", "2048"],
+            60,
+        ),
     ]
     with open(args.out / "gpu_check.log", "w") as log:
         for name, command, limit in steps:

@@ -2,12 +2,18 @@
 
     python benchmarks/moe.py [--hidden 1024] [--experts 32] [--top-k 4] [--intermediate 512]
                              [--tokens 1 16 256 2048] [--repeats 20] [--threads N] [--device cpu]
+                             [--fused]
 
 The MoE layer is ``asyncllm.models._moe.SparseMoeBlock`` (router, top-k, experts grouped by id); the
 dense peer is ``asyncllm.models._llama.MLP`` with ``top_k * intermediate`` columns, so each token
 multiplies by as many weights in both. Transformers' ``Qwen3MoeSparseMoeBlock`` (its default experts
 implementation) on the same weights is the third column. Printed per token count: the median forward
 time of each, and the MoE layer over the dense one. Takes about a minute on a few CPU cores.
+
+``--fused`` adds a column: the same block running its experts in the fused-MoE Triton kernels
+(``SparseMoeBlock.fused``, what the triton backend runs), checked against the torch path first. It
+needs triton, and a GPU (``--device cuda``) to mean anything: on a CPU the kernels run only in
+triton's interpreter (``TRITON_INTERPRET=1``), slowly.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--fused", action="store_true", help="also time the fused-MoE Triton kernels")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -88,14 +95,23 @@ def main(argv: list[str] | None = None) -> int:
             f"hidden {args.hidden}, {args.experts} experts of {args.intermediate}, top-{args.top_k}; "
             f"dense MLP of {args.top_k * args.intermediate}; {torch.get_num_threads()} threads, {device}"
         )
-        print(f"{'tokens':>7} {'moe ms':>9} {'dense ms':>9} {'hf moe ms':>10} {'moe/dense':>10}")
+        fused_header = f" {'fused ms':>9}" if args.fused else ""
+        print(f"{'tokens':>7} {'moe ms':>9} {'dense ms':>9} {'hf moe ms':>10} {'moe/dense':>10}{fused_header}")
         for tokens in args.tokens:
             x = torch.randn(tokens, args.hidden, generator=generator).to(device)
-            torch.testing.assert_close(moe(x), reference(x[None])[0], rtol=1e-4, atol=1e-4)
+            expected = reference(x[None])[0]
+            torch.testing.assert_close(moe(x), expected, rtol=1e-4, atol=1e-4)
             moe_s = _median_seconds(lambda x=x: moe(x), args.repeats, device)
             dense_s = _median_seconds(lambda x=x: dense(x), args.repeats, device)
             hf_s = _median_seconds(lambda x=x: reference(x[None]), args.repeats, device)
-            print(f"{tokens:>7} {moe_s * 1e3:>9.3f} {dense_s * 1e3:>9.3f} {hf_s * 1e3:>10.3f} {moe_s / dense_s:>10.2f}")
+            fused = ""
+            if args.fused:
+                moe.fused = True
+                torch.testing.assert_close(moe(x), expected, rtol=1e-4, atol=1e-4)
+                fused = f" {_median_seconds(lambda x=x: moe(x), args.repeats, device) * 1e3:>9.3f}"
+                moe.fused = False
+            print(f"{tokens:>7} {moe_s * 1e3:>9.3f} {dense_s * 1e3:>9.3f} {hf_s * 1e3:>10.3f} {moe_s / dense_s:>10.2f}"
+                  f"{fused}")  # fmt: skip
     return 0
 
 

@@ -572,6 +572,7 @@ def test_gpu_check_flow_without_a_device(tmp_path: Path, capsys: pytest.CaptureF
         "CUDA graphs",
         "engine parity, bfloat16",
         "benchmarks/gpu.py --quick",
+        "benchmarks/moe.py --fused",
     ]
     assert all(step["status"].startswith("skipped") for name, step in report["steps"].items() if name != "nvidia-smi")
     assert report["triton_variants_compiled"] == 0

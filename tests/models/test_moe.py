@@ -11,6 +11,7 @@ weights on random logits, ties included.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,15 +20,18 @@ from transformers import AutoConfig, AutoModelForCausalLM, MixtralConfig, Qwen3M
 from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
+from asyncllm import Engine, SamplingParams
 from asyncllm.errors import ModelLoadError
-from asyncllm.models import SUPPORTED_ARCHITECTURES, build_model
+from asyncllm.models import SUPPORTED_ARCHITECTURES, _moe, build_model
 from asyncllm.models._moe import SparseMoeBlock, grouped_experts, route
+from asyncllm.testing.parity import stream_all, transformers_greedy
 from asyncllm.testing.tiny_models import tiny_model_path
 from asyncllm.worker._weights import CheckpointTensor, checkpoint_tensors, load_config, load_model
 
 pytestmark = pytest.mark.anyio
 
 FAMILIES = ("qwen3_moe", "mixtral")
+MAX_NEW_TOKENS = 8
 
 
 def _model_dir(cache_root: str, family: str) -> Path:
@@ -75,6 +79,30 @@ def test_grouped_experts_equal_a_per_token_loop(tokens: int) -> None:
     got = grouped_experts(x, gate_up, down, weights, experts)
     assert got.dtype == x.dtype and got.shape == x.shape
     torch.testing.assert_close(got.double(), _naive_experts(x, gate_up, down, weights, experts), rtol=1e-5, atol=1e-5)
+
+
+ONE_TOKEN_DTYPES = [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.float32),  # Mixtral: float32 routing weights
+    (torch.bfloat16, torch.bfloat16),  # Qwen3-MoE: rounded to the dtype
+    (torch.float16, torch.float16),
+]
+
+
+@pytest.mark.parametrize(("dtype", "routing_dtype"), ONE_TOKEN_DTYPES)
+def test_one_token_path_is_the_grouped_path_bit_for_bit(dtype: torch.dtype, routing_dtype: torch.dtype) -> None:
+    # A one-token step skips the sort, gather and scatter; the tokens must not change (HF parity).
+    generator = torch.Generator().manual_seed(5)
+    num_experts, top_k, hidden, intermediate = 8, 4, 32, 24
+    gate_up = (torch.randn(num_experts, 2 * intermediate, hidden, generator=generator) / 4).to(dtype)
+    down = (torch.randn(num_experts, hidden, intermediate, generator=generator) / 4).to(dtype)
+    for seed in range(20):
+        x = torch.randn(1, hidden, generator=torch.Generator().manual_seed(seed)).to(dtype)
+        weights, experts = route(torch.randn(1, num_experts, generator=generator), top_k, True)
+        weights = weights.to(routing_dtype)
+        one = _moe._one_token_experts(x, gate_up, down, weights, experts)
+        assert torch.equal(one, _moe._experts_by_group(x, gate_up, down, weights, experts))
+        assert torch.equal(grouped_experts(x, gate_up, down, weights, experts), one)
 
 
 def test_grouped_experts_skip_experts_without_tokens() -> None:
@@ -149,3 +177,42 @@ def test_a_missing_expert_is_a_load_error(tiny_cache: Path) -> None:
         load_model(
             load_config(model_dir), tensors, device=torch.device("cpu"), dtype=torch.float32, fuse_projections=True
         )
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("family", FAMILIES)
+async def test_triton_backend_fused_experts_match_transformers(
+    anyio_backend: str, tiny_cache: Path, family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The triton backend runs the experts in the fused kernels (in triton's interpreter on the CPU,
+    # hence few prompts and tokens): greedy float32 tokens as transformers', through chunked prefill
+    # (8 tokens a step: steps mix prefill chunks and decodes), and the first tokens again from the
+    # prefix cache (a short second pass: the interpreter's attention is most of the test's time).
+    pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[gpu]')")
+    from asyncllm.backends.triton._kernels import fused_moe
+
+    calls = 0
+    kernel = fused_moe.fused_experts
+
+    def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(fused_moe, "fused_experts", counting)
+    model_dir = _model_dir(str(tiny_cache), family)
+    prompts = [[5, 17, 33, 2, 90, 41, 7, 8, 9, 10, 11], [300, 4, 4], [7]]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+    expected = transformers_greedy(model_dir, tuple(map(tuple, prompts)), MAX_NEW_TOKENS)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter only off CUDA
+    async with Engine.open(
+        model_dir, device=device, dtype="float32", attention_backend="triton", block_size=4,
+        max_num_batched_tokens=8, kv_cache_blocks=32,
+    ) as engine:  # fmt: skip
+        assert "triton attention" in engine._info.description  # type: ignore[union-attr]
+        first = await stream_all(engine, prompts, params)
+        hits_before = engine.statistics().prefix_cache_hits
+        second = await stream_all(engine, prompts, SamplingParams(temperature=0.0, max_tokens=3))
+        assert engine.statistics().prefix_cache_hits > hits_before
+    assert first == expected and second == [tokens[:3] for tokens in expected]
+    assert calls > 0

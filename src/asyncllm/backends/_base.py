@@ -67,6 +67,9 @@ class AttentionBackend(abc.ABC, Generic[MetadataT]):
     backend's metadata, so the model may run it in place of its modules."""
     captures_graphs: bool = False
     """``graph_inputs`` runs: the runner may capture CUDA graphs of decode steps."""
+    runs_fused_moe: bool = False
+    """The model's Mixture-of-Experts blocks compute their experts with the fused Triton kernels
+    (``backends.triton._kernels.fused_moe``) instead of the torch grouped path (``models._moe``)."""
 
     @abc.abstractmethod
     def build_metadata(self, step: StepInputs) -> MetadataT:

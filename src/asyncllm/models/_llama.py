@@ -629,10 +629,7 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.backend: AttentionBackend[Any] = TorchAttentionBackend(sliding_window=spec.sliding_window)
-        """The attention backend every layer calls (``asyncllm.backends``); the forward's metadata is
-        what its ``build_metadata`` made. The runner sets the one it picks at load; the torch
-        reference until then."""
+        self._backend: AttentionBackend[Any] = TorchAttentionBackend(sliding_window=spec.sliding_window)
         self.fused_norm = True
         """On a backend that ``fuses_norms`` (triton; cpu) with eager (not compiled) layers, fuse every
         residual add into the RMSNorm after it (``DecoderLayer.forward_fused_norms``): per layer two
@@ -652,6 +649,21 @@ class DecoderForCausalLM(nn.Module):
         self.greedy_head: greedy_head_cpu.GreedyHead | None = None
         """Greedy tokens without the full logits (``backends.cpu._greedy_head``), built by ``pack_weights``
         where it applies; the same tokens as the argmax of ``logits``. None: the logits decide."""
+
+    @property
+    def backend(self) -> AttentionBackend[Any]:
+        """The attention backend every layer calls (``asyncllm.backends``); the forward's metadata is
+        what its ``build_metadata`` made. The runner sets the one it picks at load; the torch
+        reference until then. Setting it also picks the MoE blocks' expert computation: the fused
+        Triton kernels where the backend ``runs_fused_moe`` (triton), the torch grouped path elsewhere."""
+        return self._backend
+
+    @backend.setter
+    def backend(self, backend: AttentionBackend[Any]) -> None:
+        self._backend = backend
+        for module in self.modules():
+            if isinstance(module, SparseMoeBlock):
+                module.fused = backend.runs_fused_moe
 
     def forward(
         self,

@@ -11,11 +11,16 @@ dict and a checkpoint in that layout load by name; a checkpoint with one tensor 
 The expert computation is batched by expert, not by token: the (token, choice) pairs are sorted by
 expert id, each expert runs two matmuls over its contiguous group, and the weighted outputs are
 added back into their tokens in one ``index_add_``. The Python loop runs over experts (at most
-``num_experts`` iterations, and only over those that received tokens), whatever the batch size.
+``num_experts`` iterations, and only over those that received tokens), whatever the batch size. A
+single token (a one-sequence decode step) skips the grouping: its ``top_k`` experts run one after the
+other, with the same bits. That is the torch path, the reference, which the CPU runs; on the triton
+backend (CUDA, or triton's interpreter) the block runs the fused kernels instead
+(``asyncllm.backends.triton._kernels.fused_moe``; ``SparseMoeBlock.fused``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +86,15 @@ def grouped_experts(
     Returns:
         [tokens, hidden] in ``x``'s dtype.
     """
+    if x.shape[0] == 1:
+        return _one_token_experts(x, gate_up, down, weights, experts)
+    return _experts_by_group(x, gate_up, down, weights, experts)
+
+
+def _experts_by_group(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+) -> torch.Tensor:
+    """``grouped_experts`` for any batch: the pairs sorted by expert, two matmuls per expert group."""
     top_k = experts.shape[1]
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert, tokens in order
@@ -100,6 +114,37 @@ def grouped_experts(
         start += count
     weighted = (outputs * weights.reshape(-1).index_select(0, order)[:, None]).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, token_of, weighted)
+
+
+def _fused_experts_eager(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+) -> torch.Tensor:
+    """``grouped_experts`` in the fused Triton kernels (triton imported on first use)."""
+    from asyncllm.backends.triton._kernels.fused_moe import fused_experts
+
+    return fused_experts(x, gate_up, down, weights, experts)
+
+
+# A compiled layer (``compile=True``) leaves the launcher to run eagerly: triton launches its kernels.
+_fused_experts: Callable[..., torch.Tensor] = torch.compiler.disable(_fused_experts_eager)
+
+
+def _one_token_experts(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+) -> torch.Tensor:
+    """``grouped_experts`` for one token (a decode step of one sequence): its choices run one after the
+    other, with none of the grouping's sort, gather and scatter. The same operations on the same rows
+    as the grouped path, added in the same (ascending expert) order and in float32, as its
+    ``index_add_`` adds half-precision rows: the same bits."""
+    ids = experts[0].tolist()
+    intermediate = down.shape[-1]
+    total = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for choice in sorted(range(len(ids)), key=ids.__getitem__):  # stable: as the grouped path's sort
+        expert = ids[choice]
+        gate, up = F.linear(x, gate_up[expert]).split((intermediate, intermediate), dim=-1)
+        torch.mul(F.silu(gate), up, out=gate)
+        total += (F.linear(gate, down[expert]) * weights[0, choice : choice + 1]).to(x.dtype)
+    return total.to(x.dtype)
 
 
 class MoeExperts(nn.Module):
@@ -130,6 +175,10 @@ class SparseMoeBlock(nn.Module):
         self.experts = MoeExperts(moe.num_experts, hidden_size, moe.intermediate_size)
         self.gate_up_proj: Linear | None = None
         """Never set: the expert weights are stacked already (read by the dense MLP's callers)."""
+        self.fused = False
+        """Compute the experts with the fused Triton kernels (``backends.triton._kernels.fused_moe``);
+        False: ``grouped_experts``, the torch reference. The model sets it with its attention backend
+        (``DecoderForCausalLM.backend``: True on triton, which runs on CUDA or in triton's interpreter)."""
 
     def fuse(self) -> None:
         """Nothing to fuse: the experts' gate and up weights are one stacked tensor already."""
@@ -139,6 +188,8 @@ class SparseMoeBlock(nn.Module):
         weights, experts = route(logits, self.top_k, self.norm_topk_prob)
         if self.weights_in_router_dtype:
             weights = weights.to(logits.dtype)
+        if self.fused:
+            return _fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, experts)
         return grouped_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, experts)
 
     def checkpoint_rows(self, ours: str, style: str) -> dict[str, tuple[str, int]]:

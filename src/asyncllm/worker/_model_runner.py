@@ -233,13 +233,18 @@ class TorchModelRunner:
         if device.type == "cuda" and isinstance(backend, TritonAttentionBackend):  # every kernel variant, now
             backend.warm_up(num_heads=spec.num_heads, head_dim=spec.head_dim, dtype=dtype, block_size=self.block_size,
                             max_model_len=longest, max_num_seqs=self.options.max_num_seqs)  # fmt: skip
+        if device.type == "cuda" and isinstance(backend, TritonAttentionBackend) and spec.moe is not None:
+            backend.warm_up_moe(num_experts=spec.moe.num_experts, top_k=spec.moe.top_k, hidden_size=spec.hidden_size,
+                                intermediate_size=spec.moe.intermediate_size, dtype=dtype)  # fmt: skip
         if self.options.compile:
             from asyncllm.worker._compile import compile_dense_parts
 
             self.compile_seconds = compile_dense_parts(model)
-        # A MoE layer reads its per-expert token counts on the host (``models._moe``), which a CUDA graph
-        # cannot capture: such a model decodes eagerly.
-        if device.type == "cuda" and backend.captures_graphs and not self.options.enforce_eager and spec.moe is None:
+        # The torch MoE path reads its per-expert token counts on the host (``models._moe``), which a CUDA
+        # graph cannot capture; the fused kernels' layout reads nothing back, so on their backend a MoE
+        # model decodes in graphs too.
+        capturable = spec.moe is None or backend.runs_fused_moe
+        if device.type == "cuda" and backend.captures_graphs and not self.options.enforce_eager and capturable:
             longest = min(max_model_len, self.options.max_model_len or max_model_len, slots)
             self.graphs = self._capture_graphs(model, longest)
         return RunnerInfo(

@@ -23,8 +23,8 @@ logger = logging.getLogger("asyncllm")
 
 
 class TritonAttentionBackend(AttentionBackend[TritonAttentionMetadata]):
-    """Four small integer tensors of metadata per step; KV write, attention, rotary and the
-    residual-add RMSNorm as Triton kernels; static metadata for CUDA graphs.
+    """Four small integer tensors of metadata per step; KV write, attention, rotary, the residual-add
+    RMSNorm and the Mixture-of-Experts feed-forward as Triton kernels; static metadata for CUDA graphs.
 
     Args:
         device: Where the kernels run (CUDA; the CPU only in triton's interpreter).
@@ -36,6 +36,7 @@ class TritonAttentionBackend(AttentionBackend[TritonAttentionMetadata]):
     rotates_in_kernel = True
     fuses_norms = True
     captures_graphs = True
+    runs_fused_moe = True
 
     def __init__(self, *, device: torch.device, num_kv_heads: int, sliding_window: int | None = None) -> None:
         self.device = device
@@ -132,6 +133,32 @@ class TritonAttentionBackend(AttentionBackend[TritonAttentionMetadata]):
             time.perf_counter() - start,
         )
         return len(keys)
+
+    def warm_up_moe(self, *, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                    dtype: torch.dtype) -> int:  # fmt: skip
+        """Compile the fused-MoE kernels' variants (two per dtype: ``_kernels.fused_moe.moe_config``) before
+        the first request, as ``warm_up`` does for attention. Logs the count and the time.
+
+        Args:
+            num_experts: The model's experts per MoE layer.
+            top_k: Experts per token.
+            hidden_size: The model's hidden size.
+            intermediate_size: Each expert's MLP width.
+            dtype: The weights' dtype.
+
+        Returns:
+            The number of configurations launched.
+        """
+        from asyncllm.backends.triton._kernels import fused_moe  # triton: imported on first use
+
+        start = time.perf_counter()
+        count = fused_moe.warm_up(num_experts=num_experts, top_k=top_k, hidden=hidden_size,
+                                  intermediate=intermediate_size, dtype=dtype, device=self.device)  # fmt: skip
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        logger.info("triton fused MoE: %d kernel configurations compiled or loaded in %.1f s", count,
+                    time.perf_counter() - start)  # fmt: skip
+        return count
 
     def kv_splits(self, num_seqs: int, max_seq_len: int) -> int:
         """Split only where the batch alone would leave the GPU idle (never off CUDA)."""

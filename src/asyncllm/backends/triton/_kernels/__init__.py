@@ -6,6 +6,8 @@
   (flash-decoding) and a reduce kernel; pays for long contexts at small batch.
 - ``rms_norm``: RMSNorm with an optional fused residual add.
 - ``rotary``: rotary embedding applied in place to q and k.
+- ``fused_moe``: the Mixture-of-Experts feed-forward (grouped gate/up with SiLU-and-mul, grouped down
+  with the routing weight) over a block-aligned per-expert layout.
 
 Importing this package does not import triton; each kernel module does. On a machine without a GPU
 the kernels run under triton's interpreter (``TRITON_INTERPRET=1``, set before triton is imported),

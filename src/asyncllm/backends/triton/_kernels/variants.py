@@ -14,6 +14,10 @@ so none is compiled mid-serving.
 own on real launches in tests/backends/triton/test_variants.py); ``aot_usage`` compiles a key ahead of
 time for a GPU architecture, without a GPU, and reports its registers and spills
 (tests/backends/triton/test_aot_compile.py).
+
+The fused-MoE kernels (``fused_moe``) have the same three: ``moe_keys`` (two tile configurations per
+dtype, each a gate/up and a down kernel), ``moe_expected_signature`` (model constants only: the batch
+changes the grid, never the key) and ``moe_aot_usage`` (tests/backends/triton/test_aot_compile_moe.py).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any, NamedTuple
 import torch
 import triton
 
+from asyncllm.backends.triton._kernels.fused_moe import moe_configs
 from asyncllm.backends.triton._kernels.paged_attention import dot_precision, launch_config
 from asyncllm.backends.triton._kernels.split_kv_decode import num_kv_splits
 
@@ -35,8 +40,12 @@ __all__ = [
     "AttentionShape",
     "CompileKey",
     "KernelUsage",
+    "MoeShape",
     "aot_usage",
     "expected_signature",
+    "moe_aot_usage",
+    "moe_expected_signature",
+    "moe_keys",
     "reachable_keys",
     "step_keys",
     "warm_up",
@@ -183,6 +192,42 @@ class KernelUsage(NamedTuple):
     """Spill stores plus spill loads."""
     seconds: float
     """Compile time (triton's passes and ptxas)."""
+    shared_bytes: int = 0
+    """Shared memory the variant needs per program (its pipelined tiles)."""
+
+
+_DOT_DTYPES = {"fp32": triton.language.float32, "fp16": triton.language.float16, "bf16": triton.language.bfloat16}
+
+
+def _compile_usage(
+    fn: Any, key: CompileKey, runtime: dict[str, tuple[str, str | None]], capability: int
+) -> KernelUsage:
+    """Compile ``fn`` with ``key``'s constexprs and warps and the runtime arguments' (type, specialisation)
+    for ``sm_<capability>``, and read ptxas's report."""
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    constexprs: dict[str, Any] = dict(key.constexprs)
+    if "DOT_DTYPE" in constexprs:
+        constexprs["DOT_DTYPE"] = _DOT_DTYPES[str(constexprs["DOT_DTYPE"])]
+    signature = {name: runtime[name][0] if name in runtime else "constexpr" for name in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if runtime.get(name, ("", None))[1]}
+    log = io.StringIO()
+    start = time.perf_counter()
+    with knobs.nvidia.scope(), knobs.cache.scope(), knobs.compilation.scope(), contextlib.redirect_stdout(log):
+        knobs.nvidia.dump_ptxas_log = True
+        knobs.compilation.always_compile = True
+        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", capability, 32),
+                                  options={"num_warps": key.num_warps})  # fmt: skip
+    seconds = time.perf_counter() - start
+    text = log.getvalue()
+    registers = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    if registers is None or spills is None:
+        raise RuntimeError(f"ptxas reported no register use for {key}: {text[-2000:]!r}")
+    spill_bytes = int(spills.group(1)) + int(spills.group(2))
+    return KernelUsage(int(registers.group(1)), spill_bytes, seconds, int(compiled.metadata.shared))
 
 
 def aot_usage(key: CompileKey, dtype: torch.dtype, capability: int) -> KernelUsage:
@@ -195,32 +240,86 @@ def aot_usage(key: CompileKey, dtype: torch.dtype, capability: int) -> KernelUsa
     Raises:
         RuntimeError: ptxas printed no register count.
     """
-    from triton import knobs
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    fn = _kernel(key.kernel)
-    constexprs: dict[str, Any] = dict(key.constexprs)
-    if "DOT_DTYPE" in constexprs:
-        constexprs["DOT_DTYPE"] = {"fp32": triton.language.float32, "fp16": triton.language.float16,
-                                   "bf16": triton.language.bfloat16}[constexprs["DOT_DTYPE"]]  # fmt: skip
     runtime = dict(zip(_runtime_params(key.kernel), expected_signature(key.kernel, dtype), strict=True))
-    signature = {name: runtime[name][0] if name in runtime else "constexpr" for name in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if runtime.get(name, ("", None))[1]}
-    log = io.StringIO()
-    start = time.perf_counter()
-    with knobs.nvidia.scope(), knobs.cache.scope(), knobs.compilation.scope(), contextlib.redirect_stdout(log):
-        knobs.nvidia.dump_ptxas_log = True
-        knobs.compilation.always_compile = True
-        triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", capability, 32),
-                       options={"num_warps": key.num_warps})  # fmt: skip
-    seconds = time.perf_counter() - start
-    text = log.getvalue()
-    registers = re.search(r"Used (\d+) registers", text)
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-    if registers is None or spills is None:
-        raise RuntimeError(f"ptxas reported no register use for {key}: {text[-2000:]!r}")
-    return KernelUsage(int(registers.group(1)), int(spills.group(1)) + int(spills.group(2)), seconds)
+    return _compile_usage(_kernel(key.kernel), key, runtime, capability)
+
+
+@dataclass(frozen=True, slots=True)
+class MoeShape:
+    """What of a Mixture-of-Experts model decides its fused-MoE kernels' variants."""
+
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
+    dtype: torch.dtype
+
+
+_MOE_KERNELS = ("moe_gate_up", "moe_down")
+
+
+def moe_keys(shape: MoeShape) -> tuple[CompileKey, ...]:
+    """Every key a model's MoE layers launch: for each of ``fused_moe.moe_config``'s two configurations
+    (by the batch's pairs per expert), the gate/up kernel and the down kernel."""
+    keys = []
+    for config in moe_configs(shape.num_experts, shape.dtype):
+        for kernel in _MOE_KERNELS:
+            constexprs: dict[str, int | bool | str] = {
+                "HIDDEN": shape.hidden_size,
+                "INTERMEDIATE": shape.intermediate_size,
+                "NUM_EXPERTS": shape.num_experts,
+                "BLOCK_M": config.block_m,
+                "BLOCK_N": config.block_n,
+                "BLOCK_K": config.block_k,
+                "DOT_DTYPE": _DTYPE_NAMES[shape.dtype],
+                "DOT_PRECISION": dot_precision(shape.dtype),
+            }
+            if kernel == "moe_gate_up":
+                constexprs["TOP_K"] = shape.top_k
+            keys.append(CompileKey(kernel, tuple(sorted(constexprs.items())), config.num_warps))
+    return tuple(keys)
+
+
+def _moe_kernel(kernel: str) -> Any:
+    from asyncllm.backends.triton._kernels import fused_moe
+    return {"moe_gate_up": fused_moe._gate_up_kernel, "moe_down": fused_moe._down_kernel}[kernel]
+
+
+def _moe_strides(kernel: str, shape: MoeShape) -> dict[str, int]:
+    hidden, intermediate = shape.hidden_size, shape.intermediate_size
+    if kernel == "moe_gate_up":
+        return {"stride_act": intermediate, "stride_x": hidden, "stride_w_expert": 2 * intermediate * hidden,
+                "stride_w_row": hidden}  # fmt: skip
+    return {"stride_out": hidden, "stride_act": intermediate, "stride_w_expert": hidden * intermediate,
+            "stride_w_row": intermediate}  # fmt: skip
+
+
+def moe_expected_signature(kernel: str, shape: MoeShape) -> tuple[tuple[str, str | None], ...]:
+    """The (type, specialisation) of each runtime argument in every launch of a fused-MoE kernel.
+
+    Pointers: fresh or parameter tensors, 16-byte aligned (``"D"``); the layout's int32, the routing
+    weights float32, the rest the model's dtype. Strides: the model's sizes (``"D"`` where a multiple
+    of 16), whatever the batch.
+    """
+    strides = _moe_strides(kernel, shape)
+    signature: list[tuple[str, str | None]] = []
+    for name in _moe_kernel(kernel).arg_names:
+        if name.isupper():
+            continue
+        if name.endswith("_ptr"):
+            pointee = "i32" if name in ("pairs_ptr", "block_experts_ptr") else "fp32" if name == "routing_ptr" else None
+            signature.append((f"*{pointee or _DTYPE_NAMES[shape.dtype]}", "D"))
+        else:
+            signature.append(("i32", "D" if strides[name] % 16 == 0 else None))
+    return tuple(signature)
+
+
+def moe_aot_usage(key: CompileKey, shape: MoeShape, capability: int) -> KernelUsage:
+    """``aot_usage`` for a fused-MoE key (``moe_keys``) of a model of ``shape``."""
+    fn = _moe_kernel(key.kernel)
+    names = [name for name in fn.arg_names if not name.isupper()]
+    runtime = dict(zip(names, moe_expected_signature(key.kernel, shape), strict=True))
+    return _compile_usage(fn, key, runtime, capability)
 
 
 def warm_up(shape: AttentionShape, cases: list[tuple[int, int]], device: torch.device) -> None:
