@@ -1,0 +1,197 @@
+"""``asyncllm.integrations.ray_serve`` on a local Ray cluster (CPU): two replicas of a tiny model behind
+Serve's HTTP proxy, driven by the official ``openai`` client over real HTTP; one replica killed
+mid-load while the other goes on. One Ray cluster serves the whole module.
+
+Ray Serve runs each replica on its own asyncio loop, so the Ray tests are plain (synchronous) tests;
+the replica's health check, which needs no Ray, runs on both anyio backends.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import psutil
+import pytest
+
+import asyncllm
+from asyncllm.errors import EngineDeadError
+from asyncllm.integrations.ray_serve import REPLICA_HEADER, _OpenAIReplica, openai_app
+from asyncllm.testing import ByteTokenizer, ScriptedRunner
+
+try:
+    import ray
+    from ray import serve
+except ImportError:
+    ray = serve = None
+
+needs_ray = pytest.mark.skipif(ray is None, reason="Ray Serve is not installed (pip install 'asyncllm[ray]')")
+
+MODEL = "tiny"
+HEADER = REPLICA_HEADER.decode()
+BATCH = 2  # the engine's max_num_seqs, hence each replica's max_ongoing_requests
+LONG = 1500  # tokens: a stream that is still running while the others start
+# Tiny and single-threaded: two replicas share this machine's two cores.
+ENGINE = {"device": "cpu", "num_threads": 1, "kv_cache_blocks": 256, "max_num_seqs": BATCH, "max_model_len": 2048}
+
+
+@dataclass
+class Cluster:
+    base_url: str
+
+    def client(self) -> openai.OpenAI:
+        # No retries: a request that fails must show here, not be hidden by the client.
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="none", max_retries=0, timeout=120)
+
+    def replicas(self) -> set[str]:
+        """The ids of the deployment's live replica actors."""
+        assert ray is not None
+        names = [actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)]
+        return {name.rsplit("#", 1)[1] for name in names if name.startswith("SERVE_REPLICA::")}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama: Path) -> Iterator[Cluster]:
+    assert ray is not None and serve is not None
+    ours = psutil.Process()
+    before = {child.pid for child in ours.children(recursive=True)}
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # nothing leaves the machine
+    src = str(Path(asyncllm.__file__).resolve().parents[1])  # the replicas import this asyncllm
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": src}})
+    try:
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        app = openai_app(
+            tiny_llama,
+            engine_options=ENGINE,
+            app_options={"model_name": MODEL},
+            num_replicas=2,
+            ray_actor_options={"num_cpus": 0.5},
+        )
+        serve.run(app, route_prefix="/")
+        yield Cluster(f"http://127.0.0.1:{port}")
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+        # Everything Ray started (GCS, raylet, workers, replicas) is gone.
+        started = [child for child in ours.children(recursive=True) if child.pid not in before]
+        _, alive = psutil.wait_procs(started, timeout=60)
+        assert not alive, f"Ray left processes behind: {[p.pid for p in alive]}"
+
+
+def _streams(client: openai.OpenAI, count: int, on_first: threading.Barrier) -> list[Any]:
+    """``count`` long completions streamed at once; each waits at ``on_first`` after its first event,
+    so all are in flight together. Returns, per stream, (replica, completion tokens or None, error)."""
+
+    def one(index: int) -> tuple[str | None, int | None, BaseException | None]:
+        raw = client.completions.with_raw_response.create(
+            model=MODEL,
+            prompt=f"Once upon a time, number {index}",
+            max_tokens=LONG,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        replica, tokens, first = raw.headers.get(HEADER), None, True
+        try:
+            for event in raw.parse():
+                if first:
+                    on_first.wait(timeout=120)
+                    first = False
+                if event.usage is not None:
+                    tokens = event.usage.completion_tokens
+        except (openai.APIError, httpx.HTTPError) as exc:
+            return replica, tokens, exc
+        return replica, tokens, None
+
+    with ThreadPoolExecutor(count) as pool:
+        return list(pool.map(one, range(count)))
+
+
+@needs_ray
+def test_two_replicas_answer_the_openai_client_through_serve(cluster: Cluster) -> None:
+    client = cluster.client()
+    assert [model.id for model in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{cluster.base_url}/health", timeout=30).json() == {"status": "ok"}
+
+    whole = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0)
+    assert whole.choices[0].finish_reason == "length" and whole.usage is not None
+    assert whole.usage.completion_tokens == 8
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=8, temperature=0, stream=True
+        )
+    )
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+    # Four streams at once, each replica taking at most BATCH: both replicas answer, and each
+    # stream runs to its end.
+    replicas = cluster.replicas()
+    assert len(replicas) == 2
+    results = _streams(client, 2 * BATCH, threading.Barrier(2 * BATCH))
+    assert [(tokens, error) for _, tokens, error in results] == [(LONG, None)] * (2 * BATCH)
+    assert {replica for replica, _, _ in results} == replicas
+
+
+@needs_ray
+def test_requests_go_on_through_the_other_replica_when_one_is_killed_mid_load(cluster: Cluster) -> None:
+    assert ray is not None
+    client = cluster.client()
+    all_started = threading.Barrier(2 * BATCH + 1)  # the streams and this test
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(_streams, client, 2 * BATCH, all_started)
+        all_started.wait(timeout=120)
+        # Every stream has its first tokens, so each replica runs BATCH of them: kill one replica.
+        replicas = cluster.replicas()
+        victim = sorted(replicas)[0]
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::default#asyncllm#{victim}", namespace="serve"), no_restart=True)
+        results = running.result()
+
+    by_replica = {replica: [(tokens, error) for r, tokens, error in results if r == replica] for replica in replicas}
+    assert len(by_replica[victim]) == BATCH
+    for tokens, error in by_replica[victim]:  # cut off, and the client knows it
+        assert tokens is None and isinstance(error, openai.APIConnectionError)
+    (survivor,) = replicas - {victim}
+    assert by_replica[survivor] == [(LONG, None)] * BATCH
+
+    # New requests go on, through the survivor (or the replica Serve starts in the victim's place).
+    answered = []
+    for _ in range(4):
+        raw = client.completions.with_raw_response.create(model=MODEL, prompt="Once upon a time", max_tokens=8)
+        assert raw.parse().choices[0].finish_reason == "length"
+        answered.append(raw.headers.get(HEADER))
+    assert victim not in answered
+
+
+@pytest.mark.anyio
+async def test_the_health_check_is_what_health_says() -> None:
+    # Serve calls check_health periodically and replaces a replica whose check raises.
+    runner = ScriptedRunner([65, 66, 67], fail_at_step=1)
+    replica = _OpenAIReplica(None, {"runner": runner, "tokenizer": ByteTokenizer()}, {})
+    with pytest.raises(RuntimeError, match=r"GET /health answered 503.*engine_closed"):
+        await replica.check_health()  # not started yet
+    engine = replica._app.engine
+    with pytest.raises(EngineDeadError):  # leaving the engine re-raises why it died
+        async with engine:
+            await replica.check_health()
+            with pytest.raises(EngineDeadError):
+                await engine.generate("hi", {"max_tokens": 4})  # the scripted step 1 fails: the engine dies
+            with pytest.raises(RuntimeError, match=r"GET /health answered 503.*engine_dead"):
+                await replica.check_health()
