@@ -9,7 +9,9 @@ the replica's health check, which needs no Ray, runs on both anyio backends.
 from __future__ import annotations
 
 import os
+import re
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -43,9 +45,21 @@ LONG = 1500  # tokens: a stream that is still running while the others start
 ENGINE = {"device": "cpu", "num_threads": 1, "kv_cache_blocks": 256, "max_num_seqs": BATCH, "max_model_len": 2048}
 
 
+def _app(model: Path, **options: Any) -> Any:
+    return openai_app(
+        model,
+        engine_options=ENGINE,
+        app_options={"model_name": MODEL},
+        num_replicas=2,
+        ray_actor_options={"num_cpus": 0.5},
+        **options,
+    )
+
+
 @dataclass
 class Cluster:
     base_url: str
+    model: Path
 
     def client(self) -> openai.OpenAI:
         # No retries: a request that fails must show here, not be hidden by the client.
@@ -76,15 +90,8 @@ def cluster(tiny_llama: Path) -> Iterator[Cluster]:
     try:
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        app = openai_app(
-            tiny_llama,
-            engine_options=ENGINE,
-            app_options={"model_name": MODEL},
-            num_replicas=2,
-            ray_actor_options={"num_cpus": 0.5},
-        )
-        serve.run(app, route_prefix="/")
-        yield Cluster(f"http://127.0.0.1:{port}")
+        serve.run(_app(tiny_llama), route_prefix="/")
+        yield Cluster(f"http://127.0.0.1:{port}", tiny_llama)
     finally:
         try:
             serve.shutdown()
@@ -178,6 +185,81 @@ def test_requests_go_on_through_the_other_replica_when_one_is_killed_mid_load(cl
         assert raw.parse().choices[0].finish_reason == "length"
         answered.append(raw.headers.get(HEADER))
     assert victim not in answered
+
+
+@needs_ray
+def test_session_affinity_keeps_a_session_on_one_replica(cluster: Cluster) -> None:
+    assert serve is not None
+    # An app of its own: a running deployment's proxies keep the router they were built with.
+    serve.run(_app(cluster.model, session_affinity=True, name="sticky"), name="sticky", route_prefix="/sticky")
+    try:
+        client = openai.OpenAI(base_url=f"{cluster.base_url}/sticky/v1", api_key="none", max_retries=0, timeout=120)
+        answered: dict[str, set[str | None]] = {}
+        for session in ("alice", "bob", "carol", "dave"):
+            for _ in range(3):
+                raw = client.completions.with_raw_response.create(
+                    model=MODEL, prompt="Once upon a time", max_tokens=4, extra_headers={"x-session-id": session}
+                )
+                answered.setdefault(session, set()).add(raw.headers.get(HEADER))
+        assert all(len(replicas) == 1 for replicas in answered.values()), answered
+    finally:
+        serve.delete("sticky")
+
+
+def _deployment(app: Any) -> Any:
+    return app._bound_deployment  # the one deployment of the application
+
+
+def _scripted(**options: Any) -> dict[str, Any]:
+    return {"runner": ScriptedRunner([65]), "tokenizer": ByteTokenizer(), **options}
+
+
+@needs_ray
+def test_serves_admission_limits_come_from_the_engines() -> None:
+    fixed = _deployment(openai_app(engine_options=_scripted(max_num_seqs=8, max_waiting_requests=100)))
+    assert (fixed.num_replicas, fixed.max_ongoing_requests, fixed.max_queued_requests) == (1, 8, 100)
+    # The app's max_concurrent_requests caps a replica's share; an unbounded engine queue, Serve's.
+    capped = _deployment(
+        openai_app(
+            engine_options=_scripted(max_num_seqs=64, max_waiting_requests=None),
+            app_options={"max_concurrent_requests": 16},
+        )
+    )
+    assert (capped.max_ongoing_requests, capped.max_queued_requests) == (16, -1)
+    scaled = _deployment(openai_app(engine_options=_scripted(max_num_seqs=8), autoscaling_config={"max_replicas": 3}))
+    autoscaling = scaled._deployment_config.autoscaling_config
+    assert (autoscaling.max_replicas, autoscaling.target_ongoing_requests) == (3, 4)
+    chosen = _deployment(
+        openai_app(
+            engine_options=_scripted(),
+            max_ongoing_requests=5,
+            autoscaling_config={"max_replicas": 2, "target_ongoing_requests": 3},
+        )
+    )
+    assert chosen.max_ongoing_requests == 5
+    assert chosen._deployment_config.autoscaling_config.target_ongoing_requests == 3
+
+
+@needs_ray
+def test_bad_options_fail_at_the_call() -> None:
+    with pytest.raises(TypeError):
+        openai_app(engine_options=_scripted(max_num_seq=8))  # a typo
+    with pytest.raises(ValueError, match="max_concurrent_requests"):
+        openai_app(engine_options=_scripted(), app_options={"max_concurrent_requests": 4}, max_ongoing_requests=5)
+    with pytest.raises(ValueError, match="not both"):
+        openai_app(engine_options=_scripted(), num_replicas=2, autoscaling_config={"max_replicas": 2})
+    with pytest.raises(ValueError, match="num_replicas must be >= 1"):
+        openai_app(engine_options=_scripted(), num_replicas=0)
+    with pytest.raises(ValueError, match="max_queued_requests"):
+        openai_app(engine_options=_scripted(), max_queued_requests=0)
+    with pytest.raises(ValueError, match="max_ongoing_requests"):
+        openai_app(engine_options=_scripted(), deployment_options={"max_ongoing_requests": 3})
+
+
+def test_without_ray_the_error_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    with pytest.raises(ImportError, match=re.escape("pip install 'asyncllm[ray]'")):
+        openai_app(engine_options=_scripted())
 
 
 @pytest.mark.anyio
