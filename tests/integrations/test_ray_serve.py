@@ -206,6 +206,40 @@ def test_session_affinity_keeps_a_session_on_one_replica(cluster: Cluster) -> No
         serve.delete("sticky")
 
 
+class _MarkingRunner(ScriptedRunner):
+    """A scripted runner that leaves a file in ``marks`` when the engine loads it and when it closes it."""
+
+    def __init__(self, marks: Path) -> None:
+        super().__init__([65])
+        self.marks = marks
+
+    def load(self) -> Any:
+        (self.marks / f"loaded-{os.getpid()}").touch()
+        return super().load()
+
+    def close(self) -> None:
+        (self.marks / f"closed-{os.getpid()}").touch()
+        super().close()
+
+
+@needs_ray
+def test_the_engine_opens_with_the_replica_and_closes_with_it(cluster: Cluster, tmp_path: Path) -> None:
+    assert ray is not None and serve is not None
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the replica cannot import this module
+    runner = _MarkingRunner(tmp_path)
+    app = openai_app(engine_options={"runner": runner, "tokenizer": ByteTokenizer()}, name="marked")
+    serve.run(app, name="marked", route_prefix="/marked")
+    try:
+        (loaded,) = [mark.name for mark in tmp_path.iterdir()]  # loaded by the replica's lifespan, at start
+        assert loaded.startswith("loaded-") and int(loaded.split("-")[1]) != os.getpid()
+        answer = httpx.post(f"{cluster.base_url}/marked/v1/completions", json={"prompt": "hi", "max_tokens": 3})
+        assert answer.json()["choices"][0]["text"] == "AAA"
+    finally:
+        serve.delete("marked")
+    replica = loaded.split("-")[1]
+    assert sorted(mark.name for mark in tmp_path.iterdir()) == [f"closed-{replica}", f"loaded-{replica}"]
+
+
 def _deployment(app: Any) -> Any:
     return app._bound_deployment  # the one deployment of the application
 
