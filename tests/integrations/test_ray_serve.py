@@ -27,7 +27,7 @@ import pytest
 import asyncllm
 from asyncllm.errors import EngineDeadError
 from asyncllm.integrations.ray_serve import REPLICA_HEADER, _OpenAIReplica, openai_app
-from asyncllm.testing import ByteTokenizer, ScriptedRunner
+from asyncllm.testing import ByteTokenizer, ScriptedRunner, import_path
 
 try:
     import ray
@@ -37,10 +37,11 @@ except ImportError:
 
 needs_ray = pytest.mark.skipif(ray is None, reason="Ray Serve is not installed (pip install 'asyncllm[ray]')")
 
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 MODEL = "tiny"
 HEADER = REPLICA_HEADER.decode()
 BATCH = 2  # the engine's max_num_seqs, hence each replica's max_ongoing_requests
-LONG = 1500  # tokens: a stream that is still running while the others start
+LONG = 800  # tokens: a stream that is still running while the others start
 # Tiny and single-threaded: two replicas share this machine's two cores.
 ENGINE = {"device": "cpu", "num_threads": 1, "kv_cache_blocks": 256, "max_num_seqs": BATCH, "max_model_len": 2048}
 
@@ -86,7 +87,8 @@ def cluster(tiny_llama: Path) -> Iterator[Cluster]:
     before = {child.pid for child in ours.children(recursive=True)}
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # nothing leaves the machine
     src = str(Path(asyncllm.__file__).resolve().parents[1])  # the replicas import this asyncllm
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": src}})
+    # Logical CPUs, for Ray's bookkeeping: the replicas of every test's app fit at once.
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": src}})
     try:
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -188,22 +190,22 @@ def test_requests_go_on_through_the_other_replica_when_one_is_killed_mid_load(cl
 
 
 @needs_ray
-def test_session_affinity_keeps_a_session_on_one_replica(cluster: Cluster) -> None:
+def test_the_example_deploys(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
     assert serve is not None
-    # An app of its own: a running deployment's proxies keep the router they were built with.
-    serve.run(_app(cluster.model, session_affinity=True, name="sticky"), name="sticky", route_prefix="/sticky")
+    monkeypatch.setenv("ASYNCLLM_MODEL", str(cluster.model))
+    example = import_path(EXAMPLES / "ray_serve_app.py", "example_ray_serve_app")
+    serve.run(example.app, name="example", route_prefix="/example")
     try:
-        client = openai.OpenAI(base_url=f"{cluster.base_url}/sticky/v1", api_key="none", max_retries=0, timeout=120)
-        answered: dict[str, set[str | None]] = {}
-        for session in ("alice", "bob", "carol", "dave"):
-            for _ in range(3):
-                raw = client.completions.with_raw_response.create(
-                    model=MODEL, prompt="Once upon a time", max_tokens=4, extra_headers={"x-session-id": session}
-                )
-                answered.setdefault(session, set()).add(raw.headers.get(HEADER))
-        assert all(len(replicas) == 1 for replicas in answered.values()), answered
+        client = openai.OpenAI(base_url=f"{cluster.base_url}/example/v1", api_key="none", max_retries=0, timeout=120)
+        reply = client.chat.completions.create(
+            model=cluster.model.name,
+            messages=[{"role": "user", "content": "Hello"}],
+            max_tokens=5,
+            extra_headers={"x-session-id": "a-conversation"},
+        )
+        assert reply.choices[0].finish_reason == "length"
     finally:
-        serve.delete("sticky")
+        serve.delete("example")
 
 
 class _MarkingRunner(ScriptedRunner):
@@ -223,21 +225,40 @@ class _MarkingRunner(ScriptedRunner):
 
 
 @needs_ray
-def test_the_engine_opens_with_the_replica_and_closes_with_it(cluster: Cluster, tmp_path: Path) -> None:
+def test_replicas_open_their_engines_at_start_close_them_at_stop_and_keep_sessions(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Two replicas over a scripted runner that marks its load and close; sessions stick to a replica."""
     assert ray is not None and serve is not None
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the replica cannot import this module
-    runner = _MarkingRunner(tmp_path)
-    app = openai_app(engine_options={"runner": runner, "tokenizer": ByteTokenizer()}, name="marked")
-    serve.run(app, name="marked", route_prefix="/marked")
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the replicas cannot import this module
+    engine = {"runner": _MarkingRunner(tmp_path), "tokenizer": ByteTokenizer()}
+    app = openai_app(
+        engine_options=engine, app_options={"model_name": MODEL}, num_replicas=2, session_affinity=True, name="sticky"
+    )
+    # An app of its own: a running deployment's proxies keep the router they were built with.
+    serve.run(app, name="sticky", route_prefix="/sticky")
     try:
-        (loaded,) = [mark.name for mark in tmp_path.iterdir()]  # loaded by the replica's lifespan, at start
-        assert loaded.startswith("loaded-") and int(loaded.split("-")[1]) != os.getpid()
-        answer = httpx.post(f"{cluster.base_url}/marked/v1/completions", json={"prompt": "hi", "max_tokens": 3})
-        assert answer.json()["choices"][0]["text"] == "AAA"
+        # Each replica's lifespan loaded its engine before Serve called the app running.
+        loaded = sorted(mark.name for mark in tmp_path.iterdir())
+        pids = {int(name.removeprefix("loaded-")) for name in loaded}
+        assert len(pids) == 2 and os.getpid() not in pids and all(name.startswith("loaded-") for name in loaded)
+
+        client = openai.OpenAI(base_url=f"{cluster.base_url}/sticky/v1", api_key="none", max_retries=0, timeout=120)
+        answered: dict[str, set[str | None]] = {}
+        for session in ("alice", "bob", "carol", "dave"):
+            for _ in range(3):
+                raw = client.completions.with_raw_response.create(
+                    model=MODEL, prompt="hi", max_tokens=3, extra_headers={"x-session-id": session}
+                )
+                assert raw.parse().choices[0].text == "AAA"
+                answered.setdefault(session, set()).add(raw.headers.get(HEADER))
+        assert all(len(replicas) == 1 for replicas in answered.values()), answered
     finally:
-        serve.delete("marked")
-    replica = loaded.split("-")[1]
-    assert sorted(mark.name for mark in tmp_path.iterdir()) == [f"closed-{replica}", f"loaded-{replica}"]
+        serve.delete("sticky")
+    # Stopping each replica closed its engine.
+    assert sorted(mark.name for mark in tmp_path.iterdir()) == sorted(
+        [f"closed-{pid}" for pid in pids] + [f"loaded-{pid}" for pid in pids]
+    )
 
 
 def _deployment(app: Any) -> Any:
