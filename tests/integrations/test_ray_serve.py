@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -309,6 +310,12 @@ def test_bad_options_fail_at_the_call() -> None:
         openai_app(engine_options=_scripted(), max_queued_requests=0)
     with pytest.raises(ValueError, match="max_ongoing_requests"):
         openai_app(engine_options=_scripted(), deployment_options={"max_ongoing_requests": 3})
+
+
+def test_importing_the_integration_loads_neither_ray_nor_torch() -> None:
+    code = "import sys, asyncllm.integrations.ray_serve; print(sorted({'ray', 'torch'} & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.strip() == "[]"
 
 
 def test_without_ray_the_error_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
