@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,13 +49,11 @@ ENGINE = {"device": "cpu", "num_threads": 1, "kv_cache_blocks": 256, "max_num_se
 
 
 def _app(model: Path, **options: Any) -> Any:
+    """The tiny model on two replicas (or as ``options`` say), half a logical CPU each."""
+    if "autoscaling_config" not in options:
+        options.setdefault("num_replicas", 2)
     return openai_app(
-        model,
-        engine_options=ENGINE,
-        app_options={"model_name": MODEL},
-        num_replicas=2,
-        ray_actor_options={"num_cpus": 0.5},
-        **options,
+        model, engine_options=ENGINE, app_options={"model_name": MODEL}, ray_actor_options={"num_cpus": 0.5}, **options
     )
 
 
@@ -67,11 +66,11 @@ class Cluster:
         # No retries: a request that fails must show here, not be hidden by the client.
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="none", max_retries=0, timeout=120)
 
-    def replicas(self) -> set[str]:
-        """The ids of the deployment's live replica actors."""
+    def replicas(self, app: str = "default") -> set[str]:
+        """The ids of the replica actors of ``app`` (starting or running)."""
         assert ray is not None
         names = [actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)]
-        return {name.rsplit("#", 1)[1] for name in names if name.startswith("SERVE_REPLICA::")}
+        return {name.rsplit("#", 1)[1] for name in names if name.startswith(f"SERVE_REPLICA::{app}#")}
 
 
 def _free_port() -> int:
@@ -106,9 +105,10 @@ def cluster(tiny_llama: Path) -> Iterator[Cluster]:
         assert not alive, f"Ray left processes behind: {[p.pid for p in alive]}"
 
 
-def _streams(client: openai.OpenAI, count: int, on_first: threading.Barrier) -> list[Any]:
-    """``count`` long completions streamed at once; each waits at ``on_first`` after its first event,
-    so all are in flight together. Returns, per stream, (replica, completion tokens or None, error)."""
+def _streams(client: openai.OpenAI, count: int, on_first: threading.Barrier | None = None) -> list[Any]:
+    """``count`` long completions streamed at once; each waits at ``on_first`` (if given) after its
+    first event, so all are in flight together. Returns, per stream, (replica, completion tokens or
+    None, error)."""
 
     def one(index: int) -> tuple[str | None, int | None, BaseException | None]:
         raw = client.completions.with_raw_response.create(
@@ -122,7 +122,7 @@ def _streams(client: openai.OpenAI, count: int, on_first: threading.Barrier) -> 
         replica, tokens, first = raw.headers.get(HEADER), None, True
         try:
             for event in raw.parse():
-                if first:
+                if first and on_first is not None:
                     on_first.wait(timeout=120)
                     first = False
                 if event.usage is not None:
@@ -188,6 +188,38 @@ def test_requests_go_on_through_the_other_replica_when_one_is_killed_mid_load(cl
         assert raw.parse().choices[0].finish_reason == "length"
         answered.append(raw.headers.get(HEADER))
     assert victim not in answered
+
+
+@needs_ray
+@pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning")
+def test_serve_adds_a_replica_when_requests_queue(cluster: Cluster) -> None:
+    assert serve is not None
+    # Serve 2.60 still reads metrics_interval_s (deprecated): the proxy reports its queue every 0.5 s, not 10 s.
+    scaling = {
+        "min_replicas": 1,
+        "max_replicas": 2,
+        "upscale_delay_s": 0,
+        "look_back_period_s": 1,
+        "metrics_interval_s": 0.5,
+    }
+    app = _app(cluster.model, autoscaling_config=scaling, name="scaled")  # target: 1 (half of BATCH)
+    serve.run(app, name="scaled", route_prefix="/scaled")
+    try:
+        assert len(cluster.replicas("scaled")) == 1
+        client = openai.OpenAI(base_url=f"{cluster.base_url}/scaled/v1", api_key="none", max_retries=0, timeout=120)
+        with ThreadPoolExecutor(1) as pool:
+            # Twice a batch: BATCH requests run, BATCH wait in Serve's queue, and the autoscaler
+            # (1 ongoing request per replica wanted) asks for the second replica.
+            load = pool.submit(_streams, client, 2 * BATCH)
+            deadline = time.monotonic() + 120
+            while len(cluster.replicas("scaled")) < 2 and not load.done() and time.monotonic() < deadline:
+                time.sleep(0.1)  # polling Ray's actor list, bounded by the deadline
+            scaled_up = len(cluster.replicas("scaled")) == 2
+            results = load.result()
+        assert scaled_up, "no second replica while requests were queued"
+        assert [(tokens, error) for _, tokens, error in results] == [(LONG, None)] * (2 * BATCH)
+    finally:
+        serve.delete("scaled")
 
 
 @needs_ray
