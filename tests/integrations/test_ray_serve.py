@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,11 +32,13 @@ from asyncllm.errors import EngineDeadError
 from asyncllm.integrations.ray_serve import REPLICA_HEADER, _OpenAIReplica, openai_app
 from asyncllm.testing import ByteTokenizer, ScriptedRunner, import_path
 
-try:
-    import ray
-    from ray import serve
-except ImportError:
-    ray = serve = None
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)  # Ray 2.60's pydantic models warn when imported
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        ray = serve = None
 
 needs_ray = pytest.mark.skipif(ray is None, reason="Ray Serve is not installed (pip install 'asyncllm[ray]')")
 
