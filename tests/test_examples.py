@@ -2,7 +2,8 @@
 
 quickstart.py runs as a script (its ``__main__`` path included); the others are imported and
 driven in-process, the frameworks through their lifespan and httpx's ASGITransport.
-concurrent_client.py needs a server: it is exercised in test_http_server.py.
+concurrent_client.py needs a server: it is exercised in test_http_server.py; ray_serve_app.py needs a
+Ray cluster: it is deployed in tests/integrations/test_ray_serve.py.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def load(name: str, monkeypatch: pytest.MonkeyPatch, model: Path) -> ModuleType:
 
 
 def test_every_example_is_tested() -> None:
-    tested = {"quickstart", "quickstart_trio", "fastapi_app", "starlette_app", "concurrent_client"}
+    tested = {"quickstart", "quickstart_trio", "fastapi_app", "starlette_app", "concurrent_client", "ray_serve_app"}
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
 
 
