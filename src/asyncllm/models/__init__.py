@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from asyncllm.models._llama import DecoderForCausalLM, DecoderSpec
+from asyncllm.models._parallel import SINGLE, TensorParallel
 
 # Every family here is a Llama-shaped decoder; they differ in a few switches (see DecoderSpec).
 SUPPORTED_ARCHITECTURES = (
@@ -39,11 +40,16 @@ _BY_MODEL_TYPE = {
 }
 
 
-def build_model(config: Any) -> DecoderForCausalLM:
+def build_model(config: Any, parallel: TensorParallel = SINGLE) -> DecoderForCausalLM:
     """Instantiate (on the meta-free default device, uninitialised) the model an HF config describes.
 
+    Args:
+        config: The HF config.
+        parallel: The rank's place in a tensor-parallel model: the model then holds its shard.
+
     Raises:
-        NotImplementedError: The config names an architecture asyncllm does not implement.
+        NotImplementedError: The config names an architecture asyncllm does not implement, or one that
+            cannot be split over ``parallel.size`` ranks.
     """
     architectures = list(getattr(config, "architectures", None) or [])
     if not architectures and getattr(config, "model_type", None) in _BY_MODEL_TYPE:
@@ -51,10 +57,51 @@ def build_model(config: Any) -> DecoderForCausalLM:
         architectures = [_BY_MODEL_TYPE[config.model_type]]
     for name in architectures:
         if name in SUPPORTED_ARCHITECTURES:
-            return DecoderForCausalLM(DecoderSpec.from_hf_config(config, name))
+            return DecoderForCausalLM(DecoderSpec.from_hf_config(config, name), parallel)
     raise NotImplementedError(
         f"architectures {architectures} are not supported; asyncllm implements {', '.join(SUPPORTED_ARCHITECTURES)}"
     )
 
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "DecoderForCausalLM", "DecoderSpec", "build_model"]
+TENSOR_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+"""The families ``tensor_parallel_size`` > 1 splits: the plain Llama layer (with q/k/v biases, per-head q/k
+norms, a sliding window). The others' extra parts (MoE experts, whole-projection norms, fused
+checkpoints, Gemma's layer) are not sharded yet."""
+
+
+def tensor_parallel_problem(config: Any, size: int) -> str | None:
+    """Why the model ``config`` describes cannot be split over ``size`` ranks; None when it can.
+
+    The query heads, and the MLP's intermediate size, must divide evenly over the ranks; the KV
+    heads too, or the ranks over them (each KV head is then replicated on ``size / num_kv_heads``
+    ranks).
+    """
+    architectures = list(getattr(config, "architectures", None) or [])
+    if not architectures and getattr(config, "model_type", None) in _BY_MODEL_TYPE:
+        architectures = [_BY_MODEL_TYPE[config.model_type]]
+    supported = ", ".join(TENSOR_PARALLEL_ARCHITECTURES)
+    name = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+    if name not in TENSOR_PARALLEL_ARCHITECTURES:
+        return f"tensor parallelism supports {supported}; this model is {', '.join(architectures) or 'unknown'}"
+    assert name is not None
+    spec = DecoderSpec.from_hf_config(config, name)
+    if spec.num_heads % size:
+        return f"its {spec.num_heads} attention heads do not divide over {size} ranks"
+    if spec.num_kv_heads % size and size % spec.num_kv_heads:
+        return (
+            f"its {spec.num_kv_heads} KV heads and {size} ranks do not divide one into the other "
+            "(each rank needs whole KV heads, or a KV head replicated on a whole number of ranks)"
+        )
+    if spec.intermediate_size % size:
+        return f"its MLP intermediate size {spec.intermediate_size} does not divide over {size} ranks"
+    return None
+
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "TENSOR_PARALLEL_ARCHITECTURES",
+    "DecoderForCausalLM",
+    "DecoderSpec",
+    "build_model",
+    "tensor_parallel_problem",
+]
