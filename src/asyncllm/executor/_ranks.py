@@ -75,6 +75,9 @@ class RankConfig(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag
     store_host: str
     store_port: int
     """The ``torch.distributed`` store rank 0 opened, where the ranks meet."""
+    spec: dict[str, Any]
+    """The model's ``DecoderSpec`` as builtins (``msgspec.to_builtins``), read off its config by rank 0:
+    a rank builds its shard from it without importing transformers (seconds at start-up)."""
 
 
 class SequenceDelta(msgspec.Struct, frozen=True, array_like=True):
@@ -305,8 +308,8 @@ class RankProcesses:
 
     # -- rank 0's side (the device thread) --------------------------------------------------------
 
-    def start_group(self, host: str, port: int) -> None:
-        """Send every rank its ``RankConfig``: the model, the options and rank 0's store address.
+    def start_group(self, host: str, port: int, spec: dict[str, Any]) -> None:
+        """Send every rank its ``RankConfig``: the model, its spec, the options and rank 0's store address.
 
         Raises:
             WorkerDiedError: A rank has exited.
@@ -319,6 +322,7 @@ class RankProcesses:
                 options=self.options,
                 store_host=host,
                 store_port=port,
+                spec=spec,
             )
             self._write(rank, encode(config))
 
@@ -363,9 +367,7 @@ class RankProcesses:
     def _died(self, rank: _Rank, code: int | None) -> WorkerDiedError:
         with self._lock:
             if self._failure is None:
-                how = "was killed by signal " + signal.Signals(-code).name if code is not None and code < 0 else (
-                    f"exited with status {code}" if code is not None else "closed its pipe"
-                )
+                how = _describe_exit(code)
                 reason = f": {rank.failure}" if rank.failure else ""
                 self._failure = WorkerDiedError(
                     f"tensor-parallel rank {rank.rank} (pid {rank.process.pid}) {how}{reason}"
@@ -454,6 +456,17 @@ class RankProcesses:
             if fd >= 0:
                 os.close(fd)
         self._wake_read = self._wake_write = -1
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "closed its pipe"
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
 
 
 def _exit_code(process: subprocess.Popen[bytes]) -> int | None:

@@ -40,16 +40,11 @@ _BY_MODEL_TYPE = {
 }
 
 
-def build_model(config: Any, parallel: TensorParallel = SINGLE) -> DecoderForCausalLM:
-    """Instantiate (on the meta-free default device, uninitialised) the model an HF config describes.
-
-    Args:
-        config: The HF config.
-        parallel: The rank's place in a tensor-parallel model: the model then holds its shard.
+def model_spec(config: Any) -> DecoderSpec:
+    """The ``DecoderSpec`` of the model an HF config describes.
 
     Raises:
-        NotImplementedError: The config names an architecture asyncllm does not implement, or one that
-            cannot be split over ``parallel.size`` ranks.
+        NotImplementedError: The config names an architecture asyncllm does not implement.
     """
     architectures = list(getattr(config, "architectures", None) or [])
     if not architectures and getattr(config, "model_type", None) in _BY_MODEL_TYPE:
@@ -57,10 +52,25 @@ def build_model(config: Any, parallel: TensorParallel = SINGLE) -> DecoderForCau
         architectures = [_BY_MODEL_TYPE[config.model_type]]
     for name in architectures:
         if name in SUPPORTED_ARCHITECTURES:
-            return DecoderForCausalLM(DecoderSpec.from_hf_config(config, name), parallel)
+            return DecoderSpec.from_hf_config(config, name)
     raise NotImplementedError(
         f"architectures {architectures} are not supported; asyncllm implements {', '.join(SUPPORTED_ARCHITECTURES)}"
     )
+
+
+def build_model(config: Any, parallel: TensorParallel = SINGLE) -> DecoderForCausalLM:
+    """Instantiate (on the meta-free default device, uninitialised) the model an HF config describes.
+
+    Args:
+        config: The HF config, or the model's ``DecoderSpec`` read off it already (``model_spec``).
+        parallel: The rank's place in a tensor-parallel model: the model then holds its shard.
+
+    Raises:
+        NotImplementedError: The config names an architecture asyncllm does not implement, or one that
+            cannot be split over ``parallel.size`` ranks.
+    """
+    spec = config if isinstance(config, DecoderSpec) else model_spec(config)
+    return DecoderForCausalLM(spec, parallel)
 
 
 TENSOR_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -76,15 +86,10 @@ def tensor_parallel_problem(config: Any, size: int) -> str | None:
     heads too, or the ranks over them (each KV head is then replicated on ``size / num_kv_heads``
     ranks).
     """
-    architectures = list(getattr(config, "architectures", None) or [])
-    if not architectures and getattr(config, "model_type", None) in _BY_MODEL_TYPE:
-        architectures = [_BY_MODEL_TYPE[config.model_type]]
-    supported = ", ".join(TENSOR_PARALLEL_ARCHITECTURES)
-    name = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
-    if name not in TENSOR_PARALLEL_ARCHITECTURES:
-        return f"tensor parallelism supports {supported}; this model is {', '.join(architectures) or 'unknown'}"
-    assert name is not None
-    spec = DecoderSpec.from_hf_config(config, name)
+    spec = model_spec(config)
+    if spec.architecture not in TENSOR_PARALLEL_ARCHITECTURES:
+        supported = ", ".join(TENSOR_PARALLEL_ARCHITECTURES)
+        return f"tensor parallelism supports {supported}; this model is {spec.architecture}"
     if spec.num_heads % size:
         return f"its {spec.num_heads} attention heads do not divide over {size} ranks"
     if spec.num_kv_heads % size and size % spec.num_kv_heads:
@@ -103,5 +108,6 @@ __all__ = [
     "DecoderForCausalLM",
     "DecoderSpec",
     "build_model",
+    "model_spec",
     "tensor_parallel_problem",
 ]

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from msgspec import to_builtins
 
 from asyncllm.backends import AttentionBackend, TritonAttentionBackend, create_backend, resolve_attention_backend
 
@@ -37,7 +38,7 @@ from asyncllm.executor._runner import (
     StepBatch,
     StepOutput,
 )
-from asyncllm.models import DecoderForCausalLM
+from asyncllm.models import DecoderForCausalLM, DecoderSpec, model_spec
 from asyncllm.models._linear import Linear, PackedFormat
 from asyncllm.models._parallel import SINGLE, TensorParallel
 from asyncllm.sampling_params import SamplingParams
@@ -129,6 +130,7 @@ class TorchModelRunner:
         rank: This runner's rank; ranks other than 0 run in the rank processes
             (``asyncllm.worker._rank``), load with ``load_rank`` and follow rank 0's messages.
         store_port: Ranks other than 0: the port of rank 0's ``torch.distributed`` store.
+        spec: Ranks other than 0: the model's ``DecoderSpec``, read off its config by rank 0.
         **option_overrides: ``EngineOptions`` fields that replace those of ``options`` (or build
             them, with ``options`` None), and ``ForwardSwitches`` fields that replace those of
             ``switches``: how tests and benchmarks construct runners.
@@ -143,6 +145,7 @@ class TorchModelRunner:
         ranks: RankProcesses | None = None,
         rank: int = 0,
         store_port: int | None = None,
+        spec: DecoderSpec | None = None,
         **option_overrides: Any,
     ) -> None:
         switch_names = {f.name for f in dataclasses.fields(ForwardSwitches)}
@@ -188,6 +191,7 @@ class TorchModelRunner:
         self.ranks = ranks
         self.rank = rank
         self._store_port = store_port
+        self._spec = spec
         self.parallel: TensorParallel = SINGLE
         """This rank's place in the model (``models._parallel``), once loaded."""
         self.collectives: ProcessGroupCollectives | None = None
@@ -196,6 +200,7 @@ class TorchModelRunner:
         self._hidden: torch.Tensor | None = None  # other ranks: the last step's final hidden states
 
     def _load_model(self) -> tuple[Any, DecoderForCausalLM]:
+        # Returns (the HF config, or None on ranks other than 0, which get the spec alone; the model).
         """Everything every rank does at load: device, threads, the ranks' group, the model (the rank's
         shard of it), its attention backend and packed weights."""
         size = self.options.tensor_parallel_size
@@ -219,25 +224,27 @@ class TorchModelRunner:
             # call of this runner (all on the same thread) issues its work to this one stream.
             torch.cuda.set_device(device)
             torch.cuda.set_stream(torch.cuda.Stream(device))
+        config = load_config(self.model_path) if self._spec is None else None
+        spec = self._spec if config is None else model_spec(config)
         if size > 1:
             from asyncllm.executor._ranks import TableSync
             from asyncllm.worker._parallel import open_group
 
+            ranks = self.ranks
             self.collectives = open_group(
                 rank=self.rank,
                 size=size,
                 device=device,
                 timeout=self.options.step_timeout,
                 store_port=self._store_port,
-                announce=None if self.ranks is None else self.ranks.start_group,
+                announce=None if ranks is None else lambda host, port: ranks.start_group(host, port, to_builtins(spec)),
             )
             self.parallel = TensorParallel(self.rank, size, self.collectives)
             self._tables = TableSync()
-        config = load_config(self.model_path)
         # Weights are allocated once, in their dtype and fused layout, and filled a slice at a time: the
         # load's peak is the weights' size (see ``_weights.load_model``). A rank loads its shard alone.
         model = load_model(
-            config,
+            spec,
             checkpoint_tensors(self.model_path),
             device=device,
             dtype=dtype,
@@ -269,6 +276,8 @@ class TorchModelRunner:
         self.device, self.dtype = device, dtype
         if self.ops.device != device:  # a seam set before load (tests) is kept
             self.ops = device_ops(device)
+        if self.parallel.sharded:  # a barrier: every rank holds its shard before the engine is ready
+            self.parallel.all_reduce(torch.zeros(1, device=device))
         return config, model
 
     def load(self) -> RunnerInfo:
@@ -292,6 +301,7 @@ class TorchModelRunner:
 
     def _load(self) -> RunnerInfo:
         config, model = self._load_model()
+        assert config is not None
         device, dtype, spec, backend = self.device, self.dtype, model.spec, self.backend
         assert backend is not None
         eos_token_ids = load_eos_token_ids(self.model_path, config)

@@ -23,6 +23,8 @@ import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+import msgspec
+
 logger = logging.getLogger("asyncllm")
 
 
@@ -50,13 +52,16 @@ def serve(commands: Connection, status: Connection) -> None:
         decode_message,
         encode,
     )
+    from asyncllm.models import DecoderSpec
     from asyncllm.worker._model_runner import TorchModelRunner
 
     config = decode_message(commands.recv_bytes())
     if not isinstance(config, RankConfig):
         raise RuntimeError(f"a rank's first message must be its RankConfig, got {type(config).__name__}")
+    spec = msgspec.convert(config.spec, DecoderSpec)
+    options = EngineOptions(**config.options)
     runner = TorchModelRunner(
-        Path(config.model_path), EngineOptions(**config.options), rank=config.rank, store_port=config.store_port
+        Path(config.model_path), options, rank=config.rank, store_port=config.store_port, spec=spec
     )
     runner.load_rank()
     tables = TableMirror()
@@ -113,4 +118,9 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    code = main(sys.argv)
+    # Nothing is left to finalize (the report is sent, the model dropped): skipping the interpreter's
+    # shutdown (torch's and gloo's destructors, seconds on a busy host) lets the engine close at once.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -120,7 +120,8 @@ def load_model(
     ``RotaryEmbedding`` does at init, and moved to ``device`` in float32.
 
     Args:
-        config: The HF config (``load_config``).
+        config: The HF config (``load_config``), or the model's ``DecoderSpec`` read off it (a rank of a
+            tensor-parallel model gets rank 0's, and need not import transformers).
         tensors: The checkpoint (``checkpoint_tensors``), with HF's names.
         device: Where the weights go.
         dtype: The floating-point dtype of every parameter.
