@@ -90,10 +90,9 @@ async def run_size(model: Path, size: int, workload: list[Any], options: dict[st
         if collectives is not None and ranks is not None:
             result["collective_ms"] = (collectives.seconds - coll_before) / steps * 1e3
             result["collectives_per_step"] = (collectives.calls - calls_before) / steps
-            result["broadcast_send_us"] = (ranks.send_seconds - sent_before[0]) / max(1, ranks.num_sent - sent_before[1]) * 1e6
-            result["comm_share"] = (
-                (collectives.seconds - coll_before) + (ranks.send_seconds - sent_before[0])
-            ) / delta["device_busy"]
+            sent = ranks.send_seconds - sent_before[0]
+            result["broadcast_send_us"] = sent / max(1, ranks.num_sent - sent_before[1]) * 1e6
+            result["comm_share"] = (collectives.seconds - coll_before + sent) / delta["device_busy"]
     if ranks is not None and ranks.reports:  # the other ranks' counters, sent as they stopped (whole run)
         report = ranks.reports[1]
         result["broadcast_latency_us"] = report.broadcast_seconds / max(1, report.steps - 1) * 1e6

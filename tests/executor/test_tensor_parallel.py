@@ -20,8 +20,16 @@ from typing import Any
 
 import anyio
 import pytest
+import torch
 
-from asyncllm import Engine, EngineDeadError, SamplingParams, UnsupportedModelError, WorkerDiedError
+from asyncllm import (
+    DeviceStepTimeoutError,
+    Engine,
+    EngineDeadError,
+    SamplingParams,
+    UnsupportedModelError,
+    WorkerDiedError,
+)
 from asyncllm.executor._ranks import RankProcesses, SequenceDelta, TableMirror, TableSync
 from asyncllm.executor._runner import SequenceInput
 from asyncllm.models._parallel import TensorParallel, kv_head_range, shard_range
@@ -38,7 +46,7 @@ STRESS = {"block_size": 4, "kv_cache_blocks": 32, "max_model_len": 128, "max_num
 
 MODELS: dict[str, tuple[str, dict[str, Any], str]] = {
     # name: (family, build_tiny_model arguments, attention backend)
-    "llama-gqa": ("llama", {}, "torch"),  # 4 query heads, 2 KV heads: one of each per rank; tied embeddings
+    "llama-gqa": ("llama", {}, "torch"),  # 4 query heads, 2 KV heads: 2 and 1 per rank; tied embeddings
     "llama-one-kv-head": ("llama", {"num_kv_heads": 1}, "torch"),  # the KV head replicated on both ranks
     "qwen2-odd-vocab": ("qwen2", {"vocab_size": 517}, "torch"),  # q/k/v biases; the last vocabulary shard padded
     "qwen3": ("qwen3", {}, "cpu"),  # per-head q/k norms, head_dim apart from hidden_size; the C kernels
@@ -109,10 +117,12 @@ async def test_two_ranks_match_one_and_transformers(tiny_cache: Path, name: str)
             scored = await engine.generate(
                 prompts[3], SamplingParams(temperature=0.0, max_tokens=2, logprobs=3, prompt_logprobs=2)
             )
+            # Pooling reads rank 0's final hidden states (whole on every rank after the last all-reduce).
+            embedded = await engine.embed([prompts[2], prompts[4]], pooling="mean")
             if size == 2:
                 assert "tensor-parallel over 2 ranks" in engine._info.description
                 assert engine._ranks is not None and all(_alive(pid) for pid in engine._ranks.pids)
-        results[size] = (first, second, scored, stats)
+        results[size] = (first, second, scored, embedded)
     expected = transformers_greedy(model_dir, tuple(map(tuple, prompts)), MAX_NEW_TOKENS)
     one, two = results[1], results[2]
     assert one[0] == expected and one[1] == expected
@@ -124,6 +134,8 @@ async def test_two_ranks_match_one_and_transformers(tiny_cache: Path, name: str)
         assert got.token.token_id == want.token.token_id and got.token.rank == want.token.rank
         assert [t.token_id for t in got.top] == [t.token_id for t in want.top]
         assert got.token.logprob == pytest.approx(want.token.logprob, abs=1e-4)
+    for got_vector, want_vector in zip(two[3], one[3]):
+        assert got_vector.embedding == pytest.approx(want_vector.embedding, abs=1e-5)
     assert _children() == before  # the rank process is gone with its engine
 
 
@@ -254,6 +266,10 @@ async def test_unsupported_models_are_refused_before_any_process_starts(tiny_cac
     with pytest.raises(UnsupportedModelError, match="4 attention heads do not divide over 3 ranks"):
         async with Engine.open(tiny_model_path(tiny_cache, "llama"), device="cpu", tensor_parallel_size=3):
             pass
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"needs CUDA devices 0\.\.1, and this machine has 0"):
+            async with Engine.open(tiny_model_path(tiny_cache, "llama"), device="cuda", tensor_parallel_size=2):
+                pass
     with pytest.raises(UnsupportedModelError, match="3 KV heads and 2 ranks"):
         async with Engine.open(tiny_model_path(tiny_cache, "llama", num_heads=6, num_kv_heads=3, hidden_size=48),
                                device="cpu", tensor_parallel_size=2):  # fmt: skip
@@ -316,3 +332,37 @@ def test_torch_is_not_needed_to_describe_a_step() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})  # fmt: skip
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_rank_that_hangs_ends_every_stream_after_step_timeout(tiny_cache: Path) -> None:
+    # SIGSTOP: the rank is alive but never answers; rank 0 waits in a collective until step_timeout.
+    # Starting the rank (seconds) is not bounded by step_timeout: only the steps are.
+    before = _children()
+    engine = Engine.open(_model_dir(tiny_cache, "llama-gqa"), device="cpu", attention_backend="torch",
+                         tensor_parallel_size=2, kv_cache_blocks=64, step_timeout=5.0)  # fmt: skip
+    errors: list[BaseException] = []
+    with pytest.raises(DeviceStepTimeoutError):
+        async with engine:
+            assert engine._ranks is not None
+            (pid,) = engine._ranks.pids
+            started = anyio.Event()
+
+            async def consume(prompt: list[int]) -> None:
+                try:
+                    async with engine.stream(prompt, SamplingParams(max_tokens=500, ignore_eos=True)) as stream:
+                        async for _ in stream:
+                            started.set()
+                except EngineDeadError as exc:
+                    errors.append(exc)
+
+            with anyio.fail_after(60):  # a bound on a hang, far above step_timeout
+                async with anyio.create_task_group() as group:
+                    for index in range(2):
+                        group.start_soon(consume, [10 + index] * 6)
+                    await started.wait()
+                    os.kill(pid, signal.SIGSTOP)  # leaving the engine kills it (SIGKILL ends a stopped process)
+    assert len(errors) == 2 and all(isinstance(error, DeviceStepTimeoutError) for error in errors)
+    assert not _alive(pid)
+    assert _children() == before

@@ -161,9 +161,7 @@ class Engine:
                 # before the tokenizer and weights load.
                 await anyio.to_thread.run_sync(_check_model, self.options.model, model_path)
                 if self.options.tensor_parallel_size > 1:
-                    await anyio.to_thread.run_sync(
-                        _check_tensor_parallel, self.options.model, model_path, self.options.tensor_parallel_size
-                    )
+                    await anyio.to_thread.run_sync(_check_tensor_parallel, self.options, model_path)
             if tokenizer is None:
                 tokenizer = await anyio.to_thread.run_sync(_load_tokenizer, model_path)
             if runner is None:
@@ -943,14 +941,27 @@ def _check_model(model: str | os.PathLike[str] | None, model_path: Path) -> None
     check_model_folder(model_path, os.fspath(model) if model is not None else str(model_path))
 
 
-def _check_tensor_parallel(model: str | os.PathLike[str] | None, model_path: Path, size: int) -> None:
+def _check_tensor_parallel(options: EngineOptions, model_path: Path) -> None:
+    # Before any rank process starts: a model that cannot be split, or too few CUDA devices for the ranks.
     from asyncllm.models import tensor_parallel_problem
+    from asyncllm.worker._model_runner import resolve_device
     from asyncllm.worker._weights import load_config
 
+    size = options.tensor_parallel_size
     problem = tensor_parallel_problem(load_config(model_path), size)
     if problem is not None:
-        source = os.fspath(model) if model is not None else str(model_path)
+        source = os.fspath(options.model) if options.model is not None else str(model_path)
         raise UnsupportedModelError(f"{source} cannot run with tensor_parallel_size={size}: {problem}")
+    device = resolve_device(options.device)
+    if device.type == "cuda":
+        import torch
+
+        first, count = device.index or 0, torch.cuda.device_count()
+        if first + size > count:
+            raise ValueError(
+                f"tensor_parallel_size={size} on {options.device} needs CUDA devices {first}..{first + size - 1}, "
+                f"and this machine has {count}"
+            )
 
 
 def _load_tokenizer(model_path: Path) -> Tokenizer:

@@ -276,8 +276,8 @@ class TorchModelRunner:
         self.device, self.dtype = device, dtype
         if self.ops.device != device:  # a seam set before load (tests) is kept
             self.ops = device_ops(device)
-        if self.parallel.sharded:  # a barrier: every rank holds its shard before the engine is ready
-            self.parallel.all_reduce(torch.zeros(1, device=device))
+        if self.collectives is not None:  # every rank holds its shard before the engine is ready
+            self.collectives.barrier("loaded")
         return config, model
 
     def load(self) -> RunnerInfo:

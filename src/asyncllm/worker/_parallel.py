@@ -24,6 +24,10 @@ STORE_HOST = "127.0.0.1"
 NO_TIMEOUT = datetime.timedelta(days=365)
 """The collectives' timeout with ``step_timeout=None`` (gloo needs one)."""
 
+RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=30)
+"""How long a rank waits for the others to start (import torch, connect) and to load their shards. Far
+above any start-up: a rank that dies meanwhile is noticed at once by the engine's watcher instead."""
+
 
 class ProcessGroupCollectives:
     """``Collectives`` over a ``torch.distributed`` process group, with the time spent in them.
@@ -44,6 +48,13 @@ class ProcessGroupCollectives:
         self.seconds = 0.0
         """Time spent in collectives, waiting for the other ranks included (on CUDA: enqueueing them)."""
         self.calls = 0
+
+    def barrier(self, name: str) -> None:
+        """Wait until every rank has reached the barrier ``name`` (through the store, whose timeout is
+        ``RENDEZVOUS_TIMEOUT``, not the collectives': ranks that load their shards at different speeds
+        must not time out)."""
+        self.store.set(f"{name}/{self.rank}", "1")
+        self.store.wait([f"{name}/{rank}" for rank in range(self.size)])
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the ranks, in place."""
@@ -94,7 +105,8 @@ def open_group(
         rank: This rank.
         size: The ranks in all.
         device: This rank's device: gloo on the CPU, NCCL on CUDA.
-        timeout: Seconds a collective (and the rendezvous) may wait for the other ranks; None: no bound.
+        timeout: Seconds a collective may wait for the other ranks (``step_timeout``); None: no bound.
+            Meeting the others is bounded by ``RENDEZVOUS_TIMEOUT`` instead.
         store_port: The store's port (ranks other than 0).
         announce: Called by rank 0 with the store's host and port, before it waits for the others.
 
@@ -103,13 +115,13 @@ def open_group(
     """
     wait = NO_TIMEOUT if timeout is None else datetime.timedelta(seconds=timeout)
     if rank == 0:
-        store = TCPStore(STORE_HOST, 0, size, True, timeout=wait, wait_for_workers=False)
+        store = TCPStore(STORE_HOST, 0, size, True, timeout=RENDEZVOUS_TIMEOUT, wait_for_workers=False)
         if announce is not None:
             announce(STORE_HOST, store.port)
     else:
         if store_port is None:
             raise ValueError("a rank other than 0 needs the store's port")
-        store = TCPStore(STORE_HOST, store_port, size, False, timeout=wait)
+        store = TCPStore(STORE_HOST, store_port, size, False, timeout=RENDEZVOUS_TIMEOUT)
     group: Any
     if device.type == "cuda":
         nccl = getattr(dist, "ProcessGroupNCCL", None)
