@@ -366,3 +366,25 @@ async def test_a_rank_that_hangs_ends_every_stream_after_step_timeout(tiny_cache
     assert len(errors) == 2 and all(isinstance(error, DeviceStepTimeoutError) for error in errors)
     assert not _alive(pid)
     assert _children() == before
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_rank_that_dies_while_starting_fails_the_open(tiny_cache: Path) -> None:
+    # Killed as soon as it is spawned: rank 0 must not wait out the rendezvous' timeout for it.
+    before = _children()
+    engine = Engine.open(_model_dir(tiny_cache, "llama-gqa"), device="cpu", attention_backend="torch",
+                         tensor_parallel_size=2, kv_cache_blocks=16)  # fmt: skip
+
+    async def kill_once_spawned() -> None:
+        while engine._ranks is None or not engine._ranks.pids:  # the rank exists once the engine sets this
+            await anyio.sleep(0.005)
+        os.kill(engine._ranks.pids[0], signal.SIGKILL)
+
+    with anyio.fail_after(120):  # a bound on a hang (the rendezvous would wait 30 minutes)
+        async with anyio.create_task_group() as group:
+            group.start_soon(kill_once_spawned)
+            with pytest.raises(WorkerDiedError, match="was killed by signal SIGKILL"):
+                async with engine:
+                    pass
+    assert _children() == before

@@ -345,6 +345,10 @@ class RankProcesses:
         except OSError as exc:  # a closed pipe: the rank is gone
             raise self.explain(exc) from exc
 
+    def failure(self) -> WorkerDiedError | None:
+        """The ``WorkerDiedError`` of a rank that has exited, or None while every rank runs (any thread)."""
+        return self._check_exits()
+
     def explain(self, error: BaseException, wait_seconds: float = 2.0) -> BaseException:
         """The ``WorkerDiedError`` behind ``error`` (a collective or a pipe that failed on rank 0) when a
         rank has exited, else ``error``; waits up to ``wait_seconds`` for an exit to show."""

@@ -238,6 +238,7 @@ class TorchModelRunner:
                 timeout=self.options.step_timeout,
                 store_port=self._store_port,
                 announce=None if ranks is None else lambda host, port: ranks.start_group(host, port, to_builtins(spec)),
+                abandon=None if ranks is None else ranks.failure,
             )
             self.parallel = TensorParallel(self.rank, size, self.collectives)
             self._tables = TableSync()
@@ -277,7 +278,7 @@ class TorchModelRunner:
         if self.ops.device != device:  # a seam set before load (tests) is kept
             self.ops = device_ops(device)
         if self.collectives is not None:  # every rank holds its shard before the engine is ready
-            self.collectives.barrier("loaded")
+            self.collectives.barrier("loaded", None if self.ranks is None else self.ranks.failure)
         return config, model
 
     def load(self) -> RunnerInfo:

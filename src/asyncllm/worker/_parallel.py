@@ -49,12 +49,9 @@ class ProcessGroupCollectives:
         """Time spent in collectives, waiting for the other ranks included (on CUDA: enqueueing them)."""
         self.calls = 0
 
-    def barrier(self, name: str) -> None:
-        """Wait until every rank has reached the barrier ``name`` (through the store, whose timeout is
-        ``RENDEZVOUS_TIMEOUT``, not the collectives': ranks that load their shards at different speeds
-        must not time out)."""
-        self.store.set(f"{name}/{self.rank}", "1")
-        self.store.wait([f"{name}/{rank}" for rank in range(self.size)])
+    def barrier(self, name: str, abandon: Callable[[], BaseException | None] | None = None) -> None:
+        """Wait until every rank has reached the barrier ``name`` (see ``store_barrier``)."""
+        store_barrier(self.store, name, self.rank, self.size, abandon)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the ranks, in place."""
@@ -79,6 +76,31 @@ class ProcessGroupCollectives:
         return parts
 
 
+def store_barrier(
+    store: Store, name: str, rank: int, size: int, abandon: Callable[[], BaseException | None] | None = None
+) -> None:
+    """Wait until every rank has reached the barrier ``name``, through the store.
+
+    Bounded by ``RENDEZVOUS_TIMEOUT``, not by the collectives' timeout: ranks that start or load their
+    shards at different speeds must not time out. ``abandon`` is polled meanwhile (every 50 ms; this
+    is start-up only): the error it returns (a rank that exited) is raised at once rather than waiting
+    out the timeout for a rank that will never come.
+
+    Raises:
+        TimeoutError: Not every rank arrived within ``RENDEZVOUS_TIMEOUT``.
+    """
+    store.set(f"{name}/{rank}", "1")
+    keys = [f"{name}/{other}" for other in range(size)]
+    deadline = time.monotonic() + RENDEZVOUS_TIMEOUT.total_seconds()
+    while not store.check(keys):
+        failure = abandon() if abandon is not None else None
+        if failure is not None:
+            raise failure
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every rank reached {name!r} within {RENDEZVOUS_TIMEOUT}")
+        time.sleep(0.05)
+
+
 def rank_device(device: torch.device, rank: int) -> torch.device:
     """The device of ``rank`` when rank 0 runs on ``device``: the CPU for every rank, or the CUDA device
     ``rank`` places after rank 0's."""
@@ -95,6 +117,7 @@ def open_group(
     timeout: float | None,
     store_port: int | None = None,
     announce: Callable[[str, int], None] | None = None,
+    abandon: Callable[[], BaseException | None] | None = None,
 ) -> ProcessGroupCollectives:
     """Join the ranks' process group (a rendezvous: returns once every rank has joined).
 
@@ -109,6 +132,7 @@ def open_group(
             Meeting the others is bounded by ``RENDEZVOUS_TIMEOUT`` instead.
         store_port: The store's port (ranks other than 0).
         announce: Called by rank 0 with the store's host and port, before it waits for the others.
+        abandon: Polled while waiting for the others to join: an error it returns is raised at once.
 
     Raises:
         RuntimeError: The rendezvous timed out, or NCCL is missing from this torch build.
@@ -122,6 +146,8 @@ def open_group(
         if store_port is None:
             raise ValueError("a rank other than 0 needs the store's port")
         store = TCPStore(STORE_HOST, store_port, size, False, timeout=RENDEZVOUS_TIMEOUT)
+    # Every rank is up before the group connects them: the group's own rendezvous cannot be abandoned.
+    store_barrier(store, "joined", rank, size, abandon)
     group: Any
     if device.type == "cuda":
         nccl = getattr(dist, "ProcessGroupNCCL", None)
