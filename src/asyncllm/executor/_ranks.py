@@ -343,7 +343,10 @@ class RankProcesses:
         try:
             rank.commands.send_bytes(data)
         except OSError as exc:  # a closed pipe: the rank is gone
-            raise self.explain(exc) from exc
+            failure = self.explain(exc)
+            if failure is exc:
+                raise
+            raise failure from exc
 
     def failure(self) -> WorkerDiedError | None:
         """The ``WorkerDiedError`` of a rank that has exited, or None while every rank runs (any thread)."""

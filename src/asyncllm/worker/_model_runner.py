@@ -61,7 +61,7 @@ from asyncllm.worker._sampler import Sampler
 from asyncllm.worker._weights import checkpoint_tensors, load_config, load_eos_token_ids, load_model
 
 if TYPE_CHECKING:
-    from asyncllm.executor._ranks import RankProcesses
+    from asyncllm.executor._ranks import RankProcesses, TableSync
     from asyncllm.worker._parallel import ProcessGroupCollectives
 
 logger = logging.getLogger("asyncllm")
@@ -196,13 +196,16 @@ class TorchModelRunner:
         """This rank's place in the model (``models._parallel``), once loaded."""
         self.collectives: ProcessGroupCollectives | None = None
         """The ranks' collectives (with the time spent in them), once loaded; None with one rank."""
-        self._tables: Any = None  # rank 0: a TableSync, what the other ranks hold of the block tables
+        self._tables: TableSync | None = None  # rank 0: what the other ranks hold of the block tables
         self._hidden: torch.Tensor | None = None  # other ranks: the last step's final hidden states
 
     def _load_model(self) -> tuple[Any, DecoderForCausalLM]:
-        # Returns (the HF config, or None on ranks other than 0, which get the spec alone; the model).
         """Everything every rank does at load: device, threads, the ranks' group, the model (the rank's
-        shard of it), its attention backend and packed weights."""
+        shard of it), its attention backend and packed weights.
+
+        Returns:
+            The HF config (None on ranks other than 0: they get the model's spec from rank 0) and the model.
+        """
         size = self.options.tensor_parallel_size
         device = resolve_device(self.options.device)
         if size > 1:
@@ -550,6 +553,7 @@ class TorchModelRunner:
         if self.ranks is not None:  # the step's one broadcast: the other ranks run its forward with this one
             from asyncllm.executor._ranks import StepMessage
 
+            assert self._tables is not None
             self.ranks.send(StepMessage(self._tables.deltas(sequences), time.perf_counter()))
         step = self.input_batch.prepare(sequences)
         fill = None
@@ -737,10 +741,12 @@ class TorchModelRunner:
             from asyncllm.errors import WorkerDiedError
             from asyncllm.executor._ranks import StopMessage
 
-            with contextlib.suppress(WorkerDiedError):  # already gone: the engine ends it
+            with contextlib.suppress(WorkerDiedError, OSError):  # already gone: the engine ends it
                 self.ranks.send(StopMessage())
         self._hidden = None
+        self._tables = None
         self.collectives = None
+        self.parallel = SINGLE  # the process group (its sockets) goes with the last reference to it
         self.graphs = None
         self.model = None
         self.kv_caches = []
