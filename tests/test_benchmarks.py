@@ -559,6 +559,22 @@ def test_serving_http_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.Cap
         assert positive(run_["tok_s"]) and positive(run_["ttft_p50"]) and positive(run_["itl_p50"])
 
 
+# -- tensor_parallel.py (2 ranks against 1) -------------------------------------------------------------
+
+
+def test_tensor_parallel_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # One engine of each size (the 2-rank one starts a real rank process), the same workload.
+    out, result = run("tensor_parallel", ["--model", str(tiny_llama), "--engine-opt", "attention_backend=torch"],
+                      tmp_path, capsys)  # fmt: skip
+    assert "| 1 " in out and "| 2 " in out and "comm share" in out
+    assert result["token_mismatches"] == {"1": 0, "2": 0}
+    one, two = result["results"]["1"], result["results"]["2"]
+    assert positive(one["tokens_per_s"]) and positive(two["tokens_per_s"]) and positive(result["ratios"]["2"])
+    for key in ("collective_ms", "broadcast_send_us", "broadcast_latency_us", "comm_share"):
+        assert positive(two[key]) and key not in one
+    assert two["collectives_per_step"] >= 2 * 2 + 1  # two all-reduces per layer and the embedding's, at least
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the check runs for real (minutes), not as a smoke test")
 def test_gpu_check_flow_without_a_device(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # Without CUDA every device step is recorded as skipped, and the report is still written whole.

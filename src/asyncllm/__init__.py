@@ -25,6 +25,7 @@ from asyncllm.errors import (
     SchedulerStalledError,
     StructuredOutputError,
     UnsupportedModelError,
+    WorkerDiedError,
 )
 from asyncllm.executor._runner import ModelRunner
 from asyncllm.outputs import (
@@ -83,5 +84,6 @@ __all__ = [
     "ToolCallParser",
     "ToolPlan",
     "UnsupportedModelError",
+    "WorkerDiedError",
     "__version__",
 ]

@@ -19,7 +19,8 @@ AsyncLLMError(Exception)
 │   └── SchedulerStalledError               the request could not be scheduled while nothing else ran
 └── EngineDeadError(RuntimeError)           a model step failed; the cause is chained (``__cause__``)
     ├── DeviceOutOfMemoryError              the device ran out of memory during a step
-    └── DeviceStepTimeoutError              a step did not return within ``step_timeout`` seconds
+    ├── DeviceStepTimeoutError              a step did not return within ``step_timeout`` seconds
+    └── WorkerDiedError                     a tensor-parallel rank's process exited
 ```
 
 Every ``InvalidRequestError`` is also a ``ValueError``, so code that already catches ``ValueError``
@@ -147,3 +148,9 @@ class DeviceOutOfMemoryError(EngineDeadError):
 class DeviceStepTimeoutError(EngineDeadError):
     """A model step did not return within the engine's ``step_timeout``; the device thread is left
     behind (it cannot be interrupted) and every open request ends with this error."""
+
+
+class WorkerDiedError(EngineDeadError):
+    """A tensor-parallel rank's worker process exited while the engine ran (it crashed, was killed, or
+    failed to load: the message names the rank, its pid, how it ended and its own error if it sent
+    one); every open request ends with this error, and the other ranks are stopped."""

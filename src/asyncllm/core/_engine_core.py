@@ -95,6 +95,7 @@ class EngineCore:
         self.num_embedding_requests = 0
         self.num_embedding_tokens = 0
         self.dead: EngineDeadError | None = None
+        self._killed: EngineDeadError | None = None
         self._aborts: deque[int] = deque()  # appended from any thread (a stream's __del__ may run anywhere)
         self._stopping = False
         self._wakeup = anyio.Event()
@@ -201,6 +202,19 @@ class EngineCore:
     def _wake(self) -> None:
         self._wakeup.set()
 
+    def kill(self, error: EngineDeadError) -> None:
+        """End the engine from outside the step loop (a tensor-parallel rank died), within moments.
+
+        The step in flight, if any, fails with ``error`` at once (its device call is failed, the
+        device thread abandoned: it may be stuck in a collective with the dead rank), and the loop
+        dies with ``error``, failing every stream; an idle loop wakes to die.
+        """
+        if self.dead is not None or self._killed is not None:
+            return
+        self._killed = error
+        self.worker.fail(error)
+        self._wake()
+
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """The step loop; returns once stopped (or dead, after failing every stream)."""
         async with anyio.create_task_group() as task_group:  # grammar compilations
@@ -219,6 +233,8 @@ class EngineCore:
         in_flight: tuple[SchedulerOutput, DeviceCall[StepOutput] | None] | None = None
         idle_with_work = 0  # schedules in a row that found nothing to run while requests were open
         while True:
+            if self._killed is not None:
+                raise self._killed
             events += self._apply_aborts()
             if self._stopping:
                 if in_flight is not None:

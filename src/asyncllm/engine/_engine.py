@@ -11,6 +11,7 @@ lazily and nothing outlives the ``async with`` block.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -18,7 +19,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -44,6 +45,7 @@ from asyncllm.errors import (
     InvalidRequestError,
     RequestFailedError,
     StructuredOutputError,
+    UnsupportedModelError,
 )
 from asyncllm.executor._device import DeviceWorker
 from asyncllm.executor._runner import ModelRunner, Pooling, RunnerInfo
@@ -51,6 +53,9 @@ from asyncllm.outputs import Completion, Embedding, EngineStatistics, FinishReas
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.structured import GrammarBackend, GrammarCompiler
 from asyncllm.worker._cpu_threads import OPENMP_SPIN_COUNT, prepare_openmp_wait_policy
+
+if TYPE_CHECKING:
+    from asyncllm.executor._ranks import RankProcesses
 
 logger = logging.getLogger("asyncllm")
 
@@ -74,6 +79,8 @@ class Engine:
         self._max_model_len = 0
         self._closed = False
         self._pooling: PoolingDefaults = BUILT_IN
+        self._device: DeviceWorker | None = None
+        self._ranks: RankProcesses | None = None
 
     @classmethod
     def open(
@@ -113,6 +120,8 @@ class Engine:
         checked = EngineOptions.from_keywords(model=model, **options)
         if runner is not None and tokenizer is None:
             raise ValueError("a custom runner needs a tokenizer too")
+        if runner is not None and checked.tensor_parallel_size > 1:
+            raise ValueError("tensor_parallel_size > 1 splits asyncllm's own model runner; not with a custom runner")
         return cls(checked, runner, tokenizer)
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -151,17 +160,25 @@ class Engine:
                 # A refused checkpoint (architecture, remote code, quantized) fails here, clearly,
                 # before the tokenizer and weights load.
                 await anyio.to_thread.run_sync(_check_model, self.options.model, model_path)
+                if self.options.tensor_parallel_size > 1:
+                    await anyio.to_thread.run_sync(_check_tensor_parallel, self.options, model_path)
             if tokenizer is None:
                 tokenizer = await anyio.to_thread.run_sync(_load_tokenizer, model_path)
             if runner is None:
+                if self.options.tensor_parallel_size > 1:
+                    assert model_path is not None
+                    await self._start_ranks(stack, model_path)
                 runner = self._torch_runner(model_path)
         self._pooling = await anyio.to_thread.run_sync(pooling_defaults, self.options.pooling, model_path)
-        worker = DeviceWorker()
+        self._device = worker = DeviceWorker()
         # Closing is bounded by step_timeout too: a device that hangs in close (or in a step the
         # engine no longer waits for) is left behind rather than waited for forever.
         stack.push_async_callback(worker.stop, self.options.step_timeout)
         info = await worker.run(runner.load)
         stack.push_async_callback(_close_runner, worker, runner, self.options.step_timeout)
+        if self._ranks is not None:  # runs first: the ranks that exit from now on were asked to
+            ranks = self._ranks
+            stack.callback(lambda: ranks.mark_closing(graceful=self._core is None or self._core.dead is None))
         self._info = info
         self._max_model_len = self._resolve_max_model_len(info)
         kv_cache = KVCacheManager(
@@ -210,7 +227,29 @@ class Engine:
     def _torch_runner(self, model_path: Path) -> ModelRunner:
         from asyncllm.worker._model_runner import TorchModelRunner
 
-        return TorchModelRunner(model_path, self.options)
+        return TorchModelRunner(model_path, self.options, ranks=self._ranks)
+
+    async def _start_ranks(self, stack: AsyncExitStack, model_path: Path) -> None:
+        """Start ranks 1..N-1's processes and their watcher, both ended by ``stack``."""
+        from asyncllm.executor._ranks import RankProcesses
+
+        options = dataclasses.asdict(self.options)
+        options["model"] = None if self.options.model is None else os.fspath(self.options.model)
+        self._ranks = ranks = await stack.enter_async_context(
+            RankProcesses(self.options.tensor_parallel_size, model_path, options)
+        )
+        watcher = await stack.enter_async_context(anyio.create_task_group())
+        stack.callback(ranks.stop_watching)  # before the watcher's task group waits for it
+        watcher.start_soon(ranks.watch, self._rank_died)
+
+    def _rank_died(self, error: EngineDeadError) -> None:
+        # A rank's process exited while the engine ran: the engine dies with it, at once, even if a
+        # step waits in a collective with that rank.
+        logger.error("asyncllm: %s", error)
+        if self._core is not None:
+            self._core.kill(error)
+        elif self._device is not None:
+            self._device.fail(error)
 
     def _resolve_max_model_len(self, info: RunnerInfo) -> int:
         requested = self.options.max_model_len
@@ -929,6 +968,29 @@ def _check_model(model: str | os.PathLike[str] | None, model_path: Path) -> None
     from asyncllm._model_source import check_model_folder
 
     check_model_folder(model_path, os.fspath(model) if model is not None else str(model_path))
+
+
+def _check_tensor_parallel(options: EngineOptions, model_path: Path) -> None:
+    # Before any rank process starts: a model that cannot be split, or too few CUDA devices for the ranks.
+    from asyncllm.models import tensor_parallel_problem
+    from asyncllm.worker._model_runner import resolve_device
+    from asyncllm.worker._weights import load_config
+
+    size = options.tensor_parallel_size
+    problem = tensor_parallel_problem(load_config(model_path), size)
+    if problem is not None:
+        source = os.fspath(options.model) if options.model is not None else str(model_path)
+        raise UnsupportedModelError(f"{source} cannot run with tensor_parallel_size={size}: {problem}")
+    device = resolve_device(options.device)
+    if device.type == "cuda":
+        import torch
+
+        first, count = device.index or 0, torch.cuda.device_count()
+        if first + size > count:
+            raise ValueError(
+                f"tensor_parallel_size={size} on {options.device} needs CUDA devices {first}..{first + size - 1}, "
+                f"and this machine has {count}"
+            )
 
 
 def _load_tokenizer(model_path: Path) -> Tokenizer:

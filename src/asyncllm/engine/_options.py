@@ -186,6 +186,16 @@ class EngineOptions:
         sentence-transformers config (modules.json and the Pooling module's config.json; its Normalize
         module sets the default normalize) where there is one, else "last", normalized."""),
     )
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata=_doc("""Split the model over this many ranks (Megatron-style tensor parallelism: attention
+        heads, MLP columns, the vocabulary and the KV cache's heads): the device thread drives rank 0
+        and ranks 1..N-1 run in worker processes that the engine starts and ends. On CUDA rank r
+        runs on the r-th device after the engine's; on the CPU the ranks share the host's CPUs
+        (num_threads is then per rank; None splits the usable CPUs between them). The llama,
+        mistral, qwen2 and qwen3 families; not with compile, and without CUDA graphs. See
+        docs/tensor-parallel.md."""),
+    )
     max_embedding_inputs: int = field(
         default=DEFAULT_MAX_EMBEDDING_INPUTS,
         metadata=_doc("""The most inputs one embed() call (one /v1/embeddings request) may give; more is an
@@ -203,7 +213,7 @@ class EngineOptions:
         for name in ("compile", "enforce_eager", "async_scheduling", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             _check_positive(name, getattr(self, name))
         for name in ("max_model_len", "kv_cache_blocks", "max_waiting_requests", "num_threads", "max_prompt_bytes"):
             if getattr(self, name) is not None:
@@ -232,6 +242,10 @@ class EngineOptions:
             _check_positive(name, getattr(self, name))
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
+        if self.tensor_parallel_size > 1 and self.compile:
+            raise ValueError(
+                "compile=True does not run with tensor_parallel_size > 1 (the collectives are not compiled)"
+            )
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64
         ):

@@ -52,19 +52,30 @@ class DeviceCall(Generic[T]):
         self._done = anyio.Event()
         self._result: T | None = None
         self._error: BaseException | None = None
+        self._settled = False  # the outcome is stored once: a call failed from outside keeps that failure
+        self._settle = threading.Lock()
         self.submitted_at = anyio.current_time()
         """When the call was queued, on the event loop's clock."""
 
     def _fail(self, error: BaseException, wake: LoopCallback) -> None:
-        self._error = error
+        with self._settle:
+            if self._settled:
+                return
+            self._error, self._settled = error, True
         with contextlib.suppress(RuntimeError):
             wake(self._done.set)
 
     def _run(self, wake: LoopCallback) -> None:
+        result: T | None = None
+        error: BaseException | None = None
         try:
-            self._result = self._fn()
+            result = self._fn()
         except BaseException as exc:  # handed to the awaiting task, which decides what it means
-            self._error = exc
+            error = exc
+        with self._settle:
+            if self._settled:  # failed from outside while it ran (``DeviceWorker.fail``): nobody waits
+                return
+            self._result, self._error, self._settled = result, error, True
         # The loop is gone only if the engine's task group died around a running call: nobody waits.
         with contextlib.suppress(RuntimeError):  # trio's RunFinishedError is one too
             wake(self._done.set)
@@ -181,6 +192,23 @@ class DeviceWorker:
             self.discard_queued(DeviceStepTimeoutError("the device thread was abandoned after a call hung"))
             self._queue.put(_STOP)
             logger.warning("asyncllm: the device thread is stuck in a call; it is left behind as a daemon thread")
+
+    def fail(self, error: BaseException) -> None:
+        """Fail the running call and every queued one with ``error`` now, and abandon the thread.
+
+        For a failure noticed outside the thread (a tensor-parallel rank died): the running call may
+        be stuck in a collective with the dead rank, so its caller gets ``error`` without waiting for
+        it; the thread ends by itself if the call ever returns.
+        """
+        with self._lock:
+            calls = [c for c in self._pending if not c._done.is_set()]
+            self._discarded.update(calls)
+        for call in calls:
+            call._fail(error, self._wake)
+        if not self.abandoned:
+            self.abandoned = True
+            self._queue.put(_STOP)
+            logger.warning("asyncllm: the device thread is left behind (%s)", error)
 
     def discard_queued(self, error: BaseException) -> None:
         """Fail every call not started yet with ``error`` instead of running it (the engine died:

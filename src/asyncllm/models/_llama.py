@@ -17,6 +17,7 @@ Mixture of Experts (``asyncllm.models._moe``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -31,6 +32,15 @@ from asyncllm.backends.cpu._lean_forward import LeanCpuForward
 from asyncllm.models._linear import Linear, PackedFormat, best_packed_format
 from asyncllm.models._moe import MoeSpec, SparseMoeBlock
 from asyncllm.models._norm import OffsetRMSNorm, RMSNorm
+from asyncllm.models._parallel import (
+    SINGLE,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+    gather_logits,
+    kv_head_range,
+    shard_range,
+)
 from asyncllm.models._rotary import (
     RotaryEmbedding,
     RotarySpec,
@@ -38,6 +48,24 @@ from asyncllm.models._rotary import (
     rope_parameters,
     rotary_spec,
 )
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointSlice:
+    """Where one checkpoint tensor goes (``DecoderForCausalLM.checkpoint_slices``).
+
+    Attributes:
+        target: The model parameter it fills.
+        first_row: The parameter's row its first loaded row goes to (fused projections stack several
+            checkpoint tensors; a MoE stack holds every expert's).
+        rows: The checkpoint tensor's rows [start, stop) this rank loads; None: all.
+        columns: The checkpoint tensor's columns [start, stop) this rank loads; None: all.
+    """
+
+    target: str
+    first_row: int = 0
+    rows: tuple[int, int] | None = None
+    columns: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,12 +334,22 @@ def _split_fused(state_dict: dict[str, Any], fused: str, parts: tuple[str, ...],
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention against one layer's paged KV cache."""
+    """Grouped-query self-attention against one layer's paged KV cache.
 
-    def __init__(self, spec: DecoderSpec, index: int = 0) -> None:
+    Split over ranks (``parallel``), it holds its rank's query heads and KV heads (``models._parallel``):
+    q/k/v are column-parallel, o_proj row-parallel (an all-reduce completes its output).
+    """
+
+    def __init__(self, spec: DecoderSpec, index: int = 0, parallel: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.num_heads = spec.num_heads
-        self.num_kv_heads = spec.num_kv_heads
+        if parallel.sharded and spec.whole_qk_norm:  # a norm over every head needs every head
+            raise NotImplementedError("q/k norms over the whole projection (OLMo 2) cannot be split over ranks")
+        self.head_range = shard_range(spec.num_heads, parallel)
+        """This rank's query heads [first, stop) of the model's."""
+        self.kv_head_range = kv_head_range(spec.num_kv_heads, parallel)
+        """This rank's KV heads [first, stop) of the model's (one replicated head with fewer KV heads than ranks)."""
+        self.num_heads = self.head_range[1] - self.head_range[0]
+        self.num_kv_heads = self.kv_head_range[1] - self.kv_head_range[0]
         self.head_dim = spec.head_dim
         scalar = spec.query_pre_attn_scalar
         if spec.attention_multiplier is not None:  # granite
@@ -326,10 +364,11 @@ class Attention(nn.Module):
         self.rotates_itself = spec.rotary_dim != spec.head_dim
         """Partial rotary: q and k rotate here (torch), never in a backend's whole-head kernel."""
         bias = spec.attention_bias
-        self.q_proj = Linear(spec.hidden_size, spec.num_heads * spec.head_dim, bias=bias)
-        self.k_proj = Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=bias)
-        self.v_proj = Linear(spec.hidden_size, spec.num_kv_heads * spec.head_dim, bias=bias)
-        self.o_proj = Linear(spec.num_heads * spec.head_dim, spec.hidden_size, bias=False)
+        q_size, kv_size = self.num_heads * spec.head_dim, self.num_kv_heads * spec.head_dim
+        self.q_proj = Linear(spec.hidden_size, q_size, bias=bias)
+        self.k_proj = Linear(spec.hidden_size, kv_size, bias=bias)
+        self.v_proj = Linear(spec.hidden_size, kv_size, bias=bias)
+        self.o_proj = RowParallelLinear(q_size, spec.hidden_size, bias=False, parallel=parallel)
         self.q_norm = _norm(spec, spec.head_dim) if spec.qk_norm else None
         self.k_norm = _norm(spec, spec.head_dim) if spec.qk_norm else None
         if spec.whole_qk_norm:
@@ -409,19 +448,25 @@ _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 
 
 class MLP(nn.Module):
-    """The gated feed-forward block: down(act(gate(x)) * up(x)); act is silu (SwiGLU) or tanh-GELU (GeGLU)."""
+    """The gated feed-forward block: down(act(gate(x)) * up(x)); act is silu (SwiGLU) or tanh-GELU (GeGLU).
 
-    def __init__(self, spec: DecoderSpec) -> None:
+    Split over ranks, gate/up are column-parallel (the rank's slice of the intermediate width) and down
+    row-parallel (an all-reduce completes its output).
+    """
+
+    def __init__(self, spec: DecoderSpec, parallel: TensorParallel = SINGLE) -> None:
         super().__init__()
         if spec.hidden_act != "silu" and spec.hidden_act not in _GELU_TANH:
             raise NotImplementedError(
                 f"hidden_act {spec.hidden_act!r} is not supported (only silu and gelu_pytorch_tanh)"
             )
         self.gelu = spec.hidden_act in _GELU_TANH
-        self.intermediate_size = spec.intermediate_size
-        self.gate_proj = Linear(spec.hidden_size, spec.intermediate_size, bias=False)
-        self.up_proj = Linear(spec.hidden_size, spec.intermediate_size, bias=False)
-        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.intermediate_range = shard_range(spec.intermediate_size, parallel)
+        """This rank's columns [first, stop) of the intermediate activations."""
+        self.intermediate_size = size = self.intermediate_range[1] - self.intermediate_range[0]
+        self.gate_proj = Linear(spec.hidden_size, size, bias=False)
+        self.up_proj = Linear(spec.hidden_size, size, bias=False)
+        self.down_proj = RowParallelLinear(size, spec.hidden_size, bias=False, parallel=parallel)
         self.gate_up_proj: Linear | None = None
         """gate and up projections as one matmul, once ``fuse`` ran (the two are then gone)."""
         if spec.fused_checkpoint:
@@ -481,14 +526,16 @@ class DecoderLayer(nn.Module):
     is on.
     """
 
-    def __init__(self, spec: DecoderSpec, index: int = 0) -> None:
+    def __init__(self, spec: DecoderSpec, index: int = 0, parallel: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.self_attn = Attention(spec, index)
+        self.self_attn = Attention(spec, index, parallel)
         self.mlp: MLP | SparseMoeBlock
         if spec.moe is not None and spec.moe.sparse_layers[index]:
+            if parallel.sharded:
+                raise NotImplementedError("Mixture-of-Experts layers cannot be split over ranks yet")
             self.mlp = SparseMoeBlock(spec.moe, spec.hidden_size, spec.hidden_act)
         else:
-            self.mlp = MLP(spec)
+            self.mlp = MLP(spec, parallel)
         self.input_layernorm = _norm(spec, spec.hidden_size)
         self.post_attention_layernorm = _norm(spec, spec.hidden_size)
         self.sandwich = spec.sandwich_norms
@@ -609,24 +656,32 @@ def _greedy_head(lm_head: Linear) -> greedy_head_cpu.GreedyHead | None:
 class DecoderModel(nn.Module):
     """Embeddings, the layer stack and the final norm (HF's ``model.`` prefix)."""
 
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, spec: DecoderSpec, parallel: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, index) for index in range(spec.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, parallel=parallel)
+        self.layers = nn.ModuleList(DecoderLayer(spec, index, parallel) for index in range(spec.num_layers))
         self.norm = _norm(spec, spec.hidden_size)
 
 
 class DecoderForCausalLM(nn.Module):
-    """The whole model: a flat batch of tokens in, final hidden states out, logits on request."""
+    """The whole model: a flat batch of tokens in, final hidden states out, logits on request.
 
-    def __init__(self, spec: DecoderSpec) -> None:
+    Args:
+        spec: The model's shape and switches.
+        parallel: This rank's place in a tensor-parallel model (``models._parallel``): its layers then
+            hold its shard of every weight and all-reduce between them. Default: one rank, whole.
+    """
+
+    def __init__(self, spec: DecoderSpec, parallel: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.spec = spec
-        self.model = DecoderModel(spec)
+        self.parallel = parallel
+        self.model = DecoderModel(spec, parallel)
         self.rotary = RotaryEmbedding.of(spec)
         self.local_rotary = None if spec.local_rope is None else RotaryEmbedding(spec.head_dim, spec.local_rope)
         """The sliding layers' rotation where it differs from ``rotary`` (gemma3's local rope base); None: the same."""
-        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        # Vocabulary-parallel like the embedding: the rank's rows of the vocabulary.
+        self.lm_head = Linear(spec.hidden_size, self.model.embed_tokens.num_embeddings, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._backend: AttentionBackend[Any] = TorchAttentionBackend(sliding_window=spec.sliding_window)
@@ -705,6 +760,12 @@ class DecoderForCausalLM(nn.Module):
         result: torch.Tensor = self.model.norm(x)
         return result
 
+    @property
+    def local_heads(self) -> tuple[int, int]:
+        """(query heads, KV heads) this rank computes and caches: the model's, or its shard's."""
+        attention = cast("DecoderLayer", self.model.layers[0]).self_attn
+        return attention.num_heads, attention.num_kv_heads
+
     def reset_rotary(self, device: torch.device) -> None:
         """Recompute the rotary tables on ``device`` (after ``to_empty``, which leaves buffers uninitialised)."""
         self.rotary = RotaryEmbedding.of(self.spec).to(device)
@@ -750,6 +811,53 @@ class DecoderForCausalLM(nn.Module):
                     rows[f"{prefix}.mlp.{part}.weight"] = (f"{prefix}.mlp.gate_up_proj.weight", start)
         return rows
 
+    def checkpoint_slices(self) -> dict[str, CheckpointSlice]:
+        """Where each checkpoint tensor goes, and which part of it this rank holds (the loader's plan).
+
+        Extends ``checkpoint_rows`` (fused projections, stacked experts) with the rank's shard: the rows
+        of column-parallel weights and biases (its heads, its intermediate slice, its vocabulary
+        rows), the columns of row-parallel ones. Names not listed load whole into the parameter of
+        the same name.
+        """
+        slices = {name: CheckpointSlice(target, first) for name, (target, first) in self.checkpoint_rows().items()}
+        if not self.parallel.sharded:
+            return slices
+
+        def shard(name: str, rows: tuple[int, int] | None = None, columns: tuple[int, int] | None = None) -> None:
+            slices[name] = dataclasses.replace(slices.get(name, CheckpointSlice(name)), rows=rows, columns=columns)
+
+        vocab = self.model.embed_tokens
+        vocab_rows = (vocab.first_row, vocab.first_row + vocab.valid_rows)
+        shard("model.embed_tokens.weight", rows=vocab_rows)
+        if not self.spec.tie_word_embeddings:
+            shard("lm_head.weight", rows=vocab_rows)
+        dim = self.spec.head_dim
+        for index, layer in enumerate(self.model.layers):
+            assert isinstance(layer, DecoderLayer) and isinstance(layer.mlp, MLP)
+            prefix = f"model.layers.{index}"
+            attn, mlp = layer.self_attn, layer.mlp
+            heads = (attn.head_range[0] * dim, attn.head_range[1] * dim)
+            kv_heads = (attn.kv_head_range[0] * dim, attn.kv_head_range[1] * dim)
+            for part, rows in (("q_proj", heads), ("k_proj", kv_heads), ("v_proj", kv_heads)):
+                for kind in ("weight", "bias"):
+                    shard(f"{prefix}.self_attn.{part}.{kind}", rows=rows)
+            shard(f"{prefix}.self_attn.o_proj.weight", columns=heads)
+            for part in ("gate_proj", "up_proj"):
+                shard(f"{prefix}.mlp.{part}.weight", rows=mlp.intermediate_range)
+            shard(f"{prefix}.mlp.down_proj.weight", columns=mlp.intermediate_range)
+        return slices
+
+    def padded_rows(self) -> dict[str, int]:
+        """Parameters whose trailing rows no checkpoint row fills (the last rank's vocabulary padding):
+        name -> the rows that are filled. The loader zeroes the rest."""
+        vocab = self.model.embed_tokens
+        if vocab.valid_rows == vocab.num_embeddings:
+            return {}
+        padded = {"model.embed_tokens.weight": vocab.valid_rows}
+        if not self.spec.tie_word_embeddings:
+            padded["lm_head.weight"] = vocab.valid_rows
+        return padded
+
     def pack_weights(self, packed_format: PackedFormat | None = None, *, greedy_head: bool = True) -> int:
         """Pack every linear layer's weight for a packed GEMM (float32 on the CPU; see ``models._linear``).
 
@@ -761,7 +869,8 @@ class DecoderForCausalLM(nn.Module):
         built where it applies. With ``greedy_head`` and panels in the format, ``greedy_head`` is
         built where AMX runs (``backends.cpu._greedy_head``); the output projection then keeps the
         panels alone, so its logits come from the arithmetic the head reproduces at every row count,
-        and its float32 weight, which the head reads.
+        and its float32 weight, which the head reads. A rank's shard of a tensor-parallel model
+        packs its linear layers but builds neither ``lean`` nor ``greedy_head``.
         Returns the number of layers packed (0 where unavailable).
         """
         linears = [m for m in self.modules() if isinstance(m, Linear)]
@@ -786,15 +895,22 @@ class DecoderForCausalLM(nn.Module):
                     module.release()
             else:
                 packed += module.pack(release=not shared, packed_format=packed_format)
-        if not self.spec.llama_layer:  # the lean forward and the greedy head assume a Llama layer
+        # The lean forward and the greedy head assume a whole Llama layer and a whole output projection:
+        # neither runs on a rank's shard (the lean forward has no all-reduce, the head no gather).
+        whole = self.spec.llama_layer and not self.parallel.sharded
+        if not whole:
             self.greedy_head = None
-        self.lean = LeanCpuForward.for_model(self) if packed and self.spec.llama_layer else None
+        self.lean = LeanCpuForward.for_model(self) if packed and whole else None
         return packed
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project hidden states to float32 vocabulary logits: soft-capped where the model says (gemma, in its
-        dtype as HF does), divided by ``logits_scaling`` (granite, after the projection as HF does)."""
-        logits: torch.Tensor = self.lm_head(hidden)
+        dtype as HF does), divided by ``logits_scaling`` (granite, after the projection as HF does).
+
+        Split over ranks, every rank must call it on the same rows: rank 0 gathers the vocabulary
+        slices into the whole logits; another rank gets its own slice back (it only contributes).
+        """
+        logits: torch.Tensor = gather_logits(self.lm_head(hidden), self.spec.vocab_size, self.parallel)
         cap = self.spec.final_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -10,15 +10,18 @@ final norm, before the LM head) are pooled instead of sampled.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from msgspec import to_builtins
 
 from asyncllm.backends import AttentionBackend, TritonAttentionBackend, create_backend, resolve_attention_backend
 
@@ -35,8 +38,9 @@ from asyncllm.executor._runner import (
     StepBatch,
     StepOutput,
 )
-from asyncllm.models import DecoderForCausalLM
+from asyncllm.models import DecoderForCausalLM, DecoderSpec, model_spec
 from asyncllm.models._linear import Linear, PackedFormat
+from asyncllm.models._parallel import SINGLE, TensorParallel
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.worker._device_ops import CpuOps, DeviceOps, device_ops
 from asyncllm.worker._graphs import DecodeGraphs, capture_sizes
@@ -55,6 +59,10 @@ from asyncllm.worker._memory import (
 )
 from asyncllm.worker._sampler import Sampler
 from asyncllm.worker._weights import checkpoint_tensors, load_config, load_eos_token_ids, load_model
+
+if TYPE_CHECKING:
+    from asyncllm.executor._ranks import RankProcesses, TableSync
+    from asyncllm.worker._parallel import ProcessGroupCollectives
 
 logger = logging.getLogger("asyncllm")
 
@@ -117,6 +125,12 @@ class TorchModelRunner:
             cache, batch, backend, graph, compile and thread options from them.
         switches: The forward's fast paths (``ForwardSwitches``), all on unless a comparison turns
             one off.
+        ranks: With ``tensor_parallel_size`` > 1, on rank 0 (the engine's device thread): the other ranks'
+            processes, which this runner drives (each step is sent to them before its forward).
+        rank: This runner's rank; ranks other than 0 run in the rank processes
+            (``asyncllm.worker._rank``), load with ``load_rank`` and follow rank 0's messages.
+        store_port: Ranks other than 0: the port of rank 0's ``torch.distributed`` store.
+        spec: Ranks other than 0: the model's ``DecoderSpec``, read off its config by rank 0.
         **option_overrides: ``EngineOptions`` fields that replace those of ``options`` (or build
             them, with ``options`` None), and ``ForwardSwitches`` fields that replace those of
             ``switches``: how tests and benchmarks construct runners.
@@ -128,6 +142,10 @@ class TorchModelRunner:
         options: EngineOptions | None = None,
         *,
         switches: ForwardSwitches | None = None,
+        ranks: RankProcesses | None = None,
+        rank: int = 0,
+        store_port: int | None = None,
+        spec: DecoderSpec | None = None,
         **option_overrides: Any,
     ) -> None:
         switch_names = {f.name for f in dataclasses.fields(ForwardSwitches)}
@@ -168,31 +186,74 @@ class TorchModelRunner:
         self._pool_sums: dict[int, tuple[torch.Tensor, int]] = {}
         """Mean-pooling requests part-way through their prompt: the float32 sum of their rows so far and
         how many rows it holds."""
+        if options.tensor_parallel_size > 1 and rank == 0 and ranks is None:
+            raise ValueError("rank 0 of a tensor-parallel runner needs the other ranks' processes (ranks=)")
+        self.ranks = ranks
+        self.rank = rank
+        self._store_port = store_port
+        self._spec = spec
+        self.parallel: TensorParallel = SINGLE
+        """This rank's place in the model (``models._parallel``), once loaded."""
+        self.collectives: ProcessGroupCollectives | None = None
+        """The ranks' collectives (with the time spent in them), once loaded; None with one rank."""
+        self._tables: TableSync | None = None  # rank 0: what the other ranks hold of the block tables
+        self._hidden: torch.Tensor | None = None  # other ranks: the last step's final hidden states
 
-    def load(self) -> RunnerInfo:
-        """Build the model, load its weights and allocate the KV cache (on the device thread)."""
+    def _load_model(self) -> tuple[Any, DecoderForCausalLM]:
+        """Everything every rank does at load: device, threads, the ranks' group, the model (the rank's
+        shard of it), its attention backend and packed weights.
+
+        Returns:
+            The HF config (None on ranks other than 0: they get the model's spec from rank 0) and the model.
+        """
+        size = self.options.tensor_parallel_size
         device = resolve_device(self.options.device)
+        if size > 1:
+            from asyncllm.worker._parallel import rank_device
+
+            device = rank_device(device, self.rank)
         dtype = resolve_dtype(self.options.dtype, device)
         requested_backend = self.attention_backend
         backend_name = resolve_attention_backend(requested_backend, device, cpu_kernel=True)
         if device.type == "cpu":
-            from asyncllm.worker._cpu_threads import configure_cpu_threads
+            from asyncllm.worker._cpu_threads import configure_cpu_threads, default_cpu_threads
 
-            self.num_threads = configure_cpu_threads(self.options.num_threads)
+            threads = self.options.num_threads
+            if threads is None and size > 1 and not os.environ.get("OMP_NUM_THREADS"):
+                threads = max(1, default_cpu_threads() // size)  # the ranks share the host's CPUs
+            self.num_threads = configure_cpu_threads(threads)
         if device.type == "cuda":
             # This runs on the device thread, and torch's current stream is per thread: every later
             # call of this runner (all on the same thread) issues its work to this one stream.
             torch.cuda.set_device(device)
             torch.cuda.set_stream(torch.cuda.Stream(device))
-        config = load_config(self.model_path)
+        config = load_config(self.model_path) if self._spec is None else None
+        spec = self._spec if config is None else model_spec(config)
+        if size > 1:
+            from asyncllm.executor._ranks import TableSync
+            from asyncllm.worker._parallel import open_group
+
+            ranks = self.ranks
+            self.collectives = open_group(
+                rank=self.rank,
+                size=size,
+                device=device,
+                timeout=self.options.step_timeout,
+                store_port=self._store_port,
+                announce=None if ranks is None else lambda host, port: ranks.start_group(host, port, to_builtins(spec)),
+                abandon=None if ranks is None else ranks.failure,
+            )
+            self.parallel = TensorParallel(self.rank, size, self.collectives)
+            self._tables = TableSync()
         # Weights are allocated once, in their dtype and fused layout, and filled a slice at a time: the
-        # load's peak is the weights' size (see ``_weights.load_model``).
+        # load's peak is the weights' size (see ``_weights.load_model``). A rank loads its shard alone.
         model = load_model(
-            config,
+            spec,
             checkpoint_tensors(self.model_path),
             device=device,
             dtype=dtype,
             fuse_projections=self.switches.fuse_projections,
+            parallel=self.parallel,
         )
         model.fused_norm = self.switches.fused_norm  # before any CUDA graph is captured: graphs keep their path
         spec = model.spec
@@ -201,7 +262,7 @@ class TorchModelRunner:
             device=device,
             dtype=dtype,
             head_dim=spec.head_dim,
-            num_kv_heads=spec.num_kv_heads,
+            num_kv_heads=model.local_heads[1],
             sliding_window=spec.sliding_window,
             requested=requested_backend == backend_name,
             attn_softcap=spec.attn_softcap,
@@ -219,6 +280,34 @@ class TorchModelRunner:
         self.device, self.dtype = device, dtype
         if self.ops.device != device:  # a seam set before load (tests) is kept
             self.ops = device_ops(device)
+        if self.collectives is not None:  # every rank holds its shard before the engine is ready
+            self.collectives.barrier("loaded", None if self.ranks is None else self.ranks.failure)
+        return config, model
+
+    def load(self) -> RunnerInfo:
+        """Build the model, load its weights and allocate the KV cache (on the device thread).
+
+        With ``tensor_parallel_size`` > 1 this is rank 0: it meets the other ranks, loads its shard,
+        and drives them through the KV cache's sizing and allocation.
+
+        Raises:
+            WorkerDiedError: Another rank exited during the load.
+        """
+        if self.ranks is None:
+            return self._load()
+        try:
+            return self._load()
+        except RuntimeError as exc:  # a collective or pipe that failed: say which rank died, if one did
+            failure = self.ranks.explain(exc)
+            if failure is exc:
+                raise
+            raise failure from exc
+
+    def _load(self) -> RunnerInfo:
+        config, model = self._load_model()
+        assert config is not None
+        device, dtype, spec, backend = self.device, self.dtype, model.spec, self.backend
+        assert backend is not None
         eos_token_ids = load_eos_token_ids(self.model_path, config)
         self.sampler = Sampler(device, model.spec.vocab_size, eos_token_ids, self.options.seed, self.ops)
         num_blocks = self.options.kv_cache_blocks or self._size_kv_cache(model, device, dtype)
@@ -231,8 +320,9 @@ class TorchModelRunner:
             self.block_size, max_num_seqs=self.options.max_num_seqs, max_blocks_per_seq=-(-longest // self.block_size)
         )
         if device.type == "cuda" and isinstance(backend, TritonAttentionBackend):  # every kernel variant, now
-            backend.warm_up(num_heads=spec.num_heads, head_dim=spec.head_dim, dtype=dtype, block_size=self.block_size,
-                            max_model_len=longest, max_num_seqs=self.options.max_num_seqs)  # fmt: skip
+            backend.warm_up(num_heads=model.local_heads[0], head_dim=spec.head_dim, dtype=dtype,
+                            block_size=self.block_size, max_model_len=longest,
+                            max_num_seqs=self.options.max_num_seqs)  # fmt: skip
         if device.type == "cuda" and isinstance(backend, TritonAttentionBackend) and spec.moe is not None:
             backend.warm_up_moe(num_experts=spec.moe.num_experts, top_k=spec.moe.top_k, hidden_size=spec.hidden_size,
                                 intermediate_size=spec.moe.intermediate_size, dtype=dtype)  # fmt: skip
@@ -242,8 +332,9 @@ class TorchModelRunner:
             self.compile_seconds = compile_dense_parts(model)
         # The torch MoE path reads its per-expert token counts on the host (``models._moe``), which a CUDA
         # graph cannot capture; the fused kernels' layout reads nothing back, so on their backend a MoE
-        # model decodes in graphs too.
-        capturable = spec.moe is None or backend.runs_fused_moe
+        # model decodes in graphs too. A tensor-parallel model decodes eagerly (its collectives are not
+        # captured).
+        capturable = (spec.moe is None or backend.runs_fused_moe) and not self.parallel.sharded
         if device.type == "cuda" and backend.captures_graphs and not self.options.enforce_eager and capturable:
             longest = min(max_model_len, self.options.max_model_len or max_model_len, slots)
             self.graphs = self._capture_graphs(model, longest)
@@ -256,7 +347,8 @@ class TorchModelRunner:
             description=f"{spec.architecture} on {device} ({str(dtype).removeprefix('torch.')}, "
             f"{self.attention_backend} attention, {'compiled' if self.options.compile else 'eager'}"
             f"{f', {self.packed_format} GEMM' if self.packed_format else ''}"
-            f"{f', {self.num_threads} threads' if device.type == 'cpu' else ''})",
+            f"{f', {self.num_threads} threads' if device.type == 'cpu' else ''}"
+            f"{f', tensor-parallel over {self.parallel.size} ranks' if self.parallel.sharded else ''})",
             structured_output=True,
             hidden_size=spec.hidden_size,
         )
@@ -282,12 +374,19 @@ class TorchModelRunner:
     def _kv_bytes_per_block(self, model: DecoderForCausalLM, dtype: torch.dtype) -> int:
         spec = model.spec
         element = torch.tensor([], dtype=dtype).element_size()
-        return 2 * spec.num_layers * self.block_size * spec.num_kv_heads * spec.head_dim * element
+        return 2 * spec.num_layers * self.block_size * model.local_heads[1] * spec.head_dim * element
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A KV cache of ``num_blocks`` blocks for this rank's KV heads; rank 0 has the other ranks
+        allocate theirs too (every rank holds the same blocks, of its own heads)."""
         assert self.model is not None
+        if self.ranks is not None:
+            from asyncllm.executor._ranks import AllocateMessage
+
+            self.ranks.send(AllocateMessage(num_blocks))
         spec = self.model.spec
-        shape = (num_blocks * self.block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (num_blocks * self.block_size, self.model.local_heads[1], spec.head_dim)
+        self.kv_caches = []  # the old cache goes before the new one is allocated
         return [(self._zeros(shape), self._zeros(shape)) for _ in range(spec.num_layers)]
 
     def _zeros(self, shape: tuple[int, int, int]) -> torch.Tensor:
@@ -324,6 +423,8 @@ class TorchModelRunner:
             sizing = KVCacheSizing(num_blocks * bytes_per_block, available, peak, bytes_per_block, num_blocks)
         else:
             available = torch.cuda.mem_get_info(device)[0] if cuda else host_available_bytes()
+            if not cuda:  # the ranks' caches share the host's memory
+                available //= self.parallel.size
             sizing = size_kv_cache(
                 kv_cache_memory,
                 device_type=device.type,
@@ -377,8 +478,9 @@ class TorchModelRunner:
     @property
     def overlaps(self) -> bool:
         """Whether ``launch`` returns before the device has finished the step (CUDA): the executor may
-        then launch step N+1 before it collects step N (``executor.LookaheadExecutor``)."""
-        return self.ops.asynchronous
+        then launch step N+1 before it collects step N (``executor.LookaheadExecutor``). Not with
+        tensor parallelism: a step is sent to the other ranks with its tokens known."""
+        return self.ops.asynchronous and not self.parallel.sharded
 
     def execute(self, batch: StepBatch) -> StepOutput:
         """Run one step on the flat batch; return the sampled ids (see ``ModelRunner.execute``)."""
@@ -414,6 +516,11 @@ class TorchModelRunner:
                 return self._execute(batch.sequences, after)
         except torch.OutOfMemoryError as exc:
             raise DeviceOutOfMemoryError(f"the device ran out of memory during a step: {exc}") from exc
+        except RuntimeError as exc:  # a collective or pipe that failed: say which rank died, if one did
+            failure = exc if self.ranks is None else self.ranks.explain(exc)
+            if failure is exc:
+                raise
+            raise failure from exc
 
     def _placeholders(
         self, sequences: list[SequenceInput], after: PendingStep | None
@@ -447,6 +554,11 @@ class TorchModelRunner:
         ops = self.ops
         clock = _StepClock(self.device)
         sequences, plan = self._placeholders(sequences, after)
+        if self.ranks is not None:  # the step's one broadcast: the other ranks run its forward with this one
+            from asyncllm.executor._ranks import StepMessage
+
+            assert self._tables is not None
+            self.ranks.send(StepMessage(self._tables.deltas(sequences), time.perf_counter()))
         step = self.input_batch.prepare(sequences)
         fill = None
         if plan:
@@ -460,18 +572,21 @@ class TorchModelRunner:
         hidden = self._replay(step, fill) if meta is None else self._forward(step, meta, fill)
         clock.mark()
         model = self.model
+        rows = hidden[ops.to_device(step.sample_index)] if len(step.sample_index) else None
+        # Split over ranks, every rank gathers the sampled rows' logits right after the forward (the other
+        # ranks know the rows from the step); prompt logprobs' rows are sent after it, one message each.
+        sample_logits = model.logits(rows) if rows is not None and self.parallel.sharded else None
         pooling = any(s.pooling is not None for s in sequences)
         # Pooling sequences never sample: the sampler keeps no state for them.
         self.sampler.record([s for s in sequences if s.pooling is None] if pooling else sequences)
         offsets = step.query_start_loc[:-1].tolist()
-        prompt_logprobs = self.sampler.prompt_logprobs(sequences, offsets, lambda rows: model.logits(hidden[rows]))
+        prompt_logprobs = self.sampler.prompt_logprobs(sequences, offsets, lambda at: self._logits_at(hidden, at))
         pooled, failed = self._pool(sequences, offsets, hidden) if pooling else (None, {})
         sampling = [s for s in sequences if s.sample]
         token_ids: torch.Tensor | list[int] = []
         logprobs = None
-        if len(step.sample_index):
-            rows = hidden[ops.to_device(step.sample_index)]
-            token_ids, logprobs = self._sample(model, rows, sampling)
+        if rows is not None:
+            token_ids, logprobs = self._sample(model, rows, sampling, sample_logits)
         host_ids = ops.to_host(token_ids) if isinstance(token_ids, torch.Tensor) else token_ids
         clock.mark()
         event = ops.record()  # after the clock's last mark: once it is complete, so are the clock's events
@@ -529,17 +644,34 @@ class TorchModelRunner:
         vectors = torch.stack([vector for _, vector in finals]).cpu().numpy()
         return {request_id: vectors[index] for index, (request_id, _) in enumerate(finals)}, failed
 
+    def _logits_at(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The logits of some rows of the step's hidden states (split over ranks: the other ranks are
+        told the rows, and gather their vocabulary slices with rank 0's)."""
+        assert self.model is not None
+        if self.ranks is not None:
+            from asyncllm.executor._ranks import LogitsMessage
+
+            self.ranks.send(LogitsMessage(rows.tolist()))
+        return self.model.logits(hidden[rows])
+
     def _sample(
-        self, model: DecoderForCausalLM, rows: torch.Tensor, sequences: list[SequenceInput]
+        self,
+        model: DecoderForCausalLM,
+        rows: torch.Tensor,
+        sequences: list[SequenceInput],
+        logits: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | list[int], list[PositionLogprobs | None] | None]:
         """One token per row of ``rows`` (the sampling positions' hidden states), and logprobs where asked.
 
         The ids stay on the device (a tensor) unless the greedy head picked some: plain greedy rows go to
         the model's greedy head where it has one (the CPU's; the same tokens as the argmax of their
         logits), which gives host ids; the sampler takes the rest, and any row the head could not
-        decide, from logits.
+        decide, from logits. ``logits``: the rows' logits, computed already (tensor parallelism).
         """
         assert self.sampler is not None
+        if logits is not None:
+            sampled = self.sampler.sample(logits, sequences)
+            return sampled.token_ids, sampled.logprobs
         head = model.greedy_head if self.switches.greedy_head else None
         plain = self.sampler.plain_greedy_rows(sequences) if head is not None else []
         if head is None or not plain:
@@ -582,8 +714,43 @@ class TorchModelRunner:
         assert self.graphs is not None and self.backend is not None
         return self.graphs.run(step, self.backend.kv_splits(step.num_seqs, step.max_seq_len), fill)
 
+    # -- ranks other than 0 (``asyncllm.worker._rank``) ----------------------------------------------
+
+    def load_rank(self) -> None:
+        """Meet the other ranks and load this rank's shard (no KV cache: rank 0 says its size)."""
+        self._load_model()
+
+    def allocate(self, num_blocks: int) -> None:
+        """Replace the KV cache by one of ``num_blocks`` blocks of this rank's KV heads."""
+        self.kv_caches = self._allocate_kv_cache(num_blocks)
+
+    def forward_step(self, sequences: list[SequenceInput]) -> None:
+        """Run a step's forward as rank 0 does (its collectives with it); gather the sampled rows' logits."""
+        assert self.model is not None
+        with torch.inference_mode():
+            step = self.input_batch.prepare(sequences)
+            self._hidden = hidden = self._forward(step)
+            if len(step.sample_index):
+                self.model.logits(hidden[self.ops.to_device(step.sample_index)])
+
+    def gather_logits(self, rows: list[int]) -> None:
+        """Contribute this rank's slice of the logits of ``rows`` of the last step's hidden states."""
+        assert self.model is not None and self._hidden is not None
+        with torch.inference_mode():
+            self.model.logits(self._hidden[self.ops.to_device(np.array(rows, dtype=np.int64))])
+
     def close(self) -> None:
-        """Drop weights and KV tensors so their memory can be returned."""
+        """Drop weights and KV tensors so their memory can be returned (rank 0 stops the other ranks first)."""
+        if self.ranks is not None:
+            from asyncllm.errors import WorkerDiedError
+            from asyncllm.executor._ranks import StopMessage
+
+            with contextlib.suppress(WorkerDiedError, OSError):  # already gone: the engine ends it
+                self.ranks.send(StopMessage())
+        self._hidden = None
+        self._tables = None
+        self.collectives = None
+        self.parallel = SINGLE  # the process group (its sockets) goes with the last reference to it
         self.graphs = None
         self.model = None
         self.kv_caches = []

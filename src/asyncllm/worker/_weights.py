@@ -22,6 +22,7 @@ from torch import nn
 
 from asyncllm.errors import ModelLoadError
 from asyncllm.models import DecoderForCausalLM, build_model
+from asyncllm.models._parallel import SINGLE, TensorParallel
 
 LOAD_CHUNK_BYTES = 16 << 20
 """At most this many bytes of a checkpoint tensor (in its own dtype) are read at once while loading:
@@ -109,6 +110,7 @@ def load_model(
     device: torch.device,
     dtype: torch.dtype,
     fuse_projections: bool,
+    parallel: TensorParallel = SINGLE,
 ) -> DecoderForCausalLM:
     """Build the model ``config`` describes and load ``tensors`` into it, in ``dtype`` on ``device``.
 
@@ -118,11 +120,15 @@ def load_model(
     ``RotaryEmbedding`` does at init, and moved to ``device`` in float32.
 
     Args:
-        config: The HF config (``load_config``).
+        config: The HF config (``load_config``), or the model's ``DecoderSpec`` read off it (a rank of a
+            tensor-parallel model gets rank 0's, and need not import transformers).
         tensors: The checkpoint (``checkpoint_tensors``), with HF's names.
         device: Where the weights go.
         dtype: The floating-point dtype of every parameter.
         fuse_projections: Stack q/k/v and gate/up (``DecoderForCausalLM.fuse_projections``).
+        parallel: The rank's place in a tensor-parallel model: the model holds its shard of every
+            split weight, and only that shard is copied from the checkpoint (its rows, or its columns
+            read a row range at a time).
 
     Returns:
         The model, in eval mode.
@@ -133,7 +139,7 @@ def load_model(
         NotImplementedError: The config's architecture is not implemented.
     """
     with torch.device("meta"):
-        model = build_model(config)
+        model = build_model(config, parallel)
         if fuse_projections:
             model.fuse_projections()
     allocated: dict[int, nn.Parameter] = {}  # by the meta parameter's id: tied parameters stay one
@@ -152,7 +158,8 @@ def load_model(
 
 def load_weights(model: DecoderForCausalLM, tensors: Iterable[CheckpointTensor]) -> None:
     """Copy every checkpoint tensor into its parameter (or its rows of a fused one, or of a stacked MoE
-    expert parameter), casting on the way.
+    expert parameter), casting on the way; a rank of a tensor-parallel model copies only its shard
+    (``DecoderForCausalLM.checkpoint_slices``).
 
     Reads at most ``LOAD_CHUNK_BYTES`` at a time. With tied embeddings a checkpoint's ``lm_head.weight``
     is ignored (the input embedding is the output projection). Precomputed rotary tables are ignored:
@@ -162,36 +169,50 @@ def load_weights(model: DecoderForCausalLM, tensors: Iterable[CheckpointTensor])
         ModelLoadError: A tensor is unknown, has the wrong shape, or a parameter is left unfilled.
     """
     params = dict(model.named_parameters())
-    rows_of = model.checkpoint_rows()
+    slices = model.checkpoint_slices()
     filled: dict[str, int] = dict.fromkeys(params, 0)
+    with torch.no_grad():
+        for padded, valid in model.padded_rows().items():  # no checkpoint row lands there: zeros
+            param = params[padded]
+            param.data[valid:].zero_()
+            filled[padded] += param.data[valid:].numel()
     for name, shape, read in tensors:
         if "rotary_emb" in name or (name == "lm_head.weight" and model.spec.tie_word_embeddings):
             continue
-        target_name, first = rows_of.get(name, (name, 0))
+        where = slices.get(name)
+        target_name, first = (name, 0) if where is None else (where.target, where.first_row)
         target = params.get(target_name)
         if target is None:
             raise ModelLoadError(f"the checkpoint has a tensor {name!r} that the model does not have")
-        count = shape[0] if shape else 1
+        rows = (0, shape[0] if shape else 1) if where is None or where.rows is None else where.rows
+        columns = None if where is None else where.columns
+        if rows[1] > (shape[0] if shape else 1) or (columns is not None and (len(shape) < 2 or columns[1] > shape[1])):
+            raise ModelLoadError(f"the checkpoint's {name!r} of shape {list(shape)} is too small to split over ranks")
+        width = tuple(shape[1:]) if columns is None else (columns[1] - columns[0], *shape[2:])
+        count = rows[1] - rows[0]
         if target.dim() == len(shape) + 1 and len(shape) >= 1:
             # One expert's matrix of a stacked [experts, rows, columns] parameter (``models._moe``):
             # its rows are rows of the stack seen as [experts * rows, columns].
             destination = target.data.view(-1, *target.shape[2:])
         else:
             destination = target.data.view(-1, *target.shape[1:]) if target.dim() else target.data.view(1)
-        if tuple(destination.shape[1:]) != tuple(shape[1:]) or first + count > destination.shape[0]:
+        if tuple(destination.shape[1:]) != width or first + count > destination.shape[0]:
             raise ModelLoadError(
                 f"the checkpoint's {name!r} has shape {list(shape)}, which does not fit the model's "
                 f"{target_name!r} of shape {list(target.shape)}"
             )
-        row_bytes = max(1, destination[0].numel() * destination.element_size())
+        # Whole rows are read (a row range is one contiguous read), then cut to the rank's columns.
+        row_bytes = max(1, destination[0].numel() * destination.element_size(), math.prod(shape[1:]) * 4)
         step = max(1, LOAD_CHUNK_BYTES // row_bytes)
         with torch.no_grad():
             for start in range(0, count, step):
                 stop = min(count, start + step)
-                chunk = read(start, stop) if shape else read(0, 1).reshape(1)
+                chunk = read(rows[0] + start, rows[0] + stop) if shape else read(0, 1).reshape(1)
+                if columns is not None:
+                    chunk = chunk[:, columns[0] : columns[1]]
                 destination[first + start : first + stop].copy_(chunk)
                 del chunk
-        filled[target_name] += count * math.prod(shape[1:])
+        filled[target_name] += count * math.prod(width)
     missing = [name for name, param in params.items() if filled[name] != param.numel()]
     if missing:
         raise ModelLoadError(

@@ -1,0 +1,484 @@
+"""The ranks of tensor parallelism beyond the device thread: their processes, and what reaches them each step.
+
+With ``tensor_parallel_size=N`` the engine's device thread drives rank 0 and ranks 1..N-1 run in worker
+processes (``python -m asyncllm.worker._rank``), each owning its device. ``RankProcesses`` starts them
+when the engine is entered and ends them when it is left; nothing here imports torch.
+
+Each rank process has three pipes to the engine's process:
+
+- **commands** (engine to rank): msgspec-encoded ``RankMessage``s, written by rank 0's runner on the
+  device thread. A step is one ``StepMessage``: the scheduler's sequences for that step, their block
+  tables sent as what changed since the rank last saw them (``TableSync``), so a decode step costs a
+  few integers per sequence. The rank decodes it, runs the same ``InputBatch`` as rank 0, and joins
+  the step's collectives (``torch.distributed``: gloo on the CPU, NCCL on CUDA). Waiting for the next
+  message is a blocking read: an idle rank uses no CPU and no collective times out while idle.
+- **status** (rank to engine): reports (a failure's reason, counters at exit), and the rank's
+  sentinel: the engine sees end-of-file there the moment the process exits, for whatever reason.
+- **stdin** (engine to rank): the lifeline. The engine never writes to it; when the engine's process
+  ends (a crash, SIGKILL), the rank reads end-of-file and exits, so no rank outlives its engine.
+
+A rank that exits while the engine runs fails the engine (``WorkerDiedError`` on every stream): the
+watcher (``watch``) notices the end-of-file at once, whether a step is running or not. A rank that
+hangs is caught by ``step_timeout`` (rank 0's step waits on it in a collective).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection, wait
+from types import TracebackType
+from typing import Any
+
+import anyio
+import msgspec
+
+from asyncllm.errors import WorkerDiedError
+from asyncllm.executor._runner import SequenceInput
+from asyncllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("asyncllm")
+
+__all__ = [
+    "AllocateMessage",
+    "LogitsMessage",
+    "RankConfig",
+    "RankMessage",
+    "RankProcesses",
+    "RankReport",
+    "SequenceDelta",
+    "StepMessage",
+    "StopMessage",
+    "TableMirror",
+    "TableSync",
+]
+
+RANK_EXIT_GRACE = 10.0
+"""Seconds a rank process has to exit after the engine asked it to stop (a clean close) before it is
+killed; a dead engine's ranks are killed at once."""
+
+
+class RankConfig(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag="config"):
+    """A rank's first message: what to load and where the others are."""
+
+    rank: int
+    size: int
+    model_path: str
+    options: dict[str, Any]
+    """The engine's options (``EngineOptions`` fields with JSON-able values)."""
+    store_host: str
+    store_port: int
+    """The ``torch.distributed`` store rank 0 opened, where the ranks meet."""
+    spec: dict[str, Any]
+    """The model's ``DecoderSpec`` as builtins (``msgspec.to_builtins``), read off its config by rank 0:
+    a rank builds its shard from it without importing transformers (seconds at start-up)."""
+
+
+class SequenceDelta(msgspec.Struct, frozen=True, array_like=True):
+    """One sequence of a step as the other ranks receive it."""
+
+    request_id: int
+    epoch: int
+    start_position: int
+    token_ids: list[int]
+    sample: bool
+    kept_blocks: int
+    """Blocks of the table the rank holds from earlier steps that stay; 0: the table is ``new_blocks``."""
+    new_blocks: list[int]
+
+
+class StepMessage(msgspec.Struct, frozen=True, array_like=True, tag="step"):
+    """Run a step's forward; if it samples, gather the sampled rows' logits to rank 0 after it."""
+
+    sequences: list[SequenceDelta]
+    sent_at: float
+    """``time.perf_counter()`` on rank 0 when sent (one monotonic clock for every process of the host)."""
+
+
+class LogitsMessage(msgspec.Struct, frozen=True, array_like=True, tag="logits"):
+    """Gather the logits of these rows of the last step's hidden states to rank 0 (prompt logprobs)."""
+
+    rows: list[int]
+
+
+class AllocateMessage(msgspec.Struct, frozen=True, array_like=True, tag="allocate"):
+    """Replace the KV cache by one of ``num_blocks`` blocks (the rank's KV heads)."""
+
+    num_blocks: int
+
+
+class StopMessage(msgspec.Struct, frozen=True, array_like=True, tag="stop"):
+    """Report the counters and exit."""
+
+
+RankMessage = RankConfig | StepMessage | LogitsMessage | AllocateMessage | StopMessage
+
+
+class RankReport(msgspec.Struct, frozen=True, kw_only=True):
+    """What a rank tells the engine: why it failed, or its counters when it stops."""
+
+    failure: str | None = None
+    steps: int = 0
+    broadcast_seconds: float = 0.0
+    """Summed over steps: from rank 0's send to the step decoded here (the broadcast's latency)."""
+    collective_seconds: float = 0.0
+    """Summed over steps: time in all-reduces and gathers, waiting for the other ranks included."""
+    forward_seconds: float = 0.0
+    """Summed over steps: the whole forward, its collectives included."""
+
+
+_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)  # the other ranks never sample: any valid params
+
+
+class TableSync:
+    """Rank 0's record of the block tables the other ranks hold, so that a step sends only new blocks.
+
+    Both sides forget a request absent from a step, as ``InputBatch`` does: a request that comes back
+    (after a preemption, in a new epoch) is sent whole.
+    """
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[int, int, int, int]] = {}  # request -> (epoch, blocks, first, last)
+
+    def deltas(self, sequences: Sequence[SequenceInput]) -> list[SequenceDelta]:
+        """The step's sequences for the other ranks; records what they will hold afterwards."""
+        known, now = self._known, {}
+        out = []
+        for seq in sequences:
+            table = seq.block_table
+            held = known.get(seq.request_id)
+            kept = 0
+            # Kept only when the table grew in the same epoch: the rank's copy is a prefix of it.
+            grown = held is not None and held[0] == seq.epoch and len(table) >= held[1] > 0
+            if held is not None and grown and table[0] == held[2] and table[held[1] - 1] == held[3]:
+                kept = held[1]
+            out.append(
+                SequenceDelta(
+                    seq.request_id, seq.epoch, seq.start_position, list(seq.token_ids), seq.sample, kept,
+                    list(table[kept:]),
+                )
+            )  # fmt: skip
+            if table:
+                now[seq.request_id] = (seq.epoch, len(table), table[0], table[-1])
+        self._known = now
+        return out
+
+
+class TableMirror:
+    """A rank's copy of the block tables, rebuilt from each step's ``SequenceDelta``s."""
+
+    def __init__(self) -> None:
+        self._tables: dict[int, list[int]] = {}
+
+    def sequences(self, deltas: Sequence[SequenceDelta]) -> list[SequenceInput]:
+        """The step's sequences, with their whole block tables, as rank 0's runner saw them.
+
+        Raises:
+            RuntimeError: A delta keeps blocks this rank does not hold (rank 0 and this rank disagree).
+        """
+        tables: dict[int, list[int]] = {}
+        out = []
+        for delta in deltas:
+            table = self._tables.get(delta.request_id, []) if delta.kept_blocks else []
+            if len(table) != delta.kept_blocks:
+                raise RuntimeError(
+                    f"request {delta.request_id} keeps {delta.kept_blocks} blocks, this rank holds {len(table)}"
+                )
+            table.extend(delta.new_blocks)
+            tables[delta.request_id] = table
+            out.append(
+                SequenceInput(
+                    request_id=delta.request_id,
+                    token_ids=delta.token_ids,
+                    start_position=delta.start_position,
+                    block_table=table,
+                    sample=delta.sample,
+                    params=_PARAMS,
+                    epoch=delta.epoch,
+                )
+            )
+        self._tables = tables
+        return out
+
+
+_encoder = msgspec.msgpack.Encoder()
+_message_decoder = msgspec.msgpack.Decoder(RankMessage)
+_report_decoder = msgspec.msgpack.Decoder(RankReport)
+
+
+def encode(message: RankMessage | RankReport) -> bytes:
+    """A message or report as sent through a rank's pipes."""
+    return _encoder.encode(message)
+
+
+def decode_message(data: bytes) -> RankMessage:
+    """A message read from the commands pipe."""
+    return _message_decoder.decode(data)
+
+
+class _Rank:
+    def __init__(self, rank: int, process: subprocess.Popen[bytes], commands: Connection, status: Connection) -> None:
+        self.rank = rank
+        self.process = process
+        self.commands = commands
+        self.status = status
+        self.failure: str | None = None
+        self.report: RankReport | None = None
+        self.exited = False
+
+
+class RankProcesses:
+    """Ranks 1..size-1 of a tensor-parallel engine as worker processes, started and ended with it.
+
+    An async context manager: entering it starts the processes (each imports torch and waits for its
+    ``RankConfig``); leaving it ends them: a rank asked to stop (``StopMessage``, by rank 0's runner
+    when it closes) has ``RANK_EXIT_GRACE`` seconds to exit before it is killed, and every rank of a
+    dead engine is killed at once. Either way they are reaped before ``__aexit__`` returns.
+
+    Args:
+        size: The ranks in all (``tensor_parallel_size``), rank 0 included.
+        model_path: The model folder every rank loads its shard from.
+        options: ``EngineOptions`` fields as JSON-able values (each rank builds its runner from them).
+    """
+
+    def __init__(self, size: int, model_path: os.PathLike[str] | str, options: dict[str, Any]) -> None:
+        if size < 2:
+            raise ValueError(f"RankProcesses needs at least 2 ranks, got {size}")
+        self.size = size
+        self.model_path = os.fspath(model_path)
+        self.options = options
+        self._ranks: list[_Rank] = []
+        self._wake_read, self._wake_write = -1, -1
+        self._closing = False
+        self._graceful = True
+        self._lock = threading.Lock()
+        self._failure: WorkerDiedError | None = None
+        self.send_seconds = 0.0
+        """Rank 0's time spent encoding and writing messages, summed (the broadcast's cost to rank 0)."""
+        self.num_sent = 0
+        self.reports: dict[int, RankReport] = {}
+        """Each rank's counters, once it has stopped cleanly (``RankReport``)."""
+
+    @property
+    def pids(self) -> list[int]:
+        """The rank processes' ids, rank 1 first."""
+        return [rank.process.pid for rank in self._ranks]
+
+    async def __aenter__(self) -> RankProcesses:
+        self._wake_read, self._wake_write = os.pipe()
+        try:
+            for rank in range(1, self.size):
+                self._ranks.append(await anyio.to_thread.run_sync(self._spawn, rank))
+        except BaseException:
+            await self._end(graceful=False)
+            raise
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self._end(graceful=self._graceful and exc_type is None)
+
+    def _spawn(self, rank: int) -> _Rank:
+        commands_read, commands_write = os.pipe()
+        status_read, status_write = os.pipe()
+        env = dict(os.environ)
+        # The engine's import path, as multiprocessing's spawn hands it on: the rank imports the same asyncllm.
+        env["PYTHONPATH"] = os.pathsep.join(path for path in sys.path if path)
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "asyncllm.worker._rank", str(commands_read), str(status_write), str(rank)],
+                stdin=subprocess.PIPE,
+                pass_fds=(commands_read, status_write),
+                env=env,
+            )
+        except BaseException:
+            for fd in (commands_read, commands_write, status_read, status_write):
+                os.close(fd)
+            raise
+        os.close(commands_read)
+        os.close(status_write)
+        return _Rank(rank, process, Connection(commands_write, readable=False), Connection(status_read, writable=False))
+
+    # -- rank 0's side (the device thread) --------------------------------------------------------
+
+    def start_group(self, host: str, port: int, spec: dict[str, Any]) -> None:
+        """Send every rank its ``RankConfig``: the model, its spec, the options and rank 0's store address.
+
+        Raises:
+            WorkerDiedError: A rank has exited.
+        """
+        for rank in self._ranks:
+            config = RankConfig(
+                rank=rank.rank,
+                size=self.size,
+                model_path=self.model_path,
+                options=self.options,
+                store_host=host,
+                store_port=port,
+                spec=spec,
+            )
+            self._write(rank, encode(config))
+
+    def send(self, message: RankMessage) -> None:
+        """Encode ``message`` once and write it to every rank (rank 0's device thread only).
+
+        Raises:
+            WorkerDiedError: A rank has exited.
+        """
+        started = time.perf_counter()
+        data = encode(message)
+        for rank in self._ranks:
+            self._write(rank, data)
+        self.send_seconds += time.perf_counter() - started
+        self.num_sent += 1
+
+    def _write(self, rank: _Rank, data: bytes) -> None:
+        try:
+            rank.commands.send_bytes(data)
+        except OSError as exc:  # a closed pipe: the rank is gone
+            failure = self.explain(exc)
+            if failure is exc:
+                raise
+            raise failure from exc
+
+    def failure(self) -> WorkerDiedError | None:
+        """The ``WorkerDiedError`` of a rank that has exited, or None while every rank runs (any thread)."""
+        return self._check_exits()
+
+    def explain(self, error: BaseException, wait_seconds: float = 2.0) -> BaseException:
+        """The ``WorkerDiedError`` behind ``error`` (a collective or a pipe that failed on rank 0) when a
+        rank has exited, else ``error``; waits up to ``wait_seconds`` for an exit to show."""
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            failure = self._check_exits()
+            if failure is not None:
+                return failure
+            if time.monotonic() >= deadline:
+                return error
+            time.sleep(0.05)
+
+    def _check_exits(self) -> WorkerDiedError | None:
+        for rank in self._ranks:
+            code = rank.process.poll()
+            if code is not None:
+                return self._died(rank, code)
+        return self._failure
+
+    def _died(self, rank: _Rank, code: int | None) -> WorkerDiedError:
+        with self._lock:
+            if self._failure is None:
+                how = _describe_exit(code)
+                reason = f": {rank.failure}" if rank.failure else ""
+                self._failure = WorkerDiedError(
+                    f"tensor-parallel rank {rank.rank} (pid {rank.process.pid}) {how}{reason}"
+                )
+            return self._failure
+
+    # -- the engine's side (the event loop) ------------------------------------------------------
+
+    def mark_closing(self, graceful: bool) -> None:
+        """The engine is closing: ranks that exit from now on are expected to (not a failure).
+
+        Args:
+            graceful: The ranks were asked to stop and get ``RANK_EXIT_GRACE`` seconds; False kills
+                them at once (a dead engine: they may be stuck in a collective).
+        """
+        self._closing = True
+        self._graceful = graceful
+
+    def stop_watching(self) -> None:
+        """End ``watch`` (it returns without reporting)."""
+        if self._wake_write >= 0:
+            os.write(self._wake_write, b"x")
+
+    async def watch(self, on_death: Callable[[WorkerDiedError], None]) -> None:
+        """Wait until a rank exits (then call ``on_death`` with why, unless closing) or ``stop_watching``.
+
+        The wait is a thread blocked on every rank's status pipe: a rank's exit shows as end-of-file
+        there at once, however it ended. Reports read meanwhile (a failure's reason) are kept.
+        """
+        rank = await anyio.to_thread.run_sync(self._wait_for_exit)
+        if rank is None or self._closing:
+            return
+        code = await anyio.to_thread.run_sync(_exit_code, rank.process)
+        on_death(self._died(rank, code))
+
+    def _wait_for_exit(self) -> _Rank | None:
+        by_conn = {rank.status: rank for rank in self._ranks}
+        sources: list[Any] = [*by_conn, self._wake_read]
+        while True:
+            for ready in wait(sources):
+                if ready == self._wake_read:
+                    return None
+                rank = by_conn[ready]  # type: ignore[index]
+                if not self._read_report(rank):
+                    return rank
+
+    def _read_report(self, rank: _Rank) -> bool:
+        """Read one report from ``rank``'s status pipe; False at end-of-file (the rank exited)."""
+        try:
+            report = _report_decoder.decode(rank.status.recv_bytes())
+        except (EOFError, OSError):
+            rank.exited = True
+            return False
+        except msgspec.DecodeError:
+            return True
+        if report.failure is not None:
+            rank.failure = report.failure
+        else:
+            rank.report = report
+            self.reports[rank.rank] = report
+        return True
+
+    async def _end(self, *, graceful: bool) -> None:
+        self._closing = True
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self._end_blocking, graceful)
+
+    def _end_blocking(self, graceful: bool) -> None:
+        # A rank asked to stop exits on its own; give it the grace, then kill what is left.
+        deadline = time.monotonic() + (RANK_EXIT_GRACE if graceful else 0.0)
+        for rank in self._ranks:
+            rank.commands.close()
+            try:
+                rank.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                if graceful:
+                    logger.warning("asyncllm: tensor-parallel rank %d did not stop in time; killing it", rank.rank)
+                rank.process.kill()
+                rank.process.wait()
+            while not rank.exited and rank.status.poll():  # the counters it wrote before exiting
+                self._read_report(rank)
+            rank.status.close()
+            if rank.process.stdin is not None:
+                rank.process.stdin.close()
+        for fd in (self._wake_read, self._wake_write):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_read = self._wake_write = -1
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "closed its pipe"
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def _exit_code(process: subprocess.Popen[bytes]) -> int | None:
+    # The pipe's end-of-file comes as the process exits: its status follows within moments.
+    try:
+        return process.wait(timeout=5.0)
+    except subprocess.TimeoutExpired:
+        return None

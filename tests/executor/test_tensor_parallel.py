@@ -1,0 +1,390 @@
+"""Tensor parallelism over real rank processes (gloo on the CPU, two ranks).
+
+Each test that opens an engine with ``tensor_parallel_size=2`` starts a real worker process (it imports
+torch and loads its shard: seconds), so the tests share engines where they can: one engine per model runs
+chunked prefill, preemption and prefix-cache hits together and is compared token for token with
+``tensor_parallel_size=1`` and with transformers' greedy output on the same weights.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from asyncllm import (
+    DeviceStepTimeoutError,
+    Engine,
+    EngineDeadError,
+    SamplingParams,
+    UnsupportedModelError,
+    WorkerDiedError,
+)
+from asyncllm.executor._ranks import RankProcesses, SequenceDelta, TableMirror, TableSync
+from asyncllm.executor._runner import SequenceInput
+from asyncllm.models._parallel import TensorParallel, kv_head_range, shard_range
+from asyncllm.testing.parity import stream_all, transformers_greedy
+from asyncllm.testing.tiny_models import tiny_model_path
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find processes")
+
+PROMPT_LENGTHS = (1, 5, 12, 20, 33, 48)
+MAX_NEW_TOKENS = 12
+# One engine exercises all three: prompts longer than 16 tokens prefill in chunks, 32 blocks of 4 tokens
+# cannot hold every request at once (recompute preemption), and the second pass hits the prefix cache.
+STRESS = {"block_size": 4, "kv_cache_blocks": 32, "max_model_len": 128, "max_num_batched_tokens": 16}
+
+MODELS: dict[str, tuple[str, dict[str, Any], str]] = {
+    # name: (family, build_tiny_model arguments, attention backend)
+    "llama-gqa": ("llama", {}, "torch"),  # 4 query heads, 2 KV heads: 2 and 1 per rank; tied embeddings
+    "llama-one-kv-head": ("llama", {"num_kv_heads": 1}, "torch"),  # the KV head replicated on both ranks
+    "qwen2-odd-vocab": ("qwen2", {"vocab_size": 517}, "torch"),  # q/k/v biases; the last vocabulary shard padded
+    "qwen3": ("qwen3", {}, "cpu"),  # per-head q/k norms, head_dim apart from hidden_size; the C kernels
+}
+
+
+def _model_dir(cache: Path, name: str) -> Path:
+    family, kwargs, _ = MODELS[name]
+    return tiny_model_path(cache, family, **kwargs)
+
+
+def _prompts(vocab_size: int) -> list[list[int]]:
+    rng = random.Random(27)
+    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie, or no such process, is not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _children() -> set[int]:
+    """Live child processes of this process."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[1]) == os.getpid() and fields[0] not in ("Z", "X"):
+                found.add(int(entry.name))
+    return found
+
+
+async def _run_all(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    return await stream_all(engine, prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS))
+
+
+# Every model on asyncio, one on trio too: each case starts a rank process (seconds), and what differs
+# between the backends (the watcher's thread, the device thread's wake-ups) is the same for every model.
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("anyio_backend", "name"), [*(("asyncio", name) for name in sorted(MODELS)), ("trio", "llama-gqa")]
+)
+async def test_two_ranks_match_one_and_transformers(tiny_cache: Path, name: str) -> None:
+    model_dir = _model_dir(tiny_cache, name)
+    backend = MODELS[name][2]
+    before = _children()
+    results: dict[int, tuple[list[list[int]], list[list[int]], Any, Any]] = {}
+    for size in (1, 2):
+        async with Engine.open(
+            model_dir, device="cpu", attention_backend=backend, tensor_parallel_size=size, **STRESS
+        ) as engine:
+            assert engine._info is not None
+            prompts = _prompts(engine._info.vocab_size)
+            first = await _run_all(engine, prompts)
+            hits = engine.statistics().prefix_cache_hits
+            second = await _run_all(engine, prompts)  # the same prompts: their full blocks are cached
+            stats = engine.statistics()
+            assert stats.prefix_cache_hits > hits
+            assert stats.num_preemptions > 0
+            # Prompt logprobs take their own gathers (one message to the other ranks per chunk).
+            scored = await engine.generate(
+                prompts[3], SamplingParams(temperature=0.0, max_tokens=2, logprobs=3, prompt_logprobs=2)
+            )
+            # Pooling reads rank 0's final hidden states (whole on every rank after the last all-reduce).
+            embedded = await engine.embed([prompts[2], prompts[4]], pooling="mean")
+            if size == 2:
+                assert "tensor-parallel over 2 ranks" in engine._info.description
+                assert engine._ranks is not None and all(_alive(pid) for pid in engine._ranks.pids)
+        results[size] = (first, second, scored, embedded)
+    expected = transformers_greedy(model_dir, tuple(map(tuple, prompts)), MAX_NEW_TOKENS)
+    one, two = results[1], results[2]
+    assert one[0] == expected and one[1] == expected
+    assert two[0] == expected and two[1] == expected
+    assert two[2].token_ids == one[2].token_ids
+    pairs = [*zip(two[2].prompt_logprobs[1:], one[2].prompt_logprobs[1:]), *zip(two[2].logprobs, one[2].logprobs)]
+    assert len(pairs) == len(prompts[3]) - 1 + 2
+    for got, want in pairs:
+        assert got.token.token_id == want.token.token_id and got.token.rank == want.token.rank
+        assert [t.token_id for t in got.top] == [t.token_id for t in want.top]
+        assert got.token.logprob == pytest.approx(want.token.logprob, abs=1e-4)
+    for got_vector, want_vector in zip(two[3], one[3]):
+        assert got_vector.embedding == pytest.approx(want_vector.embedding, abs=1e-5)
+    assert _children() == before  # the rank process is gone with its engine
+
+
+@pytest.mark.anyio
+async def test_a_rank_killed_mid_run_ends_every_stream_with_engine_dead(tiny_cache: Path) -> None:
+    before = _children()
+    engine = Engine.open(_model_dir(tiny_cache, "llama-gqa"), device="cpu", attention_backend="torch",
+                         tensor_parallel_size=2, kv_cache_blocks=64)  # fmt: skip
+    errors: list[BaseException] = []
+    with pytest.raises(WorkerDiedError):  # leaving the block re-raises why the engine died
+        async with engine:
+            assert engine._ranks is not None
+            (pid,) = engine._ranks.pids
+            started = anyio.Event()
+
+            async def consume(prompt: list[int]) -> None:
+                try:
+                    async with engine.stream(prompt, SamplingParams(max_tokens=500, ignore_eos=True)) as stream:
+                        async for _ in stream:
+                            started.set()
+                except EngineDeadError as exc:
+                    errors.append(exc)
+
+            with anyio.fail_after(60):  # a bound on a hang, far above the moments it takes
+                async with anyio.create_task_group() as group:
+                    for index in range(4):
+                        group.start_soon(consume, [10 + index] * (5 + index))
+                    await started.wait()
+                    os.kill(pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError):
+                engine.check_health()
+    assert len(errors) == 4
+    assert all(isinstance(error, WorkerDiedError) for error in errors)
+    assert f"rank 1 (pid {pid}) was killed by signal SIGKILL" in str(errors[0])
+    assert not _alive(pid)
+    assert _children() == before
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the watcher alone; both backends: the test above
+async def test_a_rank_killed_while_idle_fails_the_health_check(tiny_cache: Path) -> None:
+    engine = Engine.open(_model_dir(tiny_cache, "llama-gqa"), device="cpu", attention_backend="torch",
+                         tensor_parallel_size=2, kv_cache_blocks=64)  # fmt: skip
+    with pytest.raises(WorkerDiedError):
+        async with engine:
+            await engine.generate([5, 6, 7], SamplingParams(max_tokens=2))
+            assert engine._ranks is not None
+            os.kill(engine._ranks.pids[0], signal.SIGKILL)
+            with anyio.fail_after(60):  # the watcher notices the exit at once; the bound is for a hang
+                while engine._core is not None and engine._core.dead is None:
+                    await anyio.sleep(0.01)
+            with pytest.raises(EngineDeadError):
+                engine.check_health()
+            with pytest.raises(EngineDeadError):
+                await engine.generate([5, 6, 7], SamplingParams(max_tokens=2))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # each engine test above closes on both backends
+async def test_open_and_close_cycles_leave_no_process_or_descriptor(tiny_cache: Path) -> None:
+    model_dir = _model_dir(tiny_cache, "llama-one-kv-head")
+    before = _children()
+    descriptors: list[int] = []
+    for _ in range(2):
+        async with Engine.open(model_dir, device="cpu", attention_backend="torch", tensor_parallel_size=2,
+                               kv_cache_blocks=32) as engine:  # fmt: skip
+            assert engine._ranks is not None
+            pids = engine._ranks.pids
+            assert all(_alive(pid) for pid in pids)
+            await engine.generate([7, 8, 9], SamplingParams(max_tokens=3))
+        assert not any(_alive(pid) for pid in pids)
+        assert _children() == before
+        descriptors.append(len(os.listdir("/proc/self/fd")))
+    assert descriptors[1] <= descriptors[0]  # the second cycle leaks no pipe or socket of the first
+
+
+def _orphan_script(model_dir: Path) -> str:
+    return textwrap.dedent(f"""
+        import anyio, sys
+        from asyncllm import Engine
+
+        async def main():
+            async with Engine.open({str(model_dir)!r}, device="cpu", attention_backend="torch",
+                                   tensor_parallel_size=2, kv_cache_blocks=16) as engine:
+                print(*engine._ranks.pids, flush=True)
+                await anyio.sleep_forever()
+
+        if __name__ == "__main__":
+            try:
+                anyio.run(main)
+            except KeyboardInterrupt:
+                print("interrupted", flush=True)
+    """)
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGINT"])
+def test_no_rank_outlives_its_engines_process(tiny_cache: Path, tmp_path: Path, how: str) -> None:
+    # SIGKILL: the engine's process cannot clean up; its ranks read end-of-file on their lifeline and
+    # exit. SIGINT (Ctrl-C): the engine closes as it leaves `async with` and stops its ranks.
+    script = tmp_path / "engine.py"
+    script.write_text(_orphan_script(_model_dir(tiny_cache, "llama-one-kv-head")))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        assert process.stdout is not None
+        (pid,) = map(int, process.stdout.readline().split())
+        assert _alive(pid)
+        process.send_signal(getattr(signal, how))
+        process.wait(timeout=120)
+        if how == "SIGINT":
+            assert process.stdout.read().strip() == "interrupted"
+            assert process.returncode == 0
+        deadline = time.monotonic() + 60  # a bound on a hang: the rank exits within moments
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid)
+    finally:
+        process.kill()
+        process.wait()
+
+
+@pytest.mark.anyio
+async def test_unsupported_models_are_refused_before_any_process_starts(tiny_cache: Path) -> None:
+    before = _children()
+    with pytest.raises(UnsupportedModelError, match=r"supports LlamaForCausalLM.*Gemma2ForCausalLM"):
+        async with Engine.open(tiny_model_path(tiny_cache, "gemma2"), device="cpu", tensor_parallel_size=2):
+            pass
+    with pytest.raises(UnsupportedModelError, match="4 attention heads do not divide over 3 ranks"):
+        async with Engine.open(tiny_model_path(tiny_cache, "llama"), device="cpu", tensor_parallel_size=3):
+            pass
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"needs CUDA devices 0\.\.1, and this machine has 0"):
+            async with Engine.open(tiny_model_path(tiny_cache, "llama"), device="cuda", tensor_parallel_size=2):
+                pass
+    with pytest.raises(UnsupportedModelError, match="3 KV heads and 2 ranks"):
+        async with Engine.open(tiny_model_path(tiny_cache, "llama", num_heads=6, num_kv_heads=3, hidden_size=48),
+                               device="cpu", tensor_parallel_size=2):  # fmt: skip
+            pass
+    assert _children() == before
+
+
+def test_options_that_do_not_combine_with_tensor_parallelism_are_refused_at_open() -> None:
+    from asyncllm.testing import ByteTokenizer, ScriptedRunner
+
+    with pytest.raises(ValueError, match="compile=True"):
+        Engine.open("unused", tensor_parallel_size=2, compile=True)
+    with pytest.raises(ValueError, match="custom runner"):
+        Engine.open(runner=ScriptedRunner([1]), tokenizer=ByteTokenizer(), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        Engine.open("unused", tensor_parallel_size=0)
+
+
+def _seq(request_id: int, table: list[int], epoch: int = 0) -> SequenceInput:
+    return SequenceInput(request_id, [1], len(table) * 4 - 1, table, True, SamplingParams(), epoch=epoch)
+
+
+def test_block_tables_reach_the_other_ranks_as_what_changed() -> None:
+    sync, mirror = TableSync(), TableMirror()
+
+    def step(*sequences: SequenceInput) -> list[SequenceDelta]:
+        deltas = sync.deltas(sequences)
+        got = mirror.sequences(deltas)
+        assert [s.block_table for s in got] == [s.block_table for s in sequences]
+        return deltas
+
+    assert [d.new_blocks for d in step(_seq(1, [4, 5]), _seq(2, [9]))] == [[4, 5], [9]]
+    assert [(d.kept_blocks, d.new_blocks) for d in step(_seq(1, [4, 5, 6]), _seq(2, [9]))] == [(2, [6]), (1, [])]
+    # Request 2 is absent from a step: both sides forget it, and it comes back whole.
+    step(_seq(1, [4, 5, 6]))
+    assert [(d.kept_blocks, d.new_blocks) for d in step(_seq(2, [9, 3]))] == [(0, [9, 3])]
+    # A new epoch (a preemption) rewrites the table even when it starts alike.
+    assert [(d.kept_blocks, d.new_blocks) for d in step(_seq(2, [9, 3, 8], epoch=1))] == [(0, [9, 3, 8])]
+
+
+def test_heads_split_evenly_or_kv_heads_replicate() -> None:
+    ranks = [TensorParallel(rank, 4) for rank in range(4)]
+    assert [shard_range(8, p) for p in ranks] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert [kv_head_range(4, p) for p in ranks] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert [kv_head_range(2, p) for p in ranks] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert [kv_head_range(1, p) for p in ranks] == [(0, 1)] * 4
+    with pytest.raises(ValueError, match="do not divide"):
+        kv_head_range(3, ranks[0])
+
+
+@pytest.mark.anyio
+async def test_rank_processes_need_two_ranks() -> None:
+    with pytest.raises(ValueError, match="at least 2"):
+        RankProcesses(1, "unused", {})
+
+
+def test_torch_is_not_needed_to_describe_a_step() -> None:
+    # The messages and the table sync are plain msgspec structs: the engine's side imports no torch for them.
+    code = "import sys, asyncllm.executor._ranks; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})  # fmt: skip
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_rank_that_hangs_ends_every_stream_after_step_timeout(tiny_cache: Path) -> None:
+    # SIGSTOP: the rank is alive but never answers; rank 0 waits in a collective until step_timeout.
+    # Starting the rank (seconds) is not bounded by step_timeout: only the steps are.
+    before = _children()
+    engine = Engine.open(_model_dir(tiny_cache, "llama-gqa"), device="cpu", attention_backend="torch",
+                         tensor_parallel_size=2, kv_cache_blocks=64, step_timeout=5.0)  # fmt: skip
+    errors: list[BaseException] = []
+    with pytest.raises(DeviceStepTimeoutError):
+        async with engine:
+            assert engine._ranks is not None
+            (pid,) = engine._ranks.pids
+            started = anyio.Event()
+
+            async def consume(prompt: list[int]) -> None:
+                try:
+                    async with engine.stream(prompt, SamplingParams(max_tokens=500, ignore_eos=True)) as stream:
+                        async for _ in stream:
+                            started.set()
+                except EngineDeadError as exc:
+                    errors.append(exc)
+
+            with anyio.fail_after(60):  # a bound on a hang, far above step_timeout
+                async with anyio.create_task_group() as group:
+                    for index in range(2):
+                        group.start_soon(consume, [10 + index] * 6)
+                    await started.wait()
+                    os.kill(pid, signal.SIGSTOP)  # leaving the engine kills it (SIGKILL ends a stopped process)
+    assert len(errors) == 2 and all(isinstance(error, DeviceStepTimeoutError) for error in errors)
+    assert not _alive(pid)
+    assert _children() == before
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_rank_that_dies_while_starting_fails_the_open(tiny_cache: Path) -> None:
+    # Killed as soon as it is spawned: rank 0 must not wait out the rendezvous' timeout for it.
+    before = _children()
+    engine = Engine.open(_model_dir(tiny_cache, "llama-gqa"), device="cpu", attention_backend="torch",
+                         tensor_parallel_size=2, kv_cache_blocks=16)  # fmt: skip
+
+    async def kill_once_spawned() -> None:
+        while engine._ranks is None or not engine._ranks.pids:  # the rank exists once the engine sets this
+            await anyio.sleep(0.005)
+        os.kill(engine._ranks.pids[0], signal.SIGKILL)
+
+    with anyio.fail_after(120):  # a bound on a hang (the rendezvous would wait 30 minutes)
+        async with anyio.create_task_group() as group:
+            group.start_soon(kill_once_spawned)
+            with pytest.raises(WorkerDiedError, match="was killed by signal SIGKILL"):
+                async with engine:
+                    pass
+    assert _children() == before
