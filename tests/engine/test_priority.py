@@ -28,6 +28,7 @@ from asyncllm import (
     SamplingParams,
     StreamChunk,
 )
+from asyncllm.core._scheduler import Scheduler, SchedulerOutput
 from asyncllm.testing import ByteTokenizer, ScriptedRunner
 
 pytestmark = pytest.mark.anyio
@@ -327,3 +328,44 @@ def test_random_priority_workloads_end_whole_and_free_every_block(backend: str, 
             assert texts == [("abc" * length)[:length]] * spec["n"]
 
     anyio.run(main, backend=backend)
+
+
+# -- review: a preempted request's step in flight --------------------------------------------------
+
+
+async def test_a_prompt_only_request_preempted_while_its_last_chunk_runs_keeps_its_prompt_logprobs(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A max_tokens=0 request with prompt_logprobs (lm-eval's loglikelihood: HTTP echo + max_tokens 0)
+    # has its one chunk in flight when a better priority takes its seat. The step computed its whole
+    # prompt (its blocks are reused only by later steps): the request ends with that step's prompt
+    # logprobs. Recomputing it instead lost them, as the runner sends a request's prompt logprobs once.
+    prompt, scoring = "score this prompt please", SamplingParams(max_tokens=0, prompt_logprobs=1)
+    engine = Engine.open(
+        tiny_llama, device="cpu", kv_cache_blocks=64, scheduling_policy="priority", max_num_seqs=2,
+        async_scheduling=True,
+    )  # fmt: skip
+    streams: dict[str, RequestStream] = {}
+    schedule = Scheduler.schedule
+
+    def submit_high_while_scored_runs(scheduler: Scheduler) -> SchedulerOutput:
+        # The step loop schedules the next step while the last one runs: `scored`'s only chunk is in
+        # flight when it is running with its whole prompt counted. `high` arrives exactly then.
+        if "high" not in streams and any(r.prefill_only and r.num_computed_tokens for r in scheduler.running):
+            streams["high"] = engine.stream("high", SamplingParams(max_tokens=3, ignore_eos=True), priority=1)
+        return schedule(scheduler)
+
+    async with engine:
+        alone = await engine.generate(prompt, scoring)
+        monkeypatch.setattr(Scheduler, "schedule", submit_high_while_scored_runs)
+        async with engine.stream("blocker", SamplingParams(max_tokens=400, ignore_eos=True), priority=0) as blocker:
+            await anext(blocker)
+            chunks = await drain(engine.stream(prompt, scoring, priority=5))
+            await drain(streams["high"])
+        await engine.generate("z", SamplingParams(max_tokens=1))  # the blocker's abort is applied
+        stats = engine.statistics()
+    assert stats.num_preemptions == 1  # `high` took the seat of the scored request while its step ran
+    assert chunks[-1].finish_reason == "length"
+    assert alone.prompt_logprobs is not None
+    assert [chunk.prompt_logprobs for chunk in chunks if chunk.prompt_logprobs is not None] == [alone.prompt_logprobs]
+    assert stats.kv_blocks_free == stats.kv_blocks_total

@@ -249,12 +249,16 @@ class Scheduler:
                 self.kv_cache.cache_computed_blocks(request)
                 if request.forks and request.num_confirmed_tokens >= len(request.prompt_token_ids) and not item.pool:
                     self._release_samples(request)
-                if item.pool:
-                    if request.pooling is not None:
-                        events.append(self._pooled(request, pooled.get(request.request_id)))
-                    else:
-                        events.extend(self._prefilled(request, prompt_logprobs.get(request.request_id)))
-                    continue
+            if item.pool:
+                # Preempted or not, the step computed the whole prompt before any later step could reuse
+                # its blocks (steps run in order): its vector or prompt logprobs stand, as a sampled
+                # token does, and end the request. (A recompute would lose the prompt logprobs: the
+                # runner sends them once.)
+                if request.pooling is not None:
+                    events.append(self._pooled(request, pooled.get(request.request_id)))
+                else:
+                    events.extend(self._prefilled(request, prompt_logprobs.get(request.request_id)))
+                continue
             if not item.sample:
                 continue
             request.num_pending_tokens -= 1
