@@ -260,7 +260,9 @@ class Scheduler:
         """The full prompt blocks a sample can share with its group's first sample, if it can now.
 
         Each sample computes at least the partial last block itself (at least one token, to have
-        logits of its own), where its continuation will be written.
+        logits of its own), where its continuation will be written. With a sliding window, only the
+        blocks within the window of that token are shared, and not at all once the first sample has
+        dropped one of them (the sample then asks the prefix cache, which may still list it).
         """
         if request.sample_index == 0 or not request.group:
             return None
@@ -269,7 +271,7 @@ class Scheduler:
         num_tokens = num_blocks * self.kv_cache.block_size
         if first.status is not RequestStatus.RUNNING or first.num_confirmed_tokens < num_tokens:
             return None
-        return CacheHit(self.kv_cache.block_table(first.request_id)[:num_blocks], num_tokens)
+        return self.kv_cache.prefix_of(first.request_id, num_blocks)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         # Optimistic: the tokens count as computed from now on, so the next step can be scheduled

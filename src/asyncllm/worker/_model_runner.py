@@ -254,6 +254,7 @@ class TorchModelRunner:
             f"{f', {self.num_threads} threads' if device.type == 'cpu' else ''})",
             structured_output=True,
             hidden_size=spec.hidden_size,
+            sliding_window=spec.uniform_sliding_window,
         )
 
     def _capture_graphs(self, model: DecoderForCausalLM, max_seq_len: int) -> DecodeGraphs:
