@@ -28,7 +28,7 @@ pytestmark = pytest.mark.anyio
 BLOCK = 16
 PROMPT_LENGTHS = (5, 40, 70)
 MAX_NEW_TOKENS = 48
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
 
 # name -> (family, build arguments, the window the KV cache frees by, or None)
 MODELS: dict[str, tuple[str, dict[str, Any], int | None]] = {
@@ -105,7 +105,7 @@ async def test_prefix_hits_longer_than_the_window_match_transformers(tiny_cache:
         hits_before = engine.statistics().prefix_cache_hits
         got_second = await stream_all(engine, second, GREEDY)
         hits = engine.statistics().prefix_cache_hits - hits_before
-        samples = await engine.generate(second[1], SamplingParams(n=2, temperature=0.0, max_tokens=24, ignore_eos=True))
+        samples = await engine.generate(second[1], SamplingParams(n=2, temperature=0.0, max_tokens=24))
         stats = engine.statistics()
     assert hits >= 64 + 96
     assert got_first == _expected(model_dir, first)
@@ -120,7 +120,7 @@ async def test_a_long_generation_holds_a_bounded_number_of_blocks(tiny_cache: Pa
     # its window (at most ceil(24 / 16) + 1 of them), plus one the step in flight may still read.
     model_dir = _model_dir(str(tiny_cache), "mistral")
     window, max_tokens = 24, 200
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     async with Engine.open(model_dir, device="cpu", attention_backend=backend, block_size=BLOCK) as engine:
         assert engine._info is not None
         (prompt,) = _prompts(engine._info.vocab_size, (40,))
@@ -143,7 +143,7 @@ async def test_triton_interpreter_matches_transformers(tiny_cache: Path) -> None
     # pool, their table entries zeroed); chunked prefill across the window's edge, blocks freed.
     pytest.importorskip("triton")
     model_dir = _model_dir(str(tiny_cache), "mistral")
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=20)
     async with Engine.open(
         model_dir, device="cpu", attention_backend="triton", block_size=BLOCK, max_num_batched_tokens=16
     ) as engine:

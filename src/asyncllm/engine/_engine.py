@@ -171,7 +171,10 @@ class Engine:
             sliding_window=info.sliding_window,
         )
         scheduler = Scheduler(
-            kv_cache, max_num_seqs=self.options.max_num_seqs, max_num_batched_tokens=self.options.max_num_batched_tokens
+            kv_cache,
+            max_num_seqs=self.options.max_num_seqs,
+            max_num_batched_tokens=self.options.max_num_batched_tokens,
+            long_rope_length=info.long_rope_length,
         )
         outputs = OutputProcessor(tokenizer)
         grammars = _grammar_compiler(tokenizer, info, self.options.grammar_cache_size)

@@ -682,10 +682,13 @@ class DecoderForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: Any,
+        long_rope: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the flat batch ([tokens] ids and positions); return normed hidden states [tokens, hidden].
 
-        ``meta`` is the step's attention metadata, built by ``self.backend.build_metadata``.
+        ``meta`` is the step's attention metadata, built by ``self.backend.build_metadata``. ``long_rope``
+        ([tokens] bool, or None: none) marks the tokens of sequences longer than LongRoPE's original
+        context, which rotate by its long frequencies (``RotaryEmbedding.cos_sin``).
         """
         backend = self.backend
         spec = self.spec
@@ -695,7 +698,7 @@ class DecoderForCausalLM(nn.Module):
             x.mul_(torch.tensor(spec.embed_scale, dtype=torch.float32).to(x.dtype))
         if spec.embedding_multiplier != 1.0:  # Granite
             x = x * spec.embedding_multiplier
-        cos_sin = self.rotary.cos_sin(positions, x.dtype)
+        cos_sin = self.rotary.cos_sin(positions, x.dtype, long_rope)
         layers = cast("Sequence[DecoderLayer]", self.model.layers)
         if not spec.llama_layer:
             local = cos_sin if self.local_rotary is None else self.local_rotary.cos_sin(positions, x.dtype)

@@ -71,6 +71,9 @@ class StepInputs:
     """Sequences that feed more (attended one at a time)."""
     max_query_len: int
     max_seq_len: int
+    long_rope: _Array | None = None
+    """[tokens] bool: the token's sequence rotates by LongRoPE's long frequencies
+    (``SequenceInput.long_rope``); None when no sequence of the step does."""
 
     @property
     def num_seqs(self) -> int:
@@ -158,7 +161,7 @@ class InputBatch:
             self._grow(rows=n, width=self.block_tables.shape[1])
         return self._arrays(sequences, *self._update_rows(sequences))
 
-    def _update_rows(self, sequences: Sequence[SequenceInput]) -> tuple[list[int], ...]:
+    def _update_rows(self, sequences: Sequence[SequenceInput]) -> tuple[list[Any], ...]:
         """Bring each sequence's row up to date and read its scalars: the one loop over sequences."""
         row_of, num_blocks, last_block, epochs = self._row_of, self._num_blocks, self._last_block, self._epoch
         offsets = self._offset
@@ -167,6 +170,7 @@ class InputBatch:
         starts: list[int] = []
         query_lens: list[int] = []
         sampling: list[int] = []
+        longs: list[bool] = []
         ids: list[int] = []
         # New blocks are gathered here and written with one fancy assignment after the loop.
         write_rows: list[int] = []
@@ -197,13 +201,14 @@ class InputBatch:
             starts.append(seq.start_position)
             query_lens.append(len(seq.token_ids))
             sampling.append(seq.sample)
+            longs.append(seq.long_rope)
             ids += seq.token_ids
         if write_rows:
             if max(table_lens) > self.block_tables.shape[1]:
                 self._grow(rows=len(self.block_tables), width=max(max(table_lens), 2 * self.block_tables.shape[1]))
             self.block_tables[write_rows, write_cols] = write_blocks
             self.num_blocks_written += len(write_blocks)
-        return rows, table_lens, starts, query_lens, sampling, ids
+        return rows, table_lens, starts, query_lens, sampling, ids, longs
 
     def _row_for(self, seq: SequenceInput, row: int | None) -> int:
         """The sequence's row, claimed if it has none, cleared if its table was rebuilt (not grown)."""
@@ -240,6 +245,7 @@ class InputBatch:
         query_len_list: list[int],
         sampling_list: list[int],
         id_list: list[int],
+        long_list: list[bool],
     ) -> StepInputs:
         n = len(sequences)
         block_size = self.block_size
@@ -266,6 +272,7 @@ class InputBatch:
             decoding = query_lens == 1
             decode_index, prefill_index = np.flatnonzero(decoding), np.flatnonzero(~decoding)
         slot_mapping = self.block_tables[token_rows, positions // block_size] * block_size + positions % block_size
+        long_rope = np.repeat(np.array(long_list, dtype=bool), query_lens) if any(long_list) else None
         return StepInputs(
             block_size=block_size,
             input_ids=np.array(id_list, dtype=np.int64),
@@ -281,6 +288,7 @@ class InputBatch:
             prefill_index=prefill_index,
             max_query_len=max_query_len,
             max_seq_len=int(seq_lens.max(initial=0)),
+            long_rope=long_rope,
         )
 
     def _clear(self, row: int) -> None:

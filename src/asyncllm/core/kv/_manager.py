@@ -222,7 +222,9 @@ class KVCacheManager:
     def _hash_blocks(self, request: Request, num_tokens: int) -> None:
         if len(request.block_hashes) * self.block_size + self.block_size <= num_tokens:
             tokens = request.token_ids(0, num_tokens)
-            extend_block_hashes(request.block_hashes, tokens, self.block_size, request.cache_salt)
+            extend_block_hashes(
+                request.block_hashes, tokens, self.block_size, request.cache_salt, long_rope=request.long_rope
+            )
 
     def block_table(self, request_id: int) -> list[int]:
         """The request's blocks in sequence order from ``block_offset`` on (empty if it holds none)."""
