@@ -255,8 +255,7 @@ class TorchModelRunner:
             structured_output=True,
             hidden_size=spec.hidden_size,
             sliding_window=spec.uniform_sliding_window,
-            long_rope_length=None if spec.rotary is None or spec.rotary.long_inv_freq is None
-            else spec.rotary.long_from_position,
+            long_rope_length=spec.rotary.long_from_position if spec.rotary and spec.rotary.long_inv_freq else None,
         )
 
     def _capture_graphs(self, model: DecoderForCausalLM, max_seq_len: int) -> DecodeGraphs:
