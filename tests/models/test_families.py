@@ -33,7 +33,8 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-rope-yarn": ("qwen2", {"rope_scaling": "yarn"}),
     "qwen3-rope-yarn": ("qwen3", {"rope_scaling": "yarn"}),
     "phi3-partial-rotary": ("phi3", {}),
-    # Within LongRoPE's original context (96): short factors and the attention factor.
+    # Within LongRoPE's original context (96): short factors and the attention factor (across it:
+    # test_longrope.py).
     "phi3-longrope": ("phi3", {"rope_scaling": "longrope"}),
     "granite": ("granite", {}),
     "olmo2": ("olmo2", {}),
@@ -119,8 +120,9 @@ def test_dynamic_rope_is_refused() -> None:
 
 
 def test_longrope_rotates_past_the_original_context_as_transformers(tiny_cache: Path) -> None:
-    # transformers rotates a forward by the long factors when it reaches past the original context;
-    # asyncllm picks per token: positions at or past it rotate by the long factors, exactly as there.
+    # transformers rotates a whole forward by the long factors when it reaches past the original
+    # context (its largest position + 1 exceeds it), by the short ones otherwise; asyncllm is told
+    # per token whether its sequence is that long, and rotates exactly as transformers then.
     from transformers import AutoConfig
 
     from asyncllm.models._rotary import RotaryEmbedding
@@ -137,12 +139,12 @@ def test_longrope_rotates_past_the_original_context_as_transformers(tiny_cache: 
         torch.arange(original + 5),
         torch.tensor([original - 1]),
         torch.tensor([original]),
+        torch.tensor([3, original + 7]),
     ):
         expected_cos, expected_sin = reference(torch.zeros(1), positions[None])
-        cos, sin = ours.cos_sin(positions, torch.float32)
-        past = positions >= original
-        if past.any():  # the reference rotates the whole forward by the long factors: compare those rows
-            expected_cos, expected_sin, cos, sin = expected_cos[0][past], expected_sin[0][past], cos[past], sin[past]
-        else:
-            expected_cos, expected_sin = expected_cos[0], expected_sin[0]
-        assert torch.equal(cos, expected_cos) and torch.equal(sin, expected_sin)
+        long = torch.full(positions.shape, bool(positions.max() + 1 > original))
+        cos, sin = ours.cos_sin(positions, torch.float32, long)
+        assert torch.equal(cos, expected_cos[0]) and torch.equal(sin, expected_sin[0])
+    # No flag: the short factors (a sequence within the original context), whatever the positions.
+    short_cos, _ = ours.cos_sin(torch.arange(original + 5), torch.float32)
+    assert torch.equal(short_cos[:original], ours.cos_sin(torch.arange(original), torch.float32)[0])

@@ -312,6 +312,8 @@ class EngineCore:
                 token_ids=s.request.token_ids(s.start, s.start + s.num_new_tokens),
                 start_position=s.start,
                 block_table=list(kv.block_table(s.request.request_id)),
+                block_offset=kv.block_offset(s.request.request_id),
+                long_rope=s.request.long_rope,
                 sample=s.sample,
                 params=s.request.params,
                 num_generated=len(s.request.output_token_ids) + s.request.num_pending_tokens - s.sample,

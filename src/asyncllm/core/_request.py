@@ -77,6 +77,9 @@ class Request:
     grammar: CompiledGrammar | None = None
     """``params.structured_output`` compiled; None without one, or while it compiles (the core holds
     such a request back from the scheduler until it is set)."""
+    long_rope: bool = False
+    """Longer than the model's LongRoPE original context (``RunnerInfo.long_rope_length``): its KV is
+    computed with the long frequencies at every position, and its blocks hash apart from the short ones."""
     pooling: Pooling | None = None
     """An embedding request: its prompt is computed (in chunks like any other) and pooled, nothing is
     sampled, and it finishes with "stop" in the step that completes its prompt."""

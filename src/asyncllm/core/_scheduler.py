@@ -81,6 +81,9 @@ class Scheduler:
         max_num_seqs: The most requests running at once.
         max_num_batched_tokens: The most tokens fed to the model in one step.
         policy: ``"fcfs"`` (arrival order) or ``"priority"`` (``Request.priority``, then arrival).
+        long_rope_length: The model's LongRoPE original context (``RunnerInfo.long_rope_length``): a
+            request longer than this is computed with the long frequencies at every position, and one
+            that grows past it is recomputed from position 0; None: the model has no such switch.
 
     Raises:
         ValueError: ``policy`` is neither.
@@ -93,6 +96,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         policy: SchedulingPolicy = "fcfs",
+        long_rope_length: int | None = None,
     ) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {policy!r}")
@@ -100,6 +104,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
+        self.long_rope_length = long_rope_length
+        self.num_long_rope_recomputes = 0
+        """Running requests recomputed from position 0 because they grew past ``long_rope_length``."""
         self.waiting: deque[Request] | WaitingHeap = deque() if policy == "fcfs" else WaitingHeap()
         self.running: list[Request] = []
         """In admission order (FCFS) or rank order (priority): the last is preempted first."""
@@ -130,6 +137,8 @@ class Scheduler:
             if self._fully_scheduled(request):
                 index += 1
                 continue
+            if self._grows_long(request):
+                self._recompute_long(request)
             num_new = min(request.num_tokens + request.num_pending_tokens - request.num_computed_tokens, budget)
             while self.kv_cache.allocate_slots(request, request.num_computed_tokens + num_new) is None:
                 preempted = True
@@ -154,6 +163,8 @@ class Scheduler:
                     break
                 budget = self.max_num_batched_tokens - sum(item.num_new_tokens for item in scheduled)
                 continue
+            if self._grows_long(request):  # before its hashes are looked up: long KV hashes apart
+                self._go_long(request)
             # Waiting requests hold no blocks. A sample shares its first sample's computed prompt
             # blocks while that one runs; every other request (or sample) asks the prefix cache.
             shared = self._shared_prompt(request)
@@ -324,16 +335,20 @@ class Scheduler:
         """The full prompt blocks a sample can share with its group's first sample, if it can now.
 
         Each sample computes at least the partial last block itself (at least one token, to have
-        logits of its own), where its continuation will be written.
+        logits of its own), where its continuation will be written. With a sliding window, only the
+        blocks within the window of that token are shared, and not at all once the first sample has
+        dropped one of them (the sample then asks the prefix cache, which may still list it).
         """
         if request.sample_index == 0 or not request.group:
             return None
         first = request.group[0]
+        if first.long_rope != request.long_rope:  # the first grew past LongRoPE's switch: its KV rotates otherwise
+            return None
         num_blocks = (len(request.prompt_token_ids) - 1) // self.kv_cache.block_size
         num_tokens = num_blocks * self.kv_cache.block_size
         if first.status is not RequestStatus.RUNNING or first.num_confirmed_tokens < num_tokens:
             return None
-        return CacheHit(self.kv_cache.block_table(first.request_id)[:num_blocks], num_tokens)
+        return self.kv_cache.prefix_of(first.request_id, num_blocks)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         # Optimistic: the tokens count as computed from now on, so the next step can be scheduled
@@ -346,6 +361,27 @@ class Scheduler:
         if last:
             request.num_pending_tokens += 1
         return ScheduledRequest(request, start, num_new, last, request.epoch)
+
+    def _grows_long(self, request: Request) -> bool:
+        """The request is past LongRoPE's original context and its KV is still computed short."""
+        limit = self.long_rope_length
+        return limit is not None and not request.long_rope and request.num_tokens + request.num_pending_tokens > limit
+
+    @staticmethod
+    def _go_long(request: Request) -> None:
+        request.long_rope = True
+        request.block_hashes.clear()  # the long KV is another KV: its blocks hash apart
+        request.num_cached_blocks = 0
+
+    def _recompute_long(self, request: Request) -> None:
+        """Recompute a running request from position 0 with the long frequencies, as transformers' Phi-3
+        drops its cache when a sequence first grows past the original context. The step in flight (short)
+        still delivers its token; its KV is discarded with the new epoch."""
+        self.kv_cache.free(request)
+        self._go_long(request)
+        request.num_computed_tokens = request.num_confirmed_tokens = 0
+        request.epoch += 1
+        self.num_long_rope_recomputes += 1
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)

@@ -182,13 +182,17 @@ class Engine:
         self._info = info
         self._max_model_len = self._resolve_max_model_len(info)
         kv_cache = KVCacheManager(
-            info.num_kv_blocks, info.block_size, enable_prefix_caching=self.options.enable_prefix_caching
+            info.num_kv_blocks,
+            info.block_size,
+            enable_prefix_caching=self.options.enable_prefix_caching,
+            sliding_window=info.sliding_window,
         )
         scheduler = Scheduler(
             kv_cache,
             max_num_seqs=self.options.max_num_seqs,
             max_num_batched_tokens=self.options.max_num_batched_tokens,
             policy=self.options.scheduling_policy,
+            long_rope_length=info.long_rope_length,
         )
         outputs = OutputProcessor(tokenizer)
         grammars = _grammar_compiler(tokenizer, info, self.options.grammar_cache_size)

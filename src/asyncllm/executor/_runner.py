@@ -42,6 +42,14 @@ class RunnerInfo:
     hidden_size: int | None = None
     """The size of the vectors the runner pools (``SequenceInput.pooling``); None when it cannot pool
     (embedding requests are then refused)."""
+    long_rope_length: int | None = None
+    """LongRoPE's original context (``original_max_position_embeddings``): a request longer than this
+    rotates every position by the long frequencies, as transformers does, so one that grows past it has
+    its KV recomputed from position 0 (``SequenceInput.long_rope``). None: no such switch."""
+    sliding_window: int | None = None
+    """The window every layer of the model attends within (mistral's ``sliding_window``, a gemma config
+    whose layers are all sliding): the engine then returns the blocks that leave it to the pool
+    (``SequenceInput.block_offset``). None when some layer attends to the whole context."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +62,7 @@ class SequenceInput:
     start_position: int
     """Position of ``token_ids[0]``; every earlier token's KV is already cached."""
     block_table: list[int]
+    """The request's KV blocks in sequence order, from sequence index ``block_offset`` on."""
     sample: bool
     """Sample a token after the last fed token."""
     params: SamplingParams
@@ -67,7 +76,15 @@ class SequenceInput:
     """``params.bad_words`` tokenized (each word alone and after a space)."""
     epoch: int = 0
     """The request's preemption epoch. Within one epoch its ``block_table`` only grows from step to
-    step; a preempted request starts over, with new blocks, in a later epoch."""
+    step (and, with a sliding window, loses leading blocks as ``block_offset`` grows); a preempted
+    request starts over, with new blocks, in a later epoch."""
+    long_rope: bool = False
+    """The request is longer than ``RunnerInfo.long_rope_length``: every position of it, earlier ones
+    included, rotates by LongRoPE's long frequencies (its KV was computed, or recomputed, that way)."""
+    block_offset: int = 0
+    """The sequence index of ``block_table[0]``. The blocks before it held positions that left the
+    sliding window of every token still to compute (``RunnerInfo.sliding_window``) and went back to the
+    pool: attention never reads those positions again."""
     grammar: CompiledGrammar | None = None
     """``params.structured_output`` compiled: the sampler masks what it does not allow."""
     pooling: Pooling | None = None

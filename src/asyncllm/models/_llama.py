@@ -162,6 +162,15 @@ class DecoderSpec:
             and self.moe is None
         )
 
+    @property
+    def uniform_sliding_window(self) -> int | None:
+        """The sliding window when every layer applies it (mistral; a gemma config without global layers):
+        positions that leave it are never attended again, so their KV blocks can be freed. None when
+        some layer attends to the whole context (gemma's global layers, or no window)."""
+        if self.sliding_window is None or not all(self.layer_is_sliding(i) for i in range(self.num_layers)):
+            return None
+        return self.sliding_window
+
     def layer_is_sliding(self, index: int) -> bool:
         """Whether layer ``index`` attends within ``sliding_window`` (False where the model has none)."""
         if self.sliding_window is None:
@@ -186,6 +195,9 @@ class DecoderSpec:
             config, "use_sliding_window", False
         ):
             sliding_window = None
+        layer_sliding = _layer_sliding(config, sliding_window)
+        if layer_sliding is not None and not any(layer_sliding):
+            sliding_window, layer_sliding = None, None
         return cls(
             architecture=architecture,
             vocab_size=config.vocab_size,
@@ -202,6 +214,7 @@ class DecoderSpec:
             sliding_window=sliding_window,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             hidden_act=getattr(config, "hidden_act", "silu"),
+            layer_sliding=layer_sliding,
             **_quirks(config, architecture, head_dim),
         )
 
@@ -250,6 +263,16 @@ class DecoderSpec:
 
 
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+
+
+def _layer_sliding(config: Any, sliding_window: int | None) -> tuple[bool, ...] | None:
+    """Which layers apply the window, where the config says (``layer_types``: qwen2 and qwen3 slide only
+    from ``max_window_layers`` on); None: every layer does, or there is no window."""
+    layer_types = getattr(config, "layer_types", None)
+    if sliding_window is None or layer_types is None:
+        return None
+    sliding = tuple(t == "sliding_attention" for t in layer_types[: config.num_hidden_layers])
+    return None if all(sliding) else sliding
 
 
 def _gemma3_rope(config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -726,10 +749,13 @@ class DecoderForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: Any,
+        long_rope: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the flat batch ([tokens] ids and positions); return normed hidden states [tokens, hidden].
 
-        ``meta`` is the step's attention metadata, built by ``self.backend.build_metadata``.
+        ``meta`` is the step's attention metadata, built by ``self.backend.build_metadata``. ``long_rope``
+        ([tokens] bool, or None: none) marks the tokens of sequences longer than LongRoPE's original
+        context, which rotate by its long frequencies (``RotaryEmbedding.cos_sin``).
         """
         backend = self.backend
         spec = self.spec
@@ -739,7 +765,7 @@ class DecoderForCausalLM(nn.Module):
             x.mul_(torch.tensor(spec.embed_scale, dtype=torch.float32).to(x.dtype))
         if spec.embedding_multiplier != 1.0:  # Granite
             x = x * spec.embedding_multiplier
-        cos_sin = self.rotary.cos_sin(positions, x.dtype)
+        cos_sin = self.rotary.cos_sin(positions, x.dtype, long_rope)
         layers = cast("Sequence[DecoderLayer]", self.model.layers)
         if not spec.llama_layer:
             local = cos_sin if self.local_rotary is None else self.local_rotary.cos_sin(positions, x.dtype)

@@ -80,8 +80,9 @@ class RotarySpec:
         attention_scaling: The factor cos and sin are multiplied by (YaRN's mscale, LongRoPE's
             attention factor; 1.0 otherwise), as transformers applies it.
         long_inv_freq: LongRoPE's long-context frequencies, or None for every other type.
-        long_from_position: With ``long_inv_freq``: positions at or past this one (the
-            checkpoint's ``original_max_position_embeddings``) rotate by the long frequencies.
+        long_from_position: With ``long_inv_freq``: the checkpoint's ``original_max_position_embeddings``.
+            Every position of a sequence longer than this rotates by the long frequencies, as
+            transformers rotates a forward whose largest position reaches it.
     """
 
     rotary_dim: int
@@ -142,12 +143,11 @@ def _rotary_spec(config: Any, head_dim: int) -> RotarySpec:
 class RotaryEmbedding(nn.Module):
     """Applies rotary embeddings (the half-split layout HF Llama uses) at given positions.
 
-    LongRoPE chooses its frequencies per token: a token at a position past the original context
-    (``RotarySpec.long_from_position``) rotates by the long ones, every other by the short ones.
-    That is transformers' choice for each forward of its own generation whose prompt fits the
-    original context (its prefill is short, and each decode step's length is its position + 1),
-    and it does not depend on batching, chunking or preemption. See docs/architecture.md for a
-    prompt longer than the original context.
+    LongRoPE chooses its frequencies per sequence, as transformers does per forward of its
+    generation: every position of a sequence longer than the original context
+    (``RotarySpec.long_from_position``) rotates by the long ones, every position of a shorter one
+    by the short ones. The caller says which tokens belong to long sequences; the scheduler
+    recomputes a sequence that grows past the original context (transformers drops its cache then).
 
     Args:
         head_dim: The head dimension (the rotated part is ``rotary.rotary_dim`` of it).
@@ -175,12 +175,20 @@ class RotaryEmbedding(nn.Module):
         """The rotary embedding a ``DecoderSpec`` describes."""
         return cls(spec.head_dim, spec.rope, spec.rotary)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of shape [tokens, rotary_dim] for the given positions; shared by every layer."""
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype, long: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of shape [tokens, rotary_dim] for the given positions; shared by every layer.
+
+        Args:
+            positions: [tokens] positions.
+            dtype: The dtype of the result.
+            long: [tokens] bool, True where the token's sequence is longer than LongRoPE's original
+                context (its long frequencies); None: no token is. Ignored without LongRoPE.
+        """
         inv_freq = self.inv_freq[None, :]
-        if self.long_inv_freq is not None:
-            is_long = (positions >= self.settings.long_from_position)[:, None]
-            inv_freq = torch.where(is_long, self.long_inv_freq[None, :], inv_freq)
+        if self.long_inv_freq is not None and long is not None:
+            inv_freq = torch.where(long[:, None], self.long_inv_freq[None, :], inv_freq)
         freqs = positions.to(torch.float32)[:, None] * inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
         cos, sin = angles.cos(), angles.sin()

@@ -546,6 +546,9 @@ def _make_config(
     _family_config_kwargs(family, kwargs, rope_scaling)
     if family == "mistral":
         kwargs["sliding_window"] = sliding_window
+    if family in ("qwen2", "qwen3") and sliding_window is not None:
+        # The window on the second half of the layers only (HF's layer_types from max_window_layers).
+        kwargs.update(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=num_layers // 2)
     if family in ("gemma2", "gemma3"):
         kwargs["sliding_window"] = _GEMMA_SLIDING_WINDOW if sliding_window is None else sliding_window
         kwargs["query_pre_attn_scalar"] = _GEMMA_QUERY_PRE_ATTN_SCALAR
@@ -661,8 +664,10 @@ def build_tiny_model(
             qwen3 where it is twice that, so that ``num_heads * head_dim != hidden_size``.
         dtype: ``"float32"`` or ``"bfloat16"``: the checkpoint's dtype (and the config's). The
             weights are drawn in float32 either way and rounded once when saved.
-        sliding_window: The sliding window of mistral (default None: none) and of gemma's sliding
-            layers (default 8, shorter than most test prompts); ignored by the other families.
+        sliding_window: The sliding window of mistral (default None: none), of gemma's sliding
+            layers (default 8, shorter than most test prompts), and of qwen2's and qwen3's layers from
+            ``num_layers // 2`` on (``use_sliding_window`` with ``max_window_layers``; default None: none);
+            ignored by the other families.
 
     Returns:
         The folder, as a ``pathlib.Path``.

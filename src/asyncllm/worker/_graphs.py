@@ -9,7 +9,8 @@ A graph replays fixed addresses and shapes, so every input lives in static devic
 the largest batch, and a step of ``n`` sequences runs the graph of the smallest captured size
 ``b >= n``. The ``b - n`` padding rows are one-token sequences at position 0 with slot -1, which
 the KV-write kernel skips; they attend to one (finite) cache slot and their outputs are dropped.
-The token ids and positions live here; the attention metadata (query offsets, sequence lengths,
+The token ids and positions live here (and, for a LongRoPE model, which rows' sequences rotate by
+its long frequencies); the attention metadata (query offsets, sequence lengths,
 block tables, slots) in buffers the model's own backend builds (``AttentionBackend.graph_inputs``),
 the same object that builds every eager step's metadata. Each is staged on the host (pinned, from
 torch's caching host allocator, so no step waits for the previous step's copy to have read it) and
@@ -95,13 +96,18 @@ class DecodeGraphs:
         self._meta = model.backend.graph_inputs(
             max_batch=b, max_blocks=self.max_blocks, block_size=block_size, device=device
         )
-        self._ids = torch.zeros(2 * b, dtype=torch.int64, device=device)
+        # Ids, positions and (LongRoPE) the long-frequency flags of the rows, one section of b each.
+        self._long_rope = model.rotary.long_inv_freq is not None
+        self._ids = torch.zeros((3 if self._long_rope else 2) * b, dtype=torch.int64, device=device)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def _forward(self, size: int, splits: int) -> torch.Tensor:
+        b = self.max_batch
         ids = self._ids[:size]
-        positions = self._ids[self.max_batch : self.max_batch + size]
-        result: torch.Tensor = self.model(ids, positions, self.kv_caches, self._meta.metadata(size, splits))
+        positions = self._ids[b : b + size]
+        long_rope = self._ids[2 * b : 2 * b + size] != 0 if self._long_rope else None
+        meta = self._meta.metadata(size, splits)
+        result: torch.Tensor = self.model(ids, positions, self.kv_caches, meta, long_rope=long_rope)
         return result
 
     def _variants(self) -> list[tuple[int, int]]:
@@ -151,14 +157,20 @@ class DecodeGraphs:
         splits = self.split_kv.get(size, 1) if splits > 1 else 1
         self._meta.fill(step)
         self._meta.upload(self.device.type == "cuda")
-        # Ids and positions of the graph's rows (padding rows: token 0 at position 0), in one copy.
-        ids = np.zeros(2 * size, dtype=np.int64)
+        # Ids, positions (and LongRoPE flags) of the graph's rows (padding rows: token 0 at position 0,
+        # short), in one copy.
+        sections = 3 if self._long_rope else 2
+        ids = np.zeros(sections * size, dtype=np.int64)
         ids[:n] = step.input_ids
         ids[size : size + n] = step.positions
+        if self._long_rope and step.long_rope is not None:
+            ids[2 * size : 2 * size + n] = step.long_rope
         staged = self.ops.to_device(ids)
         b = self.max_batch
         self._ids[:size].copy_(staged[:size])
-        self._ids[b : b + size].copy_(staged[size:])
+        self._ids[b : b + size].copy_(staged[size : 2 * size])
+        if self._long_rope:
+            self._ids[2 * b : 2 * b + size].copy_(staged[2 * size :])
         if fill is not None:
             self._ids[fill[0]] = fill[1]
         if not self.use_graphs:

@@ -17,7 +17,9 @@ from a step. A table that was rebuilt rather than grown is rewritten whole. The 
 table only after a preemption, which leaves the request out of the step that preempted it (its row
 is freed) and bumps its epoch (``SequenceInput.epoch``: a new epoch rewrites the row); either is
 enough. Sequences fed by hand get O(1) checks besides: a table shorter than its row, or whose first
-or last known block changed, is rewritten too.
+or last known block changed, is rewritten too. With a sliding window a table also loses leading
+blocks (``SequenceInput.block_offset`` grows, once every ``block_size`` tokens at most): the row is
+then rewritten too, zeros before the offset, which costs the blocks within the window.
 """
 
 from __future__ import annotations
@@ -55,11 +57,12 @@ class StepInputs:
     seq_lens: _Array
     """[num_seqs] context length once this step's tokens are written."""
     table_lens: _Array
-    """[num_seqs] blocks in each sequence's table."""
+    """[num_seqs] columns each sequence's table reaches (its ``block_offset`` plus its blocks)."""
     rows: _Array
     """[num_seqs] each sequence's row of ``block_tables``."""
     block_tables: _Array
-    """[rows, max_blocks] the persistent tables; zero past each row's blocks."""
+    """[rows, max_blocks] the persistent tables, column = block index in the sequence; zero past each
+    row's blocks and before its ``block_offset`` (blocks that left a sliding window: never read)."""
     sample_index: _Array
     """[samples] flat-batch rows whose logits are sampled (the last token of a sampling sequence)."""
     decode_index: _Array
@@ -68,6 +71,9 @@ class StepInputs:
     """Sequences that feed more (attended one at a time)."""
     max_query_len: int
     max_seq_len: int
+    long_rope: _Array | None = None
+    """[tokens] bool: the token's sequence rotates by LongRoPE's long frequencies
+    (``SequenceInput.long_rope``); None when no sequence of the step does."""
 
     @property
     def num_seqs(self) -> int:
@@ -108,13 +114,15 @@ class InputBatch:
             raise ValueError("block_size, max_num_seqs and max_blocks_per_seq must be positive")
         self.block_size = block_size
         self.block_tables: _Array = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int64)
-        """[rows, max_blocks] int64; a row holds its request's blocks, then zeros (a free row: zeros)."""
+        """[rows, max_blocks] int64; a row holds zeros before its request's ``block_offset``, its
+        blocks, then zeros (a free row: zeros)."""
         self._row_of: dict[int, int] = {}
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))  # pop() hands out the lowest row
         # Per-row mirrors as Python lists: the per-sequence loop reads them without numpy scalars.
         self._num_blocks = [0] * max_num_seqs
         self._last_block = [0] * max_num_seqs
         self._epoch = [0] * max_num_seqs
+        self._offset = [0] * max_num_seqs
         self.num_blocks_written = 0
         """Blocks written into rows so far (a grown row adds its new blocks, a rewritten row all of them)."""
 
@@ -153,14 +161,16 @@ class InputBatch:
             self._grow(rows=n, width=self.block_tables.shape[1])
         return self._arrays(sequences, *self._update_rows(sequences))
 
-    def _update_rows(self, sequences: Sequence[SequenceInput]) -> tuple[list[int], ...]:
+    def _update_rows(self, sequences: Sequence[SequenceInput]) -> tuple[list[Any], ...]:
         """Bring each sequence's row up to date and read its scalars: the one loop over sequences."""
         row_of, num_blocks, last_block, epochs = self._row_of, self._num_blocks, self._last_block, self._epoch
+        offsets = self._offset
         rows: list[int] = []
         table_lens: list[int] = []
         starts: list[int] = []
         query_lens: list[int] = []
         sampling: list[int] = []
+        longs: list[bool] = []
         ids: list[int] = []
         # New blocks are gathered here and written with one fancy assignment after the loop.
         write_rows: list[int] = []
@@ -168,20 +178,22 @@ class InputBatch:
         write_blocks: list[int] = []
         for seq in sequences:
             table = seq.block_table
-            have = len(table)
+            offset = seq.block_offset
+            have = offset + len(table)  # columns the table reaches: its blocks start at column offset
             row = row_of.get(seq.request_id)
             if (
                 row is None
                 or have != num_blocks[row]
                 or seq.epoch != epochs[row]
-                or (have and table[-1] != last_block[row])
+                or offset != offsets[row]
+                or (table and table[-1] != last_block[row])
             ):
                 row = self._row_for(seq, row)
-                known = num_blocks[row]
+                known = max(num_blocks[row], offset)
                 if have > known:  # appended blocks (on a row just claimed or cleared: the whole table)
                     write_rows += [row] * (have - known)
                     write_cols += range(known, have)
-                    write_blocks += table[known:]
+                    write_blocks += table[known - offset :]
                     num_blocks[row] = have
                     last_block[row] = table[-1]
             rows.append(row)
@@ -189,13 +201,14 @@ class InputBatch:
             starts.append(seq.start_position)
             query_lens.append(len(seq.token_ids))
             sampling.append(seq.sample)
+            longs.append(seq.long_rope)
             ids += seq.token_ids
         if write_rows:
             if max(table_lens) > self.block_tables.shape[1]:
                 self._grow(rows=len(self.block_tables), width=max(max(table_lens), 2 * self.block_tables.shape[1]))
             self.block_tables[write_rows, write_cols] = write_blocks
             self.num_blocks_written += len(write_blocks)
-        return rows, table_lens, starts, query_lens, sampling, ids
+        return rows, table_lens, starts, query_lens, sampling, ids, longs
 
     def _row_for(self, seq: SequenceInput, row: int | None) -> int:
         """The sequence's row, claimed if it has none, cleared if its table was rebuilt (not grown)."""
@@ -203,18 +216,24 @@ class InputBatch:
             row = self._row_of[seq.request_id] = self._free_rows.pop()
         else:
             known = self._num_blocks[row]
-            table = seq.block_table
+            table, offset = seq.block_table, seq.block_offset
             grown = (
                 seq.epoch == self._epoch[row]
-                and len(table) >= known
+                and offset == self._offset[row]
+                and offset + len(table) >= known
                 and (
-                    known == 0 or (table[known - 1] == self._last_block[row] and table[0] == self.block_tables[row, 0])
+                    known == 0
+                    or (
+                        table[known - 1 - offset] == self._last_block[row]
+                        and table[0] == self.block_tables[row, offset]
+                    )
                 )
             )
             if grown:
                 return row
             self._clear(row)
         self._epoch[row] = seq.epoch
+        self._offset[row] = seq.block_offset
         return row
 
     def _arrays(
@@ -226,6 +245,7 @@ class InputBatch:
         query_len_list: list[int],
         sampling_list: list[int],
         id_list: list[int],
+        long_list: list[bool],
     ) -> StepInputs:
         n = len(sequences)
         block_size = self.block_size
@@ -252,6 +272,7 @@ class InputBatch:
             decoding = query_lens == 1
             decode_index, prefill_index = np.flatnonzero(decoding), np.flatnonzero(~decoding)
         slot_mapping = self.block_tables[token_rows, positions // block_size] * block_size + positions % block_size
+        long_rope = np.repeat(np.array(long_list, dtype=bool), query_lens) if any(long_list) else None
         return StepInputs(
             block_size=block_size,
             input_ids=np.array(id_list, dtype=np.int64),
@@ -267,11 +288,13 @@ class InputBatch:
             prefill_index=prefill_index,
             max_query_len=max_query_len,
             max_seq_len=int(seq_lens.max(initial=0)),
+            long_rope=long_rope,
         )
 
     def _clear(self, row: int) -> None:
         self.block_tables[row, : self._num_blocks[row]] = 0
         self._num_blocks[row] = 0
+        self._offset[row] = 0
 
     def _grow(self, *, rows: int, width: int) -> None:
         # Rare (more sequences or longer tables than sized for): copy into a larger zeroed array.
@@ -285,10 +308,11 @@ class InputBatch:
         self._num_blocks += [0] * added
         self._last_block += [0] * added
         self._epoch += [0] * added
+        self._offset += [0] * added
 
 
 def step_inputs(sequences: Sequence[SequenceInput], block_size: int) -> StepInputs:
     """A step's arrays built from scratch (a fresh ``InputBatch``): for tests, benchmarks, one-off steps."""
-    longest = max((len(s.block_table) for s in sequences), default=1)
+    longest = max((s.block_offset + len(s.block_table) for s in sequences), default=1)
     batch = InputBatch(block_size, max_num_seqs=max(1, len(sequences)), max_blocks_per_seq=max(1, longest))
     return batch.prepare(sequences)

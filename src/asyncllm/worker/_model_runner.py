@@ -351,6 +351,8 @@ class TorchModelRunner:
             f"{f', tensor-parallel over {self.parallel.size} ranks' if self.parallel.sharded else ''})",
             structured_output=True,
             hidden_size=spec.hidden_size,
+            sliding_window=spec.uniform_sliding_window,
+            long_rope_length=spec.rotary.long_from_position if spec.rotary and spec.rotary.long_inv_freq else None,
         )
 
     def _capture_graphs(self, model: DecoderForCausalLM, max_seq_len: int) -> DecodeGraphs:
@@ -702,12 +704,19 @@ class TorchModelRunner:
         assert self.model is not None
         if meta is None:
             meta = self._metadata(step)
-        # One pinned, non-blocking copy for ids and positions: the host does not wait for the device.
-        ids_positions = self.ops.to_device(np.concatenate((step.input_ids, step.positions)))
+        # One pinned, non-blocking copy for ids and positions (and LongRoPE's per-token choice, where a
+        # sequence is long): the host does not wait for the device.
+        parts = (step.input_ids, step.positions) if step.long_rope is None else (
+            step.input_ids, step.positions, step.long_rope.astype(np.int64)
+        )
+        ids_positions = self.ops.to_device(np.concatenate(parts))
         if fill is not None:  # placeholders: the previous step's samples, gathered on the device
             ids_positions[fill[0]] = fill[1]
         n = step.num_tokens
-        hidden: torch.Tensor = self.model(ids_positions[:n], ids_positions[n:], self.kv_caches, meta)
+        long_rope = None if step.long_rope is None else ids_positions[2 * n :] != 0
+        hidden: torch.Tensor = self.model(
+            ids_positions[:n], ids_positions[n : 2 * n], self.kv_caches, meta, long_rope=long_rope
+        )
         return hidden
 
     def _replay(self, step: StepInputs, fill: IdFill | None = None) -> torch.Tensor:

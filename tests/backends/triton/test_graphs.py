@@ -75,3 +75,40 @@ def test_padded_decode_matches_eager_forward(family: str, tiny_llama: Path, tiny
         for old, new in zip(before, (t for pair in runner.kv_caches for t in pair)):
             torch.testing.assert_close(new, old, atol=1e-5, rtol=1e-5)
     runner.close()
+
+
+def test_padded_decode_carries_longrope_flags(tiny_cache: Path) -> None:
+    # A LongRoPE model's graphs take each row's long-frequency flag in their static inputs: the padded
+    # path equals the eager step with the same flags, and the flags change the result.
+    from asyncllm.testing.tiny_models import tiny_model_path
+
+    model_dir = tiny_model_path(tiny_cache, "phi3", rope_scaling="longrope")
+    runner = TorchModelRunner(
+        model_dir, device="cuda" if GPU else "cpu", dtype="float32", block_size=BLOCK, kv_cache_blocks=16,
+        attention_backend="triton", enforce_eager=True,
+    )  # fmt: skip
+    runner.load()
+    assert runner.model is not None
+    tables = [[3, 7], [0, 5]]
+    prompts = [[11, 12, 13, 14, 15], [40, 41, 42]]
+    longs = [True, False]
+
+    def seq(rid: int, tokens: list[int], start: int, long: bool) -> SequenceInput:
+        return SequenceInput(rid, tokens, start, tables[rid], True, SamplingParams(), long_rope=long)
+
+    with torch.inference_mode():
+        runner._forward(step_inputs([seq(i, p, 0, longs[i]) for i, p in enumerate(prompts)], BLOCK))
+        decode = [seq(i, [100 + i], len(p), longs[i]) for i, p in enumerate(prompts)]
+        step = step_inputs(decode, BLOCK)
+        assert step.long_rope is not None and step.long_rope.tolist() == longs
+        eager = runner._forward(step).clone()
+        graphs = DecodeGraphs(
+            runner.model, runner.kv_caches, block_size=BLOCK, max_seq_len=32, max_batch=4,
+            device=runner.device, use_graphs=GPU,
+        )  # fmt: skip
+        graphs.capture()
+        torch.testing.assert_close(graphs.run(step), eager, atol=1e-5, rtol=1e-5)
+        short = step_inputs([seq(0, [100], len(prompts[0]), False)], BLOCK)
+        assert short.long_rope is None
+        assert not torch.allclose(graphs.run(short), eager[:1], atol=1e-3)
+    runner.close()

@@ -18,8 +18,9 @@ step. This backend reads the cache in place:
   straight from the projection: a second C kernel (flash-attention tiling: tiles of as many
   queries as a vector has lanes walk the key tiles up to their diagonal with an online softmax
   run across the tile's queries at once). A chunk with cached
-  history (chunked prefill, a prefix-cache hit) or a sliding window gathers its slots once and
-  runs SDPA, as the reference does.
+  history (chunked prefill, a prefix-cache hit) or a sliding window gathers its slots once (from
+  the window of its first query on) and runs SDPA, as the reference does. The decode kernel too reads
+  only a sliding window's positions, so blocks that left it are never touched.
 
 Same cache layout ([slots, kv_heads, head_dim]), and ``write_kv`` from the reference backend.
 ``native_decode_available(head_dim)`` says whether the kernel could be built (a C compiler is
@@ -472,7 +473,10 @@ def _prefill_chunk(span: PrefillSpan, block_size: int, sliding_window: int | Non
     windowed = sliding_window is not None and kv_len > sliding_window
     if start == 0 and not windowed:
         return CpuPrefillChunk(span.query_start, span.query_end, None, None)
-    kv_positions = np.arange(kv_len, dtype=np.int64)
+    # A chunk with history reads the cache from the window of its first query on: the positions before
+    # it are never read (their blocks may have gone back to the pool, ``SequenceInput.block_offset``).
+    first = 0 if start == 0 or sliding_window is None else max(0, start - sliding_window + 1)
+    kv_positions = np.arange(first, kv_len, dtype=np.int64)
     query_positions = np.arange(start, kv_len, dtype=np.int64)
     mask = kv_positions[None, :] <= query_positions[:, None]
     if sliding_window is not None:

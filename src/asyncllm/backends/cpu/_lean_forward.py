@@ -90,6 +90,7 @@ class _Layer:
     post_norm: torch.Tensor
     gate_up: _Matmul
     down: _Matmul
+    sliding: bool  # False: a global layer of a model whose other layers slide (qwen2's max_window_layers)
 
 
 class LeanCpuForward:
@@ -164,6 +165,7 @@ class LeanCpuForward:
                     post_norm=layer.post_attention_layernorm.weight,
                     gate_up=gate_up,
                     down=down,
+                    sliding=not attention.global_in_windowed,
                 )
             )
         return cls(model, layers)
@@ -247,7 +249,9 @@ class LeanCpuForward:
                 tokens, kv_size, keys.stride(0), qkv_size, k_cache.shape[0],
             ):  # fmt: skip
                 raise ValueError(f"a KV slot lies outside the cache's {k_cache.shape[0]} slots")
-            attention_cpu.attend_into(queries, keys, v, k_cache, v_cache, meta, self._scale, attended)
+            attention_cpu.attend_into(
+                queries, keys, v, k_cache, v_cache, meta, self._scale, attended, sliding=layer.sliding
+            )
             layer.o(attended_at, q_size, tokens, projected_at, hidden)
             norm(
                 normed_at, projected_at, residual_at, layer.post_norm.data_ptr(),

@@ -40,14 +40,19 @@ class AttentionMetadata:
     decode_token_index: torch.Tensor
     """[decodes] positions in the flat batch of single-token queries."""
     decode_kv_slots: torch.Tensor
-    """[decodes, max_kv_len] slots each decode query attends to, padded."""
+    """[decodes, kv_len] slots each decode query attends to, padded: its whole context, or with a sliding
+    window only the window (``kv_len`` at most the window), so positions before it are never read."""
     decode_mask: torch.Tensor
-    """[decodes, 1, 1, max_kv_len] True on real (unpadded, in-window) slots."""
+    """[decodes, 1, 1, kv_len] True on real (unpadded, in-window) slots."""
     prefills: tuple[PrefillChunk, ...]
+    """Each chunk's slots start at the window of its first query (with a sliding window)."""
     global_decode_mask: torch.Tensor | None = None
     """``decode_mask`` without the sliding window, for a model's global layers; None: no window (the same)."""
     global_prefills: tuple[PrefillChunk, ...] | None = None
-    """``prefills`` with causal masks only, for a model's global layers; None: no window (the same)."""
+    """``prefills`` over the whole context with causal masks only, for a model's global layers; None: no
+    window (the same)."""
+    global_decode_kv_slots: torch.Tensor | None = None
+    """``decode_kv_slots`` over the whole context, for a model's global layers; None: no window (the same)."""
 
 
 def write_kv(
@@ -114,14 +119,15 @@ def paged_attention(
         [tokens, heads, head_dim] attention outputs.
     """
     out = torch.empty_like(q)
-    decode_mask, prefills = meta.decode_mask, meta.prefills
-    if not sliding:
-        decode_mask = meta.global_decode_mask if meta.global_decode_mask is not None else decode_mask
-        prefills = meta.global_prefills if meta.global_prefills is not None else prefills
+    decode_slots, decode_mask, prefills = meta.decode_kv_slots, meta.decode_mask, meta.prefills
+    if not sliding and meta.global_decode_mask is not None and meta.global_decode_kv_slots is not None:
+        decode_slots, decode_mask = meta.global_decode_kv_slots, meta.global_decode_mask
+    if not sliding and meta.global_prefills is not None:
+        prefills = meta.global_prefills
     if meta.decode_token_index.numel():
         queries = q[meta.decode_token_index].unsqueeze(2)  # [decodes, heads, 1, head_dim]
-        keys = k_cache[meta.decode_kv_slots].transpose(1, 2)  # [decodes, kv_heads, kv_len, head_dim]
-        values = v_cache[meta.decode_kv_slots].transpose(1, 2)
+        keys = k_cache[decode_slots].transpose(1, 2)  # [decodes, kv_heads, kv_len, head_dim]
+        values = v_cache[decode_slots].transpose(1, 2)
         attended = sdpa(queries, keys, values, decode_mask, scale, softcap)
         out[meta.decode_token_index] = attended.squeeze(2)
     for chunk in prefills:
@@ -188,6 +194,11 @@ def split_step(step: StepInputs) -> StepSplit:
 def build_metadata(step: StepInputs, sliding_window: int | None, device: torch.device) -> AttentionMetadata:
     """The ``torch`` backend's metadata for a step: explicit slots and masks, per prefill chunk and for the decodes.
 
+    With a sliding window the sliding layers' slots start at the window of each sequence's first query
+    of the step: the positions before it are never read (their blocks may have gone back to the pool,
+    ``SequenceInput.block_offset``), and a decode gathers at most the window, not its whole context.
+    The global layers' versions (a model with both kinds) cover the whole context.
+
     Args:
         step: The step's arrays (``InputBatch.prepare``).
         sliding_window: The model's sliding window, or None.
@@ -195,35 +206,46 @@ def build_metadata(step: StepInputs, sliding_window: int | None, device: torch.d
     """
     split = split_step(step)
     block_size = step.block_size
-    prefills: list[PrefillChunk] = []
-    global_prefills: list[PrefillChunk] = []  # causal masks only, for the global layers (a window only)
-    for span in split.prefills:
-        kv_positions = np.arange(span.kv_len, dtype=np.int64)
-        kv_slots = span.block_table[kv_positions // block_size] * block_size + kv_positions % block_size
-        query_positions = np.arange(span.start_position, span.kv_len, dtype=np.int64)
-        causal = kv_positions[None, :] <= query_positions[:, None]
-        slots = torch.from_numpy(kv_slots).to(device)
-        mask = causal
-        if sliding_window is not None:
-            mask = causal & (kv_positions[None, :] > query_positions[:, None] - sliding_window)
-            causal_mask = torch.from_numpy(causal).to(device)
-            global_prefills.append(PrefillChunk(span.query_start, span.query_end, slots, causal_mask))
-        prefills.append(PrefillChunk(span.query_start, span.query_end, slots, torch.from_numpy(mask).to(device)))
-    kv_positions = np.arange(split.max_decode_len, dtype=np.int64)
-    decode_slots = split.decode_tables[:, kv_positions // block_size] * block_size + kv_positions % block_size
+    prefills = [_prefill_chunk(span, block_size, sliding_window, device) for span in split.prefills]
     lens = split.decode_lens[:, None]
+    kv_positions = np.arange(split.max_decode_len, dtype=np.int64)
+    full_slots = split.decode_tables[:, kv_positions // block_size] * block_size + kv_positions % block_size
     unpadded = kv_positions[None, :] < lens
-    decode_mask = unpadded
-    global_decode_mask = None
-    if sliding_window is not None:
-        decode_mask = unpadded & (kv_positions[None, :] > lens - 1 - sliding_window)
-        global_decode_mask = torch.from_numpy(unpadded[:, None, None, :].copy()).to(device)
+    if sliding_window is None:
+        return AttentionMetadata(
+            slot_mapping=torch.from_numpy(step.slot_mapping).to(device),
+            decode_token_index=torch.from_numpy(split.decode_rows).to(device),
+            decode_kv_slots=torch.from_numpy(full_slots).to(device),
+            decode_mask=torch.from_numpy(unpadded[:, None, None, :].copy()).to(device),
+            prefills=tuple(prefills),
+        )
+    # Each decode's window: its last ``sliding_window`` positions (padded past its length).
+    window = np.maximum(lens - sliding_window, 0) + np.arange(min(split.max_decode_len, sliding_window))
+    window_slots = np.take_along_axis(split.decode_tables, window // block_size, axis=1) * block_size
+    window_slots += window % block_size
     return AttentionMetadata(
         slot_mapping=torch.from_numpy(step.slot_mapping).to(device),
         decode_token_index=torch.from_numpy(split.decode_rows).to(device),
-        decode_kv_slots=torch.from_numpy(decode_slots).to(device),
-        decode_mask=torch.from_numpy(decode_mask[:, None, None, :].copy()).to(device),
+        decode_kv_slots=torch.from_numpy(window_slots).to(device),
+        decode_mask=torch.from_numpy((window < lens)[:, None, None, :].copy()).to(device),
         prefills=tuple(prefills),
-        global_decode_mask=global_decode_mask,
-        global_prefills=tuple(global_prefills) if sliding_window is not None else None,
+        global_decode_mask=torch.from_numpy(unpadded[:, None, None, :].copy()).to(device),
+        global_prefills=tuple(_prefill_chunk(span, block_size, None, device) for span in split.prefills),
+        global_decode_kv_slots=torch.from_numpy(full_slots).to(device),
+    )
+
+
+def _prefill_chunk(
+    span: PrefillSpan, block_size: int, sliding_window: int | None, device: torch.device
+) -> PrefillChunk:
+    """A chunk's slots and mask: from the window of its first query (with a window), else from position 0."""
+    first = 0 if sliding_window is None else max(0, span.start_position - sliding_window + 1)
+    kv_positions = np.arange(first, span.kv_len, dtype=np.int64)
+    kv_slots = span.block_table[kv_positions // block_size] * block_size + kv_positions % block_size
+    query_positions = np.arange(span.start_position, span.kv_len, dtype=np.int64)
+    mask = kv_positions[None, :] <= query_positions[:, None]
+    if sliding_window is not None:
+        mask &= kv_positions[None, :] > query_positions[:, None] - sliding_window
+    return PrefillChunk(
+        span.query_start, span.query_end, torch.from_numpy(kv_slots).to(device), torch.from_numpy(mask).to(device)
     )

@@ -16,10 +16,17 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class CacheHit:
-    """The cached prefix of a request: its blocks and how many tokens they cover."""
+    """The cached prefix of a request: its blocks and how many tokens they cover.
+
+    With a sliding window the hit may start past the first block: ``block_ids`` are the blocks from
+    sequence index ``block_offset`` on, those the request's next token still attends to; the
+    earlier ones (positions it never reads again) are not taken.
+    """
 
     block_ids: list[int]
     num_tokens: int
+    block_offset: int = 0
+    """The sequence index of ``block_ids[0]``: how many leading blocks of the prefix the hit leaves out."""
 
 
 NO_HIT = CacheHit([], 0)
@@ -29,17 +36,36 @@ NO_HIT = CacheHit([], 0)
 class KVCacheManager:
     """Grows and frees per-request block tables; finds and records cached prefixes.
 
+    With ``sliding_window`` set (a model whose every layer attends only to the last ``sliding_window``
+    positions), a request's table drops the blocks that have left the window of every token still to
+    be computed: they go back to the pool (listed in the prefix cache until evicted, like any freed
+    block), and the table starts at sequence index ``block_offset(request_id)``.
+
     Args:
         num_blocks: Blocks in the cache.
         block_size: Tokens per block.
         enable_prefix_caching: Reuse the KV of identical prefixes (full blocks) across requests.
+        sliding_window: The window every layer of the model attends within, or None (some layer sees
+            the whole context: every block stays needed).
+
+    Raises:
+        ValueError: ``sliding_window`` is not positive.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True, sliding_window: int | None = None
+    ) -> None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks)
         self._tables: dict[int, list[int]] = {}
+        self._offsets: dict[int, int] = {}
+        """Per request with a window, the leading blocks its table has dropped (absent: none)."""
+        self.num_window_freed_blocks = 0
+        """Blocks returned to the pool because they left the sliding window (every request, all along)."""
         self.num_query_tokens = 0
         """Prompt tokens looked up in the prefix cache."""
         self.num_hit_tokens = 0
@@ -63,6 +89,8 @@ class KVCacheManager:
             return NO_HIT
         self._hash_blocks(request, request.num_tokens)
         usable = (request.num_tokens - 1) // self.block_size
+        if self.sliding_window is not None:
+            return self._windowed_hit(request.block_hashes[:usable])
         blocks: list[int] = []
         for block_hash in request.block_hashes[:usable]:
             block_id = self.pool.lookup(block_hash)
@@ -70,6 +98,29 @@ class KVCacheManager:
                 break
             blocks.append(block_id)
         return CacheHit(blocks, len(blocks) * self.block_size)
+
+    def _windowed_hit(self, hashes: list[bytes]) -> CacheHit:
+        """The longest prefix whose blocks within the window of its next token are all cached.
+
+        The chained hash of a block names every token before it, so a cached block is this prefix's
+        whatever became of the blocks before it; only those the next token attends to must be there.
+        """
+        found = [self.pool.lookup(block_hash) for block_hash in hashes]
+        best, run = 0, 0
+        for index, block_id in enumerate(found):
+            run = 0 if block_id is None else run + 1
+            length = index + 1
+            if run >= length - self.first_needed_block(length * self.block_size):
+                best = length
+        first = self.first_needed_block(best * self.block_size)
+        return CacheHit([b for b in found[first:best] if b is not None], best * self.block_size, first)
+
+    def first_needed_block(self, num_tokens: int) -> int:
+        """The first block the token at position ``num_tokens`` (and every later one) attends to: 0
+        without a window; with one, the block of position ``num_tokens - sliding_window + 1``."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_tokens - self.sliding_window + 1) // self.block_size
 
     def looks_up(self, request: Request) -> bool:
         """Whether ``find_cached_prefix`` looks the request up at all (see there for who does not)."""
@@ -88,17 +139,27 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_tokens: int, hit: CacheHit = NO_HIT) -> list[int] | None:
         """Make the request's table cover its first ``num_tokens`` tokens.
 
+        With a sliding window, the blocks that have left the window of the request's first token
+        without confirmed KV (``num_confirmed_tokens``: no step still to run or in flight reads them)
+        go back to the pool first, whether or not the allocation then succeeds; so do the blocks of
+        ``hit`` outside the window of its first token to compute, which are never taken.
+
         Args:
             request: The request whose table grows (created on first use).
             num_tokens: Tokens the request will have KV for after this step.
-            hit: A cached prefix from ``find_cached_prefix`` to start a new table with.
+            hit: A cached prefix from ``find_cached_prefix`` (or ``prefix_of``) to start a new table with.
 
         Returns:
             The newly allocated block ids (possibly empty), or None when the pool is too small
-            right now; in that case nothing changes.
+            right now; in that case nothing else changes.
         """
-        table = self._tables.get(request.request_id, [])
-        missing = blocks_needed(num_tokens, self.block_size) - len(table) - len(hit.block_ids)
+        rid = request.request_id
+        if self.sliding_window is not None:
+            self._leave_window(rid, request.num_confirmed_tokens)
+            hit = self._trim_hit(hit)
+        table = self._tables.get(rid, [])
+        offset = self._offsets.get(rid, hit.block_offset if not table else 0)
+        missing = blocks_needed(num_tokens, self.block_size) - offset - len(table) - len(hit.block_ids)
         # Hit blocks that sit in the free queue stop being available once taken.
         available = self.pool.num_free_blocks - sum(1 for b in hit.block_ids if self.pool.ref_count(b) == 0)
         if missing > available:
@@ -107,8 +168,42 @@ class KVCacheManager:
             self.pool.touch(hit.block_ids)
             table = table + hit.block_ids
         new_blocks = self.pool.allocate(max(missing, 0)) or []
-        self._tables[request.request_id] = table + new_blocks
+        self._tables[rid] = table + new_blocks
+        if offset:
+            self._offsets[rid] = offset
         return new_blocks
+
+    def _leave_window(self, request_id: int, num_tokens: int) -> None:
+        """Return the blocks before the window of position ``num_tokens`` to the pool."""
+        table = self._tables.get(request_id)
+        if not table:
+            return
+        offset = self._offsets.get(request_id, 0)
+        count = min(self.first_needed_block(num_tokens) - offset, len(table))
+        if count > 0:
+            self.pool.release(table[:count])
+            del table[:count]
+            self._offsets[request_id] = offset + count
+            self.num_window_freed_blocks += count
+
+    def _trim_hit(self, hit: CacheHit) -> CacheHit:
+        """``hit`` without the blocks before the window of its first token to compute."""
+        drop = self.first_needed_block(hit.num_tokens) - hit.block_offset
+        if drop <= 0:
+            return hit
+        return CacheHit(hit.block_ids[drop:], hit.num_tokens, hit.block_offset + drop)
+
+    def prefix_of(self, request_id: int, num_blocks: int) -> CacheHit | None:
+        """The first ``num_blocks`` blocks of a request's table as a hit for another request with the
+        same tokens (another sample of its prompt); None when a block that request's next token attends
+        to has already left this one's window."""
+        table = self._tables.get(request_id, [])
+        offset = self._offsets.get(request_id, 0)
+        num_tokens = num_blocks * self.block_size
+        first = self.first_needed_block(num_tokens)
+        if offset > first or offset + len(table) < num_blocks:
+            return None
+        return CacheHit(table[first - offset : num_blocks - offset], num_tokens, first)
 
     def cache_computed_blocks(self, request: Request) -> None:
         """List the request's newly completed full blocks in the prefix cache."""
@@ -119,22 +214,31 @@ class KVCacheManager:
             return
         self._hash_blocks(request, num_full * self.block_size)
         table = self._tables.get(request.request_id, [])
-        for index in range(request.num_cached_blocks, min(num_full, len(table))):
-            self.pool.cache(table[index], request.block_hashes[index])
+        offset = self._offsets.get(request.request_id, 0)
+        for index in range(max(request.num_cached_blocks, offset), min(num_full, offset + len(table))):
+            self.pool.cache(table[index - offset], request.block_hashes[index])
         request.num_cached_blocks = max(request.num_cached_blocks, num_full)
 
     def _hash_blocks(self, request: Request, num_tokens: int) -> None:
         if len(request.block_hashes) * self.block_size + self.block_size <= num_tokens:
             tokens = request.token_ids(0, num_tokens)
-            extend_block_hashes(request.block_hashes, tokens, self.block_size, request.cache_salt)
+            extend_block_hashes(
+                request.block_hashes, tokens, self.block_size, request.cache_salt, long_rope=request.long_rope
+            )
 
     def block_table(self, request_id: int) -> list[int]:
-        """The request's blocks in sequence order (empty if it holds none)."""
+        """The request's blocks in sequence order from ``block_offset`` on (empty if it holds none)."""
         return self._tables.get(request_id, [])
+
+    def block_offset(self, request_id: int) -> int:
+        """The sequence index of the request's first block in ``block_table``: the blocks before it
+        left the sliding window and went back to the pool (0 without a window)."""
+        return self._offsets.get(request_id, 0)
 
     def free(self, request: Request) -> None:
         """Return every block of the request to the pool; a no-op if it holds none."""
         table = self._tables.pop(request.request_id, None)
+        self._offsets.pop(request.request_id, None)
         request.num_cached_blocks = 0
         if table:
             self.pool.release(table)

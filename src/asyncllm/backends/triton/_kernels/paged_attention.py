@@ -76,6 +76,7 @@ def attend_tiles(
     stride_v_head,
     tile_lo,
     tile_hi,
+    kv_begin,
     kv_end,
     scale_log2e,
     sliding_window,
@@ -87,11 +88,16 @@ def attend_tiles(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Fold the key tiles ``tile_lo .. tile_hi`` into the running softmax state (m_i, l_i, acc)."""
+    """Fold the key tiles ``tile_lo .. tile_hi`` into the running softmax state (m_i, l_i, acc).
+
+    Positions before ``kv_begin`` (a sliding window's start, in the first tile) are not loaded: their
+    blocks may have gone back to the pool, their block-table entries zeroed."""
     offs_n = tl.arange(0, TILE_N)
     for tile in range(tile_lo, tile_hi):
         kv_pos = tile * TILE_N + offs_n
         kv_valid = kv_pos < kv_end
+        if SLIDING:
+            kv_valid = kv_valid & (kv_pos >= kv_begin)
         block = tl.load(block_table_ptr + kv_pos // BLOCK_SIZE, mask=kv_valid, other=0).to(tl.int64)
         slot = block * BLOCK_SIZE + kv_pos % BLOCK_SIZE
         k = tl.load(
@@ -140,7 +146,8 @@ def query_tile(
     SLIDING: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
-    """Load a program's query tile; return it with its rows' token index, head, position and the key tile range."""
+    """Load a program's query tile; return it with its rows' token index, head, position, the key tile range
+    and the first and past-the-last key positions any row may attend to."""
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     context_len = tl.load(seq_lens_ptr + seq) - q_len
@@ -160,7 +167,7 @@ def query_tile(
     kv_begin = 0
     if SLIDING:
         kv_begin = tl.maximum(context_len + q_block_local * BLOCK_Q - sliding_window + 1, 0)
-    return q, token, head, row_valid, q_pos, kv_begin // TILE_N, tl.cdiv(kv_end, TILE_N), kv_end
+    return q, token, head, row_valid, q_pos, kv_begin // TILE_N, tl.cdiv(kv_end, TILE_N), kv_begin, kv_end
 
 
 @triton.jit
@@ -214,7 +221,7 @@ def attend_query_block(
     and the head-dimension offsets and mask."""
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = offs_d < HEAD_DIM
-    q, token, head, row_valid, q_pos, tile_lo, tile_hi, kv_end = query_tile(
+    q, token, head, row_valid, q_pos, tile_lo, tile_hi, kv_begin, kv_end = query_tile(
         q_ptr, query_start_loc_ptr, seq_lens_ptr, seq, q_block_local, kv_head, stride_q_tok, stride_q_head,
         sliding_window, offs_d, d_mask, QUERIES_PER_KV, BLOCK_M, BLOCK_Q, TILE_N, SLIDING, DOT_DTYPE,
     )  # fmt: skip
@@ -228,7 +235,7 @@ def attend_query_block(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     m_i, l_i, acc = attend_tiles(
         q, q_pos, row_valid, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt_seq,
-        kv_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, my_lo, my_hi, kv_end,
+        kv_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, my_lo, my_hi, kv_begin, kv_end,
         scale_log2e, sliding_window, offs_d, d_mask, BLOCK_SIZE, TILE_N, SLIDING, DOT_DTYPE, DOT_PRECISION,
     )  # fmt: skip
     return m_i, l_i, acc, token, head, row_valid, offs_d, d_mask
