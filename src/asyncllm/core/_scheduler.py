@@ -5,6 +5,11 @@ There are no prefill or decode phases. Every request has ``num_computed_tokens``
 first (in arrival order), then waiting ones. A long prompt simply takes several steps (chunked
 prefill). When the cache runs out of blocks, the latest-arrived running request is preempted: its
 blocks are freed and it goes back to the front of the queue to be recomputed later.
+
+With a ``Speculator`` (speculative decoding), a decoding request may feed a draft after its newest
+token: the draft counts against the token budget and gets KV slots like any token (a draft that does
+not fit is dropped, never the cause of a preemption); ``update`` keeps the accepted part and rolls the
+rest back (its slots are reused, its blocks never enter the prefix cache).
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from asyncllm.core._request import Request, RequestStatus
+from asyncllm.core._speculative import Speculator
 from asyncllm.core.kv._manager import CacheHit, KVCacheManager
-from asyncllm.executor._runner import PooledVector, PositionLogprobs, StepOutput
+from asyncllm.executor._runner import PooledVector, PositionLogprobs, StepOutput, VerifiedDraft
 from asyncllm.outputs import FinishReason
 
 
@@ -34,6 +40,9 @@ class ScheduledRequest:
     pool: bool = False
     """A prefill-only request's last prompt chunk (``Request.prefill_only``): it finishes with this
     step, a pooling request with the vector the step returns, a ``max_tokens=0`` one with "length"."""
+    draft: list[int] = field(default_factory=list)
+    """Speculative decoding: the draft fed after the request's newest token (the last ``len(draft)`` of
+    the ``num_new_tokens``); the step verifies it."""
 
 
 @dataclass(slots=True)
@@ -73,10 +82,19 @@ class Scheduler:
         kv_cache: The block tables the scheduler allocates into.
         max_num_seqs: The most requests running at once.
         max_num_batched_tokens: The most tokens fed to the model in one step.
+        speculator: Drafts for speculative decoding (None: no drafts).
     """
 
-    def __init__(self, kv_cache: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        speculator: Speculator | None = None,
+    ) -> None:
         self.kv_cache = kv_cache
+        self.speculator = speculator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -108,7 +126,18 @@ class Scheduler:
             if self._fully_scheduled(request):
                 index += 1
                 continue
+            draft: list[int] = []
+            if self.speculator is not None:
+                planned = self.speculator.draft(request)
+                if planned is None:  # its newest token is being sampled; it drafts from it next step
+                    index += 1
+                    continue
+                draft = planned[: budget - 1]
             num_new = min(request.num_tokens + request.num_pending_tokens - request.num_computed_tokens, budget)
+            wanted = request.num_computed_tokens + num_new + len(draft)
+            if draft and self.kv_cache.allocate_slots(request, wanted) is None:
+                draft = []  # a draft is a guess: it never preempts anyone
+            num_new += len(draft)
             while self.kv_cache.allocate_slots(request, request.num_computed_tokens + num_new) is None:
                 preempted = True
                 victim = self.running.pop()
@@ -117,7 +146,7 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break
-            scheduled.append(self._scheduled(request, num_new))
+            scheduled.append(self._scheduled(request, num_new, draft))
             budget -= num_new
             index += 1
         # Admitting new work right after a preemption would only thrash the cache.
@@ -184,6 +213,10 @@ class Scheduler:
                 token_logprobs = next(logprobs, None)
             if request.finished:  # ended while the step ran (abort, stop): its token is discarded
                 continue
+            if item.draft:
+                verified = (step_output.verified or {}).get(request.request_id)
+                events.append(self._verified(item, verified))
+                continue
             if item.epoch == request.epoch:  # not preempted since: its KV really is there
                 request.num_confirmed_tokens = max(request.num_confirmed_tokens, item.start + item.num_new_tokens)
                 self.kv_cache.cache_computed_blocks(request)
@@ -211,6 +244,43 @@ class Scheduler:
                 )
             )
         return events
+
+    def _verified(self, item: ScheduledRequest, verified: VerifiedDraft | None) -> TokenEvent:
+        """Take a drafted step's tokens: the accepted draft, then the one sampled after it.
+
+        The rejected draft tokens' KV is discarded (their positions are written again by later steps,
+        their whole blocks go back to the pool) and only the accepted tokens are confirmed, so no block
+        holding a rejected token ever enters the prefix cache. A stop token or ``max_tokens`` inside
+        the accepted run ends the request there; the tokens after it are dropped.
+        """
+        request = item.request
+        if verified is None or not 1 <= len(verified.token_ids) <= len(item.draft) + 1:
+            raise RuntimeError(f"the runner did not verify request {request.request_id}'s draft")
+        tokens = verified.token_ids
+        accepted = len(tokens) - 1
+        if tokens[:accepted] != item.draft[:accepted]:
+            raise RuntimeError(f"the runner accepted tokens request {request.request_id} did not draft")
+        request.num_pending_tokens -= 1
+        assert self.speculator is not None  # only a speculator drafts
+        self.speculator.record(request, len(item.draft), accepted)
+        kept: list[int] = []
+        finish_reason = None
+        for token_id in tokens:
+            kept.append(token_id)
+            finish_reason = request.append_token(token_id)
+            if finish_reason is not None:
+                break
+        if item.epoch == request.epoch:  # not preempted since: its KV really is there
+            request.num_computed_tokens -= len(item.draft) - accepted
+            # The newest token fed and the accepted draft tokens still in the output have their KV.
+            confirmed = item.start + 1 + min(len(kept), accepted)
+            request.num_confirmed_tokens = max(request.num_confirmed_tokens, confirmed)
+            self.kv_cache.cache_computed_blocks(request)
+            self.kv_cache.trim(request, request.num_computed_tokens)
+        if finish_reason is not None:
+            self.finish(request, finish_reason)
+        logprobs = None if verified.logprobs is None else list(verified.logprobs[: len(kept)])
+        return TokenEvent(request, kept, finish_reason, logprobs)
 
     def _pooled(self, request: Request, vector: PooledVector | None) -> TokenEvent:
         # The runner pools in the step that feeds the prompt's last token; a runner that returned no
@@ -271,10 +341,16 @@ class Scheduler:
             return None
         return CacheHit(self.kv_cache.block_table(first.request_id)[:num_blocks], num_tokens)
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(self, request: Request, num_new: int, draft: list[int] | None = None) -> ScheduledRequest:
         # Optimistic: the tokens count as computed from now on, so the next step can be scheduled
-        # before this one's result arrives; a sampled token is pending until update() sees it.
+        # before this one's result arrives; a sampled token is pending until update() sees it. A
+        # drafted request is not scheduled again before update() (``_fully_scheduled``: its draft
+        # counts as computed).
         start = request.num_computed_tokens
+        if draft:
+            request.num_computed_tokens += num_new
+            request.num_pending_tokens += 1
+            return ScheduledRequest(request, start, num_new, True, request.epoch, draft=draft)
         last = start + num_new == request.num_tokens + request.num_pending_tokens
         request.num_computed_tokens += num_new
         if request.prefill_only:  # its last chunk pools (or, for max_tokens=0, just ends) instead of sampling
