@@ -99,8 +99,9 @@ class DraftState:
     buffer: bytearray = field(default_factory=bytearray)
     """The request's known tokens (prompt, then output), native int32 each."""
     num_buffered: int = 0
-    gain: float = float(MAX_SPECULATIVE_TOKENS)
-    """Moving average of accepted tokens per draft; starts high, so a request's first drafts are tried."""
+    gain: float = 0.0
+    """Moving average of accepted tokens per draft; starts at ``num_speculative_tokens`` (as if every
+    draft were accepted), so a request's first drafts are tried."""
     resume_at: int = 0
     """No draft before the request has this many output tokens (a pause after failing drafts)."""
     backoff: int = INITIAL_BACKOFF
@@ -190,7 +191,7 @@ class Speculator:
             return []
         state = request.drafting
         if state is None:
-            state = request.drafting = DraftState()
+            state = request.drafting = DraftState(gain=float(self.config.num_tokens))
         if len(request.output_token_ids) < state.resume_at:
             return []
         self._buffer(request, state)
@@ -220,10 +221,10 @@ class Speculator:
             return
         state.gain += GAIN_SMOOTHING * (num_accepted - state.gain)
         if state.gain < MIN_ACCEPTED_PER_DRAFT:
-            # Pause; the next try starts just above the bar, so one more failure pauses again, longer.
+            # Pause; the next try starts at the bar, so one more failure pauses again, longer.
             state.resume_at = len(request.output_token_ids) + state.backoff
             state.backoff = min(2 * state.backoff, MAX_BACKOFF)
-            state.gain = 2 * MIN_ACCEPTED_PER_DRAFT
+            state.gain = MIN_ACCEPTED_PER_DRAFT
         elif num_accepted:
             state.backoff = INITIAL_BACKOFF
 
