@@ -279,7 +279,9 @@ class Scheduler:
             self.kv_cache.trim(request, request.num_computed_tokens)
         if finish_reason is not None:
             self.finish(request, finish_reason)
-        logprobs = None if verified.logprobs is None else list(verified.logprobs[: len(kept)])
+        logprobs: list[PositionLogprobs | None] | None = None
+        if verified.logprobs is not None:
+            logprobs = list(verified.logprobs[: len(kept)])
         return TokenEvent(request, kept, finish_reason, logprobs)
 
     def _pooled(self, request: Request, vector: PooledVector | None) -> TokenEvent:
