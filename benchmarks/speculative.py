@@ -170,6 +170,10 @@ async def _measure(args: argparse.Namespace, model_path: Path) -> dict[str, Any]
                             result.update(common.statistics_delta(before, engines[system].statistics()))
                             pair[system] = result
                             progress.update()
+                            common.log(
+                                f"  {name} {system}: {result['output_tokens']} tokens, "
+                                f"{result['tokens_per_s']:.1f} tok/s, ITL {result['itl'] * 1e3:.1f} ms"
+                            )
                         if pair["plain"]["token_ids"] != pair["ngram"]["token_ids"]:
                             common.log(f"note: greedy outputs differ on a {name} request (numerics of the batch)")
                         same = pair["plain"]["token_ids"] == pair["ngram"]["token_ids"]
@@ -184,6 +188,7 @@ async def _measure(args: argparse.Namespace, model_path: Path) -> dict[str, Any]
                     result.update(common.statistics_delta(before, engines[system].statistics()))
                     runs["batch"][system].append(result)
                     progress.update()
+                    common.log(f"  batch {system}: {result['tokens_per_s']:.1f} tok/s")
         stats = engines["ngram"].statistics()
         counters = {
             "drafts": stats.spec_num_drafts,

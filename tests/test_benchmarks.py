@@ -559,6 +559,24 @@ def test_serving_http_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.Cap
         assert positive(run_["tok_s"]) and positive(run_["ttft_p50"]) and positive(run_["itl_p50"])
 
 
+def test_speculative_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, result = run("speculative", ["--model", str(tiny_llama)], tmp_path, capsys)
+    for row in ("| repetitive ", "| free ", "| batch 4 ", "| n-gram "):
+        assert row in out
+    assert "tokens/s n-gram / plain per round" in out and "noisy" in out
+    for workload in ("repetitive", "free"):
+        assert f"{workload}: greedy outputs identical" in out
+        for system in ("plain", "ngram"):
+            runs = result["results"][workload][system]
+            assert len(runs) == 2 and all(r["output_tokens"] == 12 and r["same_tokens"] for r in runs)
+            assert all(positive(r["tokens_per_s"]) and positive(r["itl"]) for r in runs)
+        assert positive(result["ratios"][workload]["tokens_per_s"]) and positive(result["ratios"][workload]["itl"])
+    for system in ("plain", "ngram"):
+        assert [r["output_tokens"] for r in result["results"]["batch"][system]] == [4 * 6]
+    assert positive(result["ratios"]["batch"]["tokens_per_s"])
+    assert result["counters"]["draft_tokens"] >= result["counters"]["accepted_tokens"] > 0
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the check runs for real (minutes), not as a smoke test")
 def test_gpu_check_flow_without_a_device(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # Without CUDA every device step is recorded as skipped, and the report is still written whole.

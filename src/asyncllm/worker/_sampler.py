@@ -699,14 +699,15 @@ class Sampler:
         raw = self._rows(logits, flat).float()
         processed = self._process(raw, positions, states)
         scores = self._target_scores(processed, states)
-        probs = torch.softmax(scores, dim=-1)
         drafts = [seq.token_ids[len(seq.token_ids) - seq.num_draft :] for seq in sequences]
         firsts = self._firsts(sequences)
-        # p(d) of every draft token, and each row's argmax, read back at once.
-        draft_rows = [first + j for first, draft in zip(firsts, drafts) for j in range(len(draft))]
-        draft_ids = [token for draft in drafts for token in draft]
-        p_draft = self.ops.tolist(probs[self._index(draft_rows), self._index(draft_ids)])
         argmax = self.ops.tolist(row_argmax(processed))
+        p_draft: list[float] = []
+        if not all(state.params.greedy for state in states):  # p(d) of every draft token, read back at once
+            draft_rows = [first + j for first, draft in zip(firsts, drafts) for j in range(len(draft))]
+            draft_ids = [token for draft in drafts for token in draft]
+            probs = torch.softmax(scores[self._index(draft_rows)], dim=-1)
+            p_draft = self.ops.tolist(probs[torch.arange(len(draft_rows), device=self.device), self._index(draft_ids)])
         results: list[VerifiedDraft] = []
         finals: list[tuple[int, int | None]] = []  # per sequence: the row it samples at, the id it excludes
         cursor = 0
