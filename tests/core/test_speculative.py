@@ -452,3 +452,19 @@ def test_random_workloads_with_drafts_give_exact_outputs(w: dict[str, object]) -
         assert [t for e in events[request.request_id] for t in e.new_token_ids] == expected
     assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.pool.num_blocks
     check_cached_blocks_hold_real_tokens(scheduler, model, requests)
+
+
+def test_no_drafts_while_more_requests_run_than_disable_by_batch_size() -> None:
+    speculator = Speculator(SpeculativeConfig(num_tokens=2, ngram_min=1, ngram_max=1, disable_by_batch_size=2))
+    request = decoding(make_request(0, [1, 2, 1, 2], 10), [1])
+    assert speculator.draft(request, num_running=2) == [2, 1]
+    assert speculator.draft(request, num_running=3) == []
+    with pytest.raises(ValueError, match="speculative_disable_by_batch_size must be a positive int"):
+        SpeculativeConfig(disable_by_batch_size=0)
+    # In the scheduler: three requests that could all draft, above the limit of two: none does.
+    config = SpeculativeConfig(num_tokens=4, ngram_min=1, ngram_max=3, disable_by_batch_size=2)
+    scheduler = make_scheduler(config=config)
+    requests = [make_request(i, [1, 2, 3] * 4, 20) for i in range(3)]
+    run(scheduler, requests)
+    assert scheduler.speculator is not None and scheduler.speculator.counters.num_drafts == 0
+    assert all(r.output_token_ids == [truth(r, i) for i in range(20)] for r in requests)

@@ -128,7 +128,7 @@ class Scheduler:
                 continue
             draft: list[int] = []
             if self.speculator is not None:
-                planned = self.speculator.draft(request)
+                planned = self.speculator.draft(request, len(self.running))
                 if planned is None:  # its newest token is being sampled; it drafts from it next step
                     index += 1
                     continue

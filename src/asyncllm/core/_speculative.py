@@ -63,12 +63,14 @@ class SpeculativeConfig:
         num_tokens: The most draft tokens per request and step.
         ngram_min: The shortest suffix the n-gram proposer matches.
         ngram_max: The longest suffix it tries first.
+        disable_by_batch_size: No request drafts while more than this many run (None: any number).
     """
 
     method: SpeculativeMethod = "ngram"
     num_tokens: int = 4
     ngram_min: int = 2
     ngram_max: int = 4
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method != "ngram":
@@ -79,6 +81,9 @@ class SpeculativeConfig:
                 raise ValueError(f"{_OPTION[name]} must be a positive int, got {value!r}")
         if self.num_tokens > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, got {self.num_tokens}")
+        size = self.disable_by_batch_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"speculative_disable_by_batch_size must be a positive int or None, got {size!r}")
         if self.ngram_min > self.ngram_max:
             raise ValueError(
                 f"speculative_ngram_min ({self.ngram_min}) must be <= speculative_ngram_max ({self.ngram_max})"
@@ -168,8 +173,12 @@ class Speculator:
         self._proposed = [0] * config.num_tokens
         self._accepted = [0] * config.num_tokens
 
-    def draft(self, request: Request) -> list[int] | None:
+    def draft(self, request: Request, num_running: int = 1) -> list[int] | None:
         """The draft ``request`` feeds after its newest token in the step being scheduled.
+
+        Args:
+            request: A running request.
+            num_running: How many requests run (``disable_by_batch_size`` turns drafts off above it).
 
         Returns:
             The draft (capped so that ``max_tokens`` and ``max_model_len`` hold even if all of it is
@@ -187,7 +196,8 @@ class Speculator:
             request.params.max_tokens - in_hand - 1,
             request.max_total_tokens - request.num_tokens - request.num_pending_tokens - 1,
         )
-        if limit < 1 or request.prefill_only or request.num_computed_tokens < len(request.prompt_token_ids):
+        busy = self.config.disable_by_batch_size is not None and num_running > self.config.disable_by_batch_size
+        if busy or limit < 1 or request.prefill_only or request.num_computed_tokens < len(request.prompt_token_ids):
             return []
         state = request.drafting
         if state is None:

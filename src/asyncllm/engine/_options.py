@@ -204,6 +204,12 @@ class EngineOptions:
         metadata=_doc("""With speculative_method="ngram", the longest run of last tokens looked up (tried
         first; the longest run found wins)."""),
     )
+    speculative_disable_by_batch_size: int | None = field(
+        default=None,
+        metadata=_doc("""With speculative_method, no request drafts while more than this many requests run
+        (vLLM's disable_by_batch_size): a large batch keeps the device busy without drafts, which then
+        only add compute. None: drafts at any batch size."""),
+    )
 
     def __post_init__(self) -> None:
         check_kv_cache_memory(self.kv_cache_memory)
@@ -253,6 +259,7 @@ class EngineOptions:
             num_tokens=self.num_speculative_tokens,
             ngram_min=self.speculative_ngram_min,
             ngram_max=self.speculative_ngram_max,
+            disable_by_batch_size=self.speculative_disable_by_batch_size,
         )  # checks the sizes even while speculation is off, so a typo shows before it is turned on
 
     def speculative_config(self) -> SpeculativeConfig | None:
@@ -264,6 +271,7 @@ class EngineOptions:
             num_tokens=self.num_speculative_tokens,
             ngram_min=self.speculative_ngram_min,
             ngram_max=self.speculative_ngram_max,
+            disable_by_batch_size=self.speculative_disable_by_batch_size,
         )
 
     @classmethod
