@@ -14,7 +14,9 @@ requests, greedy (so both produce the same tokens):
   busy with the batch anyway and drafts add compute.
 
 Per request: TTFT, mean ITL as the consumer sees it (a chunk of several tokens counts as several
-inter-token gaps), and output tokens/s (output tokens over the request's whole time). Each repeat
+inter-token gaps), decode tokens/s (the tokens after the first over the time from the first to the
+last: what speculation changes) and end-to-end output tokens/s (all output tokens over the request's
+whole time, its prompt's computation included). Each repeat
 runs every request on both engines back to back, alternating which goes first; the reported numbers
 are medians over repeats and requests. Ratios are speculative / plain for tokens/s and throughput
 (> 1: speculation is faster) and plain / speculative for ITL. vLLM's CPU backend is not run here (it
@@ -106,6 +108,7 @@ async def _one(engine: Any, prompt: str, params: Any) -> dict[str, Any]:
     return {
         "ttft": first - start,
         "itl": (last - first) / max(tokens - stamps[0][1], 1),
+        "decode_tokens_per_s": (tokens - stamps[0][1]) / (last - first) if last > first else None,
         "tokens_per_s": tokens / (last - start),
         "output_tokens": tokens,
         "token_ids": token_ids,
@@ -172,7 +175,8 @@ async def _measure(args: argparse.Namespace, model_path: Path) -> dict[str, Any]
                             progress.update()
                             common.log(
                                 f"  {name} {system}: {result['output_tokens']} tokens, "
-                                f"{result['tokens_per_s']:.1f} tok/s, ITL {result['itl'] * 1e3:.1f} ms"
+                                f"{result['tokens_per_s']:.1f} tok/s, ITL {result['itl'] * 1e3:.1f} ms, "
+                                f"{result.get('num_steps')} steps"
                             )
                         if pair["plain"]["token_ids"] != pair["ngram"]["token_ids"]:
                             common.log(f"note: greedy outputs differ on a {name} request (numerics of the batch)")
@@ -224,15 +228,22 @@ def main(argv: list[str] | None = None) -> int:
                     system,
                     common.median_of_runs(system_runs, "ttft") * 1e3,
                     common.median_of_runs(system_runs, "itl") * 1e3,
+                    common.median_of_runs(system_runs, "decode_tokens_per_s"),
                     common.median_of_runs(system_runs, "tokens_per_s"),
                     common.median_of_runs(system_runs, "output_tokens"),
                     accepted / drafted if drafted else None,
                 ]
             )
+        decode = common.per_round_ratios(fast, plain, "decode_tokens_per_s")
         speed = common.per_round_ratios(fast, plain, "tokens_per_s")
         itl = common.per_round_ratios(fast, plain, "itl", ours_first=False)
-        ratios[name] = {"tokens_per_s": common.median(speed), "itl": common.median(itl)}
-        notes.append(common.per_round_note(name, "tokens/s n-gram / plain", speed))
+        ratios[name] = {
+            "decode_tokens_per_s": common.median(decode),
+            "tokens_per_s": common.median(speed),
+            "itl": common.median(itl),
+        }
+        notes.append(common.per_round_note(name, "decode tokens/s n-gram / plain", decode))
+        notes.append(common.per_round_note(name, "end-to-end tokens/s n-gram / plain", speed))
         same = all(r["same_tokens"] for r in fast)
         notes.append(f"{name}: greedy outputs {'identical' if same else 'NOT identical'} with and without speculation")
     batch_plain, batch_fast = runs["batch"]["plain"], runs["batch"]["ngram"]
@@ -262,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         common.format_table(
-            ["workload", "engine", "TTFT ms", "mean ITL ms", "output tok/s", "output tokens", "acceptance"], rows
+            ["workload", "engine", "TTFT ms", "mean ITL ms", "decode tok/s", "e2e tok/s", "tokens", "acceptance"], rows
         )
     )
     print()
@@ -270,12 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         common.format_table(
-            ["ratio n-gram / plain", "tok/s", "ITL (plain / n-gram)"],
+            ["ratio n-gram / plain", "decode tok/s", "e2e tok/s", "ITL (plain / n-gram)"],
             [
-                ["repetitive", ratios["repetitive"]["tokens_per_s"], ratios["repetitive"]["itl"]],
-                ["free", ratios["free"]["tokens_per_s"], ratios["free"]["itl"]],
-                [f"batch {args.batch}", ratios["batch"]["tokens_per_s"], None],
-            ],
+                [name, ratios[name]["decode_tokens_per_s"], ratios[name]["tokens_per_s"], ratios[name]["itl"]]
+                for name in ("repetitive", "free")
+            ]
+            + [[f"batch {args.batch} (throughput)", None, ratios["batch"]["tokens_per_s"], None]],
         )
     )
     print()
