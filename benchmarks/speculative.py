@@ -5,11 +5,14 @@
 
 Two engines on the same model, one with ``speculative_method="ngram"`` (``num_speculative_tokens``
 4, n-grams of 2-4 tokens unless ``--engine-opt`` says otherwise) and one without, run the same
-requests, greedy (so both produce the same tokens):
+requests, greedy unless said otherwise (so both produce the same tokens):
 
 - single stream, repetitive: chat requests asking to rewrite a given passage (Python code, then prose)
   with a small edit, so the answer mostly repeats the prompt: the workload prompt lookup is for;
 - single stream, free: chat requests for a story, where little of the output repeats the prompt;
+- single stream, sampled: the same at temperature 1 (seeded, ``ignore_eos``, so both engines generate
+  ``--output-len`` tokens, though not the same ones): drafts are seldom accepted, the case the
+  per-request back-off is for;
 - throughput at ``--batch`` concurrent requests (the rewrite requests, all at once): where the device is
   busy with the batch anyway and drafts add compute.
 
@@ -133,9 +136,11 @@ async def _batch(engine: Any, prompts: list[str], params: Any) -> dict[str, Any]
     return {"tokens_per_s": sum(counts) / elapsed, "output_tokens": sum(counts), "seconds": elapsed}
 
 
-def _chat_params(args: argparse.Namespace, max_tokens: int) -> Any:
+def _chat_params(args: argparse.Namespace, max_tokens: int, *, sampled: bool = False, seed: int = 0) -> Any:
     from asyncllm import SamplingParams
 
+    if sampled:
+        return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, ignore_eos=True)
     # --quick runs a tiny random model, which may end at once: it generates its tokens regardless.
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=args.quick)
 
@@ -143,11 +148,12 @@ def _chat_params(args: argparse.Namespace, max_tokens: int) -> Any:
 async def _measure(args: argparse.Namespace, model_path: Path) -> dict[str, Any]:
     from asyncllm import Engine
 
-    options = common.engine_options(args)
+    # Two engines in one process: 1 GiB of KV each unless said otherwise (the CPU default is up to 4 GiB).
+    options = {"kv_cache_memory": 1 << 30, **common.engine_options(args)}
     speculative = {"speculative_method": "ngram", **options}
     single = _chat_params(args, args.output_len)
     batch_params = _chat_params(args, args.batch_output_len)
-    workloads = {"repetitive": REPETITIVE, "free": FREE}
+    workloads = {"repetitive": REPETITIVE, "free": FREE, "sampled": FREE}
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {
         name: {"plain": [], "ngram": []} for name in [*workloads, "batch"]
     }
@@ -165,11 +171,14 @@ async def _measure(args: argparse.Namespace, model_path: Path) -> dict[str, Any]
             for repeat in range(args.repeats):
                 order = ["plain", "ngram"] if repeat % 2 == 0 else ["ngram", "plain"]
                 for name, prompts in workloads.items():
-                    for prompt in prompts:
+                    for index, prompt in enumerate(prompts):
+                        params = single
+                        if name == "sampled":
+                            params = _chat_params(args, args.output_len, sampled=True, seed=100 * repeat + index)
                         pair = {}
                         for system in order:
                             before = engines[system].statistics()
-                            result = await _one(engines[system], prompt, single)
+                            result = await _one(engines[system], prompt, params)
                             result.update(common.statistics_delta(before, engines[system].statistics()))
                             pair[system] = result
                             progress.update()
@@ -178,9 +187,9 @@ async def _measure(args: argparse.Namespace, model_path: Path) -> dict[str, Any]
                                 f"{result['tokens_per_s']:.1f} tok/s, ITL {result['itl'] * 1e3:.1f} ms, "
                                 f"{result.get('num_steps')} steps"
                             )
-                        if pair["plain"]["token_ids"] != pair["ngram"]["token_ids"]:
-                            common.log(f"note: greedy outputs differ on a {name} request (numerics of the batch)")
                         same = pair["plain"]["token_ids"] == pair["ngram"]["token_ids"]
+                        if not same and name != "sampled":
+                            common.log(f"note: greedy outputs differ on a {name} request (numerics of the batch)")
                         for system, result in pair.items():
                             result["same_tokens"] = same
                             del result["token_ids"]
@@ -217,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     ratios: dict[str, dict[str, float | None]] = {}
     notes: list[str] = []
-    for name in ("repetitive", "free"):
+    for name in ("repetitive", "free", "sampled"):
         plain, fast = runs[name]["plain"], runs[name]["ngram"]
         for system, system_runs in (("plain", plain), ("n-gram", fast)):
             accepted = sum(r.get("spec_accepted_tokens", 0) for r in system_runs)
@@ -244,8 +253,10 @@ def main(argv: list[str] | None = None) -> int:
         }
         notes.append(common.per_round_note(name, "decode tokens/s n-gram / plain", decode))
         notes.append(common.per_round_note(name, "end-to-end tokens/s n-gram / plain", speed))
-        same = all(r["same_tokens"] for r in fast)
-        notes.append(f"{name}: greedy outputs {'identical' if same else 'NOT identical'} with and without speculation")
+        if name != "sampled":
+            same = all(r["same_tokens"] for r in fast)
+            verdict = "identical" if same else "NOT identical"
+            notes.append(f"{name}: greedy outputs {verdict} with and without speculation")
     batch_plain, batch_fast = runs["batch"]["plain"], runs["batch"]["ngram"]
     batch_rows = [
         [system, common.median_of_runs(system_runs, "tokens_per_s"), common.median_of_runs(system_runs, "seconds")]
@@ -267,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         [
             f"model: {common.model_summary(model_path)} ({args.dtype}, {args.device})",
             f"single stream: {len(REPETITIVE)} rewrite and {len(FREE)} free chat requests, greedy, at most "
-            f"{args.output_len} tokens; batch: {args.batch} rewrite requests at once, {args.batch_output_len} "
+            f"{args.output_len} tokens, and the free ones sampled (temperature 1, seeded); "
+            f"batch: {args.batch} rewrite requests at once, {args.batch_output_len} "
             f"tokens each; median of {args.repeats} repeats",
         ],
     )
@@ -284,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             ["ratio n-gram / plain", "decode tok/s", "e2e tok/s", "ITL (plain / n-gram)"],
             [
                 [name, ratios[name]["decode_tokens_per_s"], ratios[name]["tokens_per_s"], ratios[name]["itl"]]
-                for name in ("repetitive", "free")
+                for name in ("repetitive", "free", "sampled")
             ]
             + [[f"batch {args.batch} (throughput)", None, ratios["batch"]["tokens_per_s"], None]],
         )
