@@ -261,8 +261,8 @@ class Scheduler:
         if tokens[:accepted] != item.draft[:accepted]:
             raise RuntimeError(f"the runner accepted tokens request {request.request_id} did not draft")
         request.num_pending_tokens -= 1
-        assert self.speculator is not None  # only a speculator drafts
-        self.speculator.record(request, len(item.draft), accepted)
+        if self.speculator is not None:  # the one that drafted: it learns how the draft fared
+            self.speculator.record(request, len(item.draft), accepted)
         kept: list[int] = []
         finish_reason = None
         for token_id in tokens:
