@@ -37,7 +37,7 @@ LOGITS = torch.log(
 )
 DRAFT = [2, 3]
 DRAWS = 6000
-P_VALUE = 1e-3  # deterministic (seeded); a wrong verifier gives p-values below 1e-30 here
+P_VALUE = 1e-3  # deterministic (seeded); a verifier that resamples without removing the draft token fails
 
 
 def drafted(request_id: int, params: SamplingParams, draft: Sequence[int] = DRAFT, newest: int = 5) -> SequenceInput:
