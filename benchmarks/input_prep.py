@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from asyncllm.backends.cpu import _attention as attention_cpu
-from asyncllm.backends.torch._attention import AttentionMetadata, PrefillChunk
+from asyncllm.backends.torch._attention import SHORT_CHUNK_TOKENS, AttentionMetadata, PrefillChunk
 from asyncllm.backends.torch._attention import build_metadata as torch_metadata
 from asyncllm.backends.triton import _launchers as attention_triton
 from asyncllm.executor._runner import SequenceInput
@@ -81,6 +81,11 @@ def legacy_split(
     decode_lens: list[int] = []
     tables: list[list[int]] = []
     prefills: list[tuple[int, SequenceInput]] = []
+    # A short chunk after a cached context (``SHORT_CHUNK_TOKENS``) is one decode per token, after the
+    # single-token decodes.
+    short_rows: list[int] = []
+    short_lens: list[int] = []
+    short_tables: list[list[int]] = []
     offset = 0
     for seq in sequences:
         num_new = len(seq.token_ids)
@@ -88,9 +93,17 @@ def legacy_split(
             decode_rows.append(offset)
             decode_lens.append(seq.start_position + 1)
             tables.append(seq.block_table)
+        elif seq.start_position > 0 and num_new <= SHORT_CHUNK_TOKENS:
+            for index in range(num_new):
+                short_rows.append(offset + index)
+                short_lens.append(seq.start_position + index + 1)
+                short_tables.append(seq.block_table)
         else:
             prefills.append((offset, seq))
         offset += num_new
+    decode_rows += short_rows
+    decode_lens += short_lens
+    tables += short_tables
     max_len = max(decode_lens, default=0)
     max_blocks = max(1, -(-max_len // block_size))
     padded = np.zeros((len(decode_rows), max_blocks), dtype=np.int64)

@@ -575,6 +575,28 @@ def test_tensor_parallel_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.
     assert two["collectives_per_step"] >= 2 * 2 + 1  # two all-reduces per layer and the embedding's, at least
 
 
+# -- speculative.py (n-gram drafts against plain decoding) ---------------------------------------------
+
+
+def test_speculative_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, result = run("speculative", ["--model", str(tiny_llama)], tmp_path, capsys)
+    for row in ("| repetitive ", "| free ", "| sampled ", "| batch 4 ", "| n-gram "):
+        assert row in out
+    assert "decode tokens/s n-gram / plain per round" in out and "noisy" in out
+    for workload in ("repetitive", "free", "sampled"):
+        assert workload == "sampled" or f"{workload}: greedy outputs identical" in out
+        for system in ("plain", "ngram"):
+            runs = result["results"][workload][system]
+            assert len(runs) == 2 and all(r["output_tokens"] == 12 for r in runs)
+            assert workload == "sampled" or all(r["same_tokens"] for r in runs)
+            assert all(positive(r["tokens_per_s"]) and positive(r["decode_tokens_per_s"]) for r in runs)
+        assert all(positive(result["ratios"][workload][key]) for key in ("decode_tokens_per_s", "tokens_per_s", "itl"))
+    for system in ("plain", "ngram"):
+        assert [r["output_tokens"] for r in result["results"]["batch"][system]] == [4 * 6]
+    assert positive(result["ratios"]["batch"]["tokens_per_s"])
+    assert result["counters"]["draft_tokens"] >= result["counters"]["accepted_tokens"] > 0
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the check runs for real (minutes), not as a smoke test")
 def test_gpu_check_flow_without_a_device(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # Without CUDA every device step is recorded as skipped, and the report is still written whole.

@@ -190,6 +190,16 @@ class EngineStatistics(msgspec.Struct, frozen=True):
             makes one per input).
         num_embedding_tokens: Prompt tokens of those requests (``num_prompt_tokens`` counts them too,
             as computed).
+        spec_num_drafts: Speculative decoding: steps in which a request fed a draft.
+        spec_draft_tokens: Draft tokens fed.
+        spec_accepted_tokens: Of those, tokens the model accepted (before a stop or ``max_tokens`` ended
+            their request); each drafted step also samples one token of its own, not counted here.
+        spec_acceptance_rate: ``spec_accepted_tokens / spec_draft_tokens`` (0.0 before any draft).
+        spec_draft_tokens_per_position: Per draft position (the first token of a draft is position 0),
+            the draft tokens fed there; empty without speculative decoding.
+        spec_accepted_tokens_per_position: Per draft position, the tokens accepted there (a token is
+            accepted only if every one before it in its draft was).
+        spec_acceptance_rate_per_position: Per draft position, accepted / fed (0.0 where none was fed).
     """
 
     num_running: int
@@ -219,3 +229,10 @@ class EngineStatistics(msgspec.Struct, frozen=True):
     grammar_compile_seconds: float = 0.0
     num_embedding_requests: int = 0
     num_embedding_tokens: int = 0
+    spec_num_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_acceptance_rate: float = 0.0
+    spec_draft_tokens_per_position: tuple[int, ...] = ()
+    spec_accepted_tokens_per_position: tuple[int, ...] = ()
+    spec_acceptance_rate_per_position: tuple[float, ...] = ()

@@ -265,6 +265,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             mask comes after ``allowed_token_ids``, bad words and ``logit_bias``; where they leave no token
             the grammar allows, the grammar's mask alone applies. ``logprobs`` stay those of the raw
             distribution. Not with ``ignore_eos``: the grammar ends the output with EOS.
+        num_speculative_tokens: With an engine opened with ``speculative_method``, the most draft
+            tokens this request may carry per step (0: this request never drafts; None: the engine's
+            ``num_speculative_tokens``). Outputs follow the same distribution either way (greedy ones
+            are the same tokens); only the speed differs. More than the engine's
+            ``num_speculative_tokens`` is an error at the call.
 
     Raises:
         InvalidSamplingParamsError: A field is out of range or of the wrong type; the message
@@ -294,6 +299,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured_output: StructuredOutput | None = None
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, minimum=1)
@@ -350,6 +356,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             )
         _check_int("logprobs", self.logprobs, minimum=0, allow_none=True)
         _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0, allow_none=True)
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=0, allow_none=True)
         self._check_structured_output()
 
     def _check_structured_output(self) -> None:

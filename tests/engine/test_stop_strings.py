@@ -91,10 +91,14 @@ def test_include_stop_str_in_output_sends_text_at_once_and_keeps_the_string() ->
     assert stopped_at == [3]
 
 
-def test_several_tokens_at_once_stop_at_the_earliest_string() -> None:
+def test_several_tokens_at_once_stop_where_one_token_at_a_time_would() -> None:
+    # A verified speculative draft brings several tokens in one event. "cd" is complete at the fourth
+    # token, before "bcde" (which starts earlier) is: one token per step would have stopped at "cd".
     params = SamplingParams(stop=("cd", "bcde", "zz"))
+    one_by_one, _ = _feed("abcdef", params)
     recorder, _ = _feed("abcdef", params, per_event=6)
-    assert recorder.pushes == [("a", "stop", "bcde")]
+    assert recorder.text == one_by_one.text == "ab"
+    assert recorder.pushes == [("ab", "stop", "cd")]
 
 
 def test_a_multibyte_stop_string_spanning_several_tokens() -> None:

@@ -282,6 +282,8 @@ def test_options_that_do_not_combine_with_tensor_parallelism_are_refused_at_open
 
     with pytest.raises(ValueError, match="compile=True"):
         Engine.open("unused", tensor_parallel_size=2, compile=True)
+    with pytest.raises(ValueError, match="speculative_method"):
+        Engine.open("unused", tensor_parallel_size=2, speculative_method="ngram")
     with pytest.raises(ValueError, match="custom runner"):
         Engine.open(runner=ScriptedRunner([1]), tokenizer=ByteTokenizer(), tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size"):

@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM
 from asyncllm import Engine, SamplingParams
 from asyncllm.backends import resolve_attention_backend
 from asyncllm.backends.cpu import _attention as attention_cpu
+from asyncllm.backends.torch._attention import SHORT_CHUNK_TOKENS, paged_attention, write_kv
 from asyncllm.backends.torch._attention import build_metadata as _attention_metadata
-from asyncllm.backends.torch._attention import paged_attention, write_kv
 from asyncllm.executor._runner import SequenceInput, StepBatch
 from asyncllm.testing.tiny_models import tiny_model_path
 from asyncllm.worker._input_batch import step_inputs
@@ -55,6 +55,7 @@ def _ragged_batch(rng: random.Random, block_size: int, num_blocks: int) -> list[
         (block_size + 1, 7),  # chunked prefill with cached history
         (2 * block_size, block_size),
         (rng.randint(1, 40), rng.randint(2, 20)),
+        (block_size + 3, SHORT_CHUNK_TOKENS + 2),  # with history, too long to be attended as decodes
     ]
     rng.shuffle(shapes)
     sequences = []
@@ -88,7 +89,12 @@ def test_cpu_attention_matches_reference(
     expected = paged_attention(q, k_cache, v_cache, reference_meta, head_dim**-0.5)
 
     meta = attention_cpu.build_metadata(step, sliding_window=sliding_window)
-    assert meta.decode_rows.numel() == sum(len(s.token_ids) == 1 for s in sequences)
+    # Short chunks with history (a speculative draft's shape) are attended as one decode per token.
+    short = [s for s in sequences if 1 < len(s.token_ids) <= SHORT_CHUNK_TOKENS and s.start_position > 0]
+    assert short
+    assert meta.decode_rows.numel() == sum(len(s.token_ids) == 1 for s in sequences) + sum(
+        len(s.token_ids) for s in short
+    )
     assert any(c.kv_slots is None for c in meta.prefills) and any(c.kv_slots is not None for c in meta.prefills)
     got = attention_cpu.paged_attention(q, k, v, k_cache, v_cache, meta, head_dim**-0.5)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

@@ -119,6 +119,9 @@ class EngineCore:
         scheduler = self.scheduler
         kv = scheduler.kv_cache
         runner_timings = getattr(self.runner, "timings", None) or RunnerTimings()
+        speculative = None if scheduler.speculator is None else scheduler.speculator.counters
+        drafted = () if speculative is None else speculative.draft_tokens_per_position
+        accepted = () if speculative is None else speculative.accepted_tokens_per_position
         return EngineStatistics(
             num_running=len(scheduler.running),
             num_waiting=self.num_waiting,
@@ -147,6 +150,13 @@ class EngineCore:
             grammar_compile_seconds=0.0 if self.grammars is None else self.grammars.compile_seconds,
             num_embedding_requests=self.num_embedding_requests,
             num_embedding_tokens=self.num_embedding_tokens,
+            spec_num_drafts=0 if speculative is None else speculative.num_drafts,
+            spec_draft_tokens=sum(drafted),
+            spec_accepted_tokens=sum(accepted),
+            spec_acceptance_rate=sum(accepted) / sum(drafted) if sum(drafted) else 0.0,
+            spec_draft_tokens_per_position=drafted,
+            spec_accepted_tokens_per_position=accepted,
+            spec_acceptance_rate_per_position=tuple(a / d if d else 0.0 for a, d in zip(accepted, drafted)),
         )
 
     def add(self, request: Request, stream: RequestStream) -> None:
@@ -309,7 +319,7 @@ class EngineCore:
         sequences = [
             SequenceInput(
                 request_id=s.request.request_id,
-                token_ids=s.request.token_ids(s.start, s.start + s.num_new_tokens),
+                token_ids=s.request.token_ids(s.start, s.start + s.num_new_tokens - len(s.draft)) + s.draft,
                 start_position=s.start,
                 block_table=list(kv.block_table(s.request.request_id)),
                 block_offset=kv.block_offset(s.request.request_id),
@@ -322,6 +332,7 @@ class EngineCore:
                 epoch=s.epoch,
                 grammar=s.request.grammar,
                 pooling=s.request.pooling,
+                num_draft=len(s.draft),
             )
             for s in step.scheduled
         ]

@@ -13,6 +13,7 @@ from asyncllm.outputs import FinishReason
 from asyncllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from asyncllm.core._speculative import DraftState
     from asyncllm.structured import CompiledGrammar
 
 
@@ -83,6 +84,9 @@ class Request:
     pooling: Pooling | None = None
     """An embedding request: its prompt is computed (in chunks like any other) and pooled, nothing is
     sampled, and it finishes with "stop" in the step that completes its prompt."""
+    drafting: DraftState | None = None
+    """Speculative decoding's state for this request (its tokens for lookup, how its drafts fare), kept
+    by the scheduler's ``Speculator``; None until it first considers a draft."""
 
     @property
     def prefill_only(self) -> bool:

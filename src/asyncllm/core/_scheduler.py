@@ -10,6 +10,11 @@ Under the priority policy (``_priority.py``) both lists are kept in rank order, 
 arrival)``: the same code then serves the best-ranked first and preempts the worst-ranked first,
 and a waiting request that cannot be admitted (no seat or no blocks) preempts running requests
 it outranks, worst first, until it can.
+
+With a ``Speculator`` (speculative decoding), a decoding request may feed a draft after its newest
+token: the draft counts against the token budget and gets KV slots like any token (a draft that does
+not fit is dropped, never the cause of a preemption); ``update`` keeps the accepted part and rolls the
+rest back (its slots are reused, its blocks never enter the prefix cache).
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from dataclasses import dataclass, field
 
 from asyncllm.core._priority import SCHEDULING_POLICIES, SchedulingPolicy, WaitingHeap, rank
 from asyncllm.core._request import Request, RequestStatus
+from asyncllm.core._speculative import Speculator
 from asyncllm.core.kv._manager import CacheHit, KVCacheManager
-from asyncllm.executor._runner import PooledVector, PositionLogprobs, StepOutput
+from asyncllm.executor._runner import PooledVector, PositionLogprobs, StepOutput, VerifiedDraft
 from asyncllm.outputs import FinishReason
 
 
@@ -41,6 +47,9 @@ class ScheduledRequest:
     pool: bool = False
     """A prefill-only request's last prompt chunk (``Request.prefill_only``): it finishes with this
     step, a pooling request with the vector the step returns, a ``max_tokens=0`` one with "length"."""
+    draft: list[int] = field(default_factory=list)
+    """Speculative decoding: the draft fed after the request's newest token (the last ``len(draft)`` of
+    the ``num_new_tokens``); the step verifies it."""
 
 
 @dataclass(slots=True)
@@ -84,6 +93,7 @@ class Scheduler:
         long_rope_length: The model's LongRoPE original context (``RunnerInfo.long_rope_length``): a
             request longer than this is computed with the long frequencies at every position, and one
             that grows past it is recomputed from position 0; None: the model has no such switch.
+        speculator: Drafts for speculative decoding (None: no drafts).
 
     Raises:
         ValueError: ``policy`` is neither.
@@ -97,10 +107,12 @@ class Scheduler:
         max_num_batched_tokens: int,
         policy: SchedulingPolicy = "fcfs",
         long_rope_length: int | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {policy!r}")
         self.kv_cache = kv_cache
+        self.speculator = speculator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
@@ -139,7 +151,22 @@ class Scheduler:
                 continue
             if self._grows_long(request):
                 self._recompute_long(request)
+            draft: list[int] = []
+            if self.speculator is not None:
+                planned = self.speculator.draft(request, len(self.running))
+                if planned is None:  # its newest token is being sampled; it drafts from it next step
+                    index += 1
+                    continue
+                draft = planned[: budget - 1]
+                if self.long_rope_length is not None and not request.long_rope:
+                    # A draft position past LongRoPE's original context would be computed short, where
+                    # one token at a time would have recomputed everything long first.
+                    draft = draft[: max(0, self.long_rope_length - request.num_tokens - request.num_pending_tokens)]
             num_new = min(request.num_tokens + request.num_pending_tokens - request.num_computed_tokens, budget)
+            wanted = request.num_computed_tokens + num_new + len(draft)
+            if draft and self.kv_cache.allocate_slots(request, wanted) is None:
+                draft = []  # a draft is a guess: it never preempts anyone
+            num_new += len(draft)
             while self.kv_cache.allocate_slots(request, request.num_computed_tokens + num_new) is None:
                 preempted = True
                 victim = self.running.pop()
@@ -148,7 +175,7 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break
-            scheduled.append(self._scheduled(request, num_new))
+            scheduled.append(self._scheduled(request, num_new, draft))
             budget -= num_new
             index += 1
         # Admitting new work right after a preemption would only thrash the cache. (Preempting
@@ -255,6 +282,10 @@ class Scheduler:
                 token_logprobs = next(logprobs, None)
             if request.finished:  # ended while the step ran (abort, stop): its token is discarded
                 continue
+            if item.draft:
+                verified = (step_output.verified or {}).get(request.request_id)
+                events.append(self._verified(item, verified))
+                continue
             if item.epoch == request.epoch:  # not preempted since: its KV really is there
                 request.num_confirmed_tokens = max(request.num_confirmed_tokens, item.start + item.num_new_tokens)
                 self.kv_cache.cache_computed_blocks(request)
@@ -286,6 +317,45 @@ class Scheduler:
                 )
             )
         return events
+
+    def _verified(self, item: ScheduledRequest, verified: VerifiedDraft | None) -> TokenEvent:
+        """Take a drafted step's tokens: the accepted draft, then the one sampled after it.
+
+        The rejected draft tokens' KV is discarded (their positions are written again by later steps,
+        their whole blocks go back to the pool) and only the accepted tokens are confirmed, so no block
+        holding a rejected token ever enters the prefix cache. A stop token or ``max_tokens`` inside
+        the accepted run ends the request there; the tokens after it are dropped.
+        """
+        request = item.request
+        if verified is None or not 1 <= len(verified.token_ids) <= len(item.draft) + 1:
+            raise RuntimeError(f"the runner did not verify request {request.request_id}'s draft")
+        tokens = verified.token_ids
+        accepted = len(tokens) - 1
+        if tokens[:accepted] != item.draft[:accepted]:
+            raise RuntimeError(f"the runner accepted tokens request {request.request_id} did not draft")
+        request.num_pending_tokens -= 1
+        if self.speculator is not None:  # the one that drafted: it learns how the draft fared
+            self.speculator.record(request, len(item.draft), accepted)
+        kept: list[int] = []
+        finish_reason = None
+        for token_id in tokens:
+            kept.append(token_id)
+            finish_reason = request.append_token(token_id)
+            if finish_reason is not None:
+                break
+        if item.epoch == request.epoch:  # not preempted since: its KV really is there
+            request.num_computed_tokens -= len(item.draft) - accepted
+            # The newest token fed and the accepted draft tokens still in the output have their KV.
+            confirmed = item.start + 1 + min(len(kept), accepted)
+            request.num_confirmed_tokens = max(request.num_confirmed_tokens, confirmed)
+            self.kv_cache.cache_computed_blocks(request)
+            self.kv_cache.trim(request, request.num_computed_tokens)
+        if finish_reason is not None:
+            self.finish(request, finish_reason)
+        logprobs: list[PositionLogprobs | None] | None = None
+        if verified.logprobs is not None:
+            logprobs = list(verified.logprobs[: len(kept)])
+        return TokenEvent(request, kept, finish_reason, logprobs)
 
     def _pooled(self, request: Request, vector: PooledVector | None) -> TokenEvent:
         # The runner pools in the step that feeds the prompt's last token; a runner that returned no
@@ -350,10 +420,16 @@ class Scheduler:
             return None
         return self.kv_cache.prefix_of(first.request_id, num_blocks)
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(self, request: Request, num_new: int, draft: list[int] | None = None) -> ScheduledRequest:
         # Optimistic: the tokens count as computed from now on, so the next step can be scheduled
-        # before this one's result arrives; a sampled token is pending until update() sees it.
+        # before this one's result arrives; a sampled token is pending until update() sees it. A
+        # drafted request is not scheduled again before update() (``_fully_scheduled``: its draft
+        # counts as computed).
         start = request.num_computed_tokens
+        if draft:
+            request.num_computed_tokens += num_new
+            request.num_pending_tokens += 1
+            return ScheduledRequest(request, start, num_new, True, request.epoch, draft=draft)
         last = start + num_new == request.num_tokens + request.num_pending_tokens
         request.num_computed_tokens += num_new
         if request.prefill_only:  # its last chunk pools (or, for max_tokens=0, just ends) instead of sampling

@@ -27,6 +27,7 @@ import msgspec
 from asyncllm.core._engine_core import EngineCore
 from asyncllm.core._request import Request
 from asyncllm.core._scheduler import Scheduler
+from asyncllm.core._speculative import Speculator
 from asyncllm.core.kv._manager import KVCacheManager
 from asyncllm.engine._detokenizer import Tokenizer
 from asyncllm.engine._input_processor import InputProcessor
@@ -187,12 +188,19 @@ class Engine:
             enable_prefix_caching=self.options.enable_prefix_caching,
             sliding_window=info.sliding_window,
         )
+        speculative = self.options.speculative_config()
+        if speculative is not None and not info.speculative:
+            raise ValueError(
+                f"speculative_method={speculative.method!r} needs a model runner that verifies drafts; "
+                f"this one ({info.description or type(runner).__name__}) does not"
+            )
         scheduler = Scheduler(
             kv_cache,
             max_num_seqs=self.options.max_num_seqs,
             max_num_batched_tokens=self.options.max_num_batched_tokens,
             policy=self.options.scheduling_policy,
             long_rope_length=info.long_rope_length,
+            speculator=None if speculative is None else Speculator(speculative),
         )
         outputs = OutputProcessor(tokenizer)
         grammars = _grammar_compiler(tokenizer, info, self.options.grammar_cache_size)

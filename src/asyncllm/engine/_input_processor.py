@@ -85,6 +85,8 @@ class RequestLimits:
         max_bad_words: The most ``bad_words``.
         max_bad_words_bytes: The most UTF-8 bytes of all ``bad_words`` together.
         max_structured_output_bytes: The largest ``structured_output``, as canonical JSON.
+        max_speculative_tokens: The most ``num_speculative_tokens`` a request may ask for: the engine's
+            ``num_speculative_tokens`` with speculative decoding on, else 0.
     """
 
     max_logprobs: int = 20
@@ -94,6 +96,7 @@ class RequestLimits:
     max_bad_words: int = 256
     max_bad_words_bytes: int = 8192
     max_structured_output_bytes: int = 1 << 20
+    max_speculative_tokens: int = 0
 
 
 def sampling_params_from(params: object) -> SamplingParams:
@@ -233,6 +236,15 @@ class InputProcessor:
                     + _raise_it("max_structured_output_bytes"),
                     param="structured_output",
                 )
+        drafts = params.num_speculative_tokens
+        if drafts is not None and drafts > limits.max_speculative_tokens:
+            raise InvalidSamplingParamsError(
+                f"num_speculative_tokens={drafts} is more than this engine drafts "
+                f"(num_speculative_tokens={limits.max_speculative_tokens}"
+                + ("" if limits.max_speculative_tokens else ", speculative_method=None")
+                + "); open the engine with speculative_method='ngram' and a larger num_speculative_tokens",
+                param="num_speculative_tokens",
+            )
         for name in ("logprobs", "prompt_logprobs"):
             count = getattr(params, name)
             if count is not None and count > limits.max_logprobs:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncllm.core._priority import SCHEDULING_POLICIES, SchedulingPolicy
+from asyncllm.core._speculative import SpeculativeConfig
 from asyncllm.engine._input_processor import RequestLimits
 from asyncllm.worker._memory import check_kv_cache_memory
 
@@ -201,6 +202,35 @@ class EngineOptions:
         metadata=_doc("""The most inputs one embed() call (one /v1/embeddings request) may give; more is an
         InvalidRequestError. Each input is a request of its own, bounded by max_model_len."""),
     )
+    speculative_method: str | None = field(
+        default=None,
+        metadata=_doc("""Speculative decoding: None (off) or "ngram" (prompt lookup: a request in decode feeds,
+        after its newest token, the tokens that followed the latest earlier occurrence of its last
+        tokens in its prompt and output; the model verifies them in the same forward, so a step may
+        yield several tokens). Outputs keep their distribution (greedy outputs are the same
+        tokens); a request whose drafts are seldom accepted stops drafting for a while. See
+        docs/speculative.md."""),
+    )
+    num_speculative_tokens: int = field(
+        default=4,
+        metadata=_doc("""With speculative_method, the most draft tokens one request carries per step (1-16);
+        they count against max_num_batched_tokens. A request may lower it
+        (SamplingParams.num_speculative_tokens)."""),
+    )
+    speculative_ngram_min: int = field(
+        default=2, metadata=_doc("""With speculative_method="ngram", the shortest run of last tokens looked up.""")
+    )
+    speculative_ngram_max: int = field(
+        default=4,
+        metadata=_doc("""With speculative_method="ngram", the longest run of last tokens looked up (tried
+        first; the longest run found wins)."""),
+    )
+    speculative_disable_by_batch_size: int | None = field(
+        default=None,
+        metadata=_doc("""With speculative_method, no request drafts while more than this many requests run
+        (vLLM's disable_by_batch_size): a large batch keeps the device busy without drafts, which then
+        only add compute. None: drafts at any batch size."""),
+    )
 
     def __post_init__(self) -> None:
         check_kv_cache_memory(self.kv_cache_memory)
@@ -246,10 +276,35 @@ class EngineOptions:
             raise ValueError(
                 "compile=True does not run with tensor_parallel_size > 1 (the collectives are not compiled)"
             )
+        if self.tensor_parallel_size > 1 and self.speculative_method is not None:
+            raise ValueError(
+                "speculative_method does not run with tensor_parallel_size > 1 yet (verification reads "
+                "rank 0's logits alone)"
+            )
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64
         ):
             raise ValueError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
+        if self.speculative_method is not None and self.speculative_method != "ngram":
+            raise ValueError(f"speculative_method must be 'ngram' or None, got {self.speculative_method!r}")
+        SpeculativeConfig(
+            num_tokens=self.num_speculative_tokens,
+            ngram_min=self.speculative_ngram_min,
+            ngram_max=self.speculative_ngram_max,
+            disable_by_batch_size=self.speculative_disable_by_batch_size,
+        )  # checks the sizes even while speculation is off, so a typo shows before it is turned on
+
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """The speculative decoding these options ask for, or None when it is off."""
+        if self.speculative_method is None:
+            return None
+        return SpeculativeConfig(
+            method="ngram",
+            num_tokens=self.num_speculative_tokens,
+            ngram_min=self.speculative_ngram_min,
+            ngram_max=self.speculative_ngram_max,
+            disable_by_batch_size=self.speculative_disable_by_batch_size,
+        )
 
     @classmethod
     def from_keywords(cls, **options: Any) -> EngineOptions:
@@ -277,6 +332,7 @@ class EngineOptions:
             max_bad_words=self.max_bad_words,
             max_bad_words_bytes=self.max_bad_words_bytes,
             max_structured_output_bytes=self.max_structured_output_bytes,
+            max_speculative_tokens=self.num_speculative_tokens if self.speculative_method is not None else 0,
         )
 
 

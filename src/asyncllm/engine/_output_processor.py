@@ -125,30 +125,38 @@ class OutputProcessor:
             )
             stream = output.stream()
             output.text_at_end = stream is not None and stream.wakes_at_end and not params.stop
-        if event.new_token_ids:
-            self._record_tokens(request, output, len(event.new_token_ids), now)
-            output.num_tokens += len(event.new_token_ids)
+        token_ids = event.new_token_ids
         finish_reason: FinishReason | None = event.finish_reason
         stop_reason = request.stop_reason if finish_reason == "stop" else None
-        if output.text_at_end:
-            # Two decodes per token and step are loop time the device waits for; the flush below
-            # decodes the whole output once.
-            output.detokenizer.defer(event.new_token_ids)
-            text = ""
+        matched = None
+        if params.stop and len(token_ids) > 1:
+            # Several tokens at once (a verified draft): looked at one by one, so that the tokens after
+            # the one that completes a stop string are dropped, as one token per step would have.
+            text, matched, kept = _stop_token_by_token(output, params, token_ids, finished=finish_reason is not None)
+            token_ids = token_ids[:kept]
         else:
-            text = output.detokenizer.push(event.new_token_ids)
-        if finish_reason is not None:
-            text += output.detokenizer.flush()
-        if params.stop:
-            text, matched = _apply_stop_strings(output, params, text, finished=finish_reason is not None)
-            if matched is not None:
-                if finish_reason is None:
-                    stopped.append(request)
-                finish_reason, stop_reason = "stop", matched
-                request.stop_reason = matched
+            output.num_tokens += len(token_ids)
+            if output.text_at_end:
+                # Two decodes per token and step are loop time the device waits for; the flush below
+                # decodes the whole output once.
+                output.detokenizer.defer(token_ids)
+                text = ""
+            else:
+                text = output.detokenizer.push(token_ids)
+            if finish_reason is not None:
+                text += output.detokenizer.flush()
+            if params.stop:
+                text, matched = _apply_stop_strings(output, params, text, finished=finish_reason is not None)
+        if token_ids:
+            self._record_tokens(request, output, len(token_ids), now)
+        if matched is not None:
+            if finish_reason is None:
+                stopped.append(request)
+            finish_reason, stop_reason = "stop", matched
+            request.stop_reason = matched
         logprobs = None
         if event.logprobs is not None:
-            logprobs = [self._logprobs(entry) for entry in event.logprobs if entry is not None]
+            logprobs = [self._logprobs(entry) for entry in event.logprobs[: len(token_ids)] if entry is not None]
         prompt_logprobs = None
         if event.prompt_logprobs is not None and not output.prompt_logprobs_sent:
             output.prompt_logprobs_sent = True
@@ -160,7 +168,7 @@ class OutputProcessor:
             stream._push(
                 output.index,
                 text,
-                event.new_token_ids,
+                token_ids,
                 finish_reason,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
@@ -230,6 +238,26 @@ class OutputProcessor:
     def num_open(self) -> int:
         """Requests whose streams are still fed."""
         return len(self._outputs)
+
+
+def _stop_token_by_token(
+    output: _Output, params: SamplingParams, token_ids: list[int], *, finished: bool
+) -> tuple[str, str | None, int]:
+    """Decode and search for stop strings one token at a time; return the text to send, the match, and
+    how many tokens to keep (up to the one whose text completes the match)."""
+    assert output.detokenizer is not None
+    sent = ""
+    for index, token_id in enumerate(token_ids):
+        last = index == len(token_ids) - 1
+        output.num_tokens += 1
+        text = output.detokenizer.push([token_id])
+        if last and finished:
+            text += output.detokenizer.flush()
+        text, matched = _apply_stop_strings(output, params, text, finished=last and finished)
+        sent += text
+        if matched is not None:
+            return sent, matched, index + 1
+    return sent, None, len(token_ids)
 
 
 def _apply_stop_strings(

@@ -50,6 +50,9 @@ class RunnerInfo:
     """The window every layer of the model attends within (mistral's ``sliding_window``, a gemma config
     whose layers are all sliding): the engine then returns the blocks that leave it to the pool
     (``SequenceInput.block_offset``). None when some layer attends to the whole context."""
+    speculative: bool = False
+    """The runner verifies drafts (``SequenceInput.num_draft``, ``StepOutput.verified``); without it an
+    engine with ``speculative_method`` refuses to start."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +95,11 @@ class SequenceInput:
     prompt's final hidden states and returns the vector in ``StepOutput.pooled`` in the step that feeds
     the prompt's last token. Mean pooling sums each chunk's rows (from ``start_position`` 0, which
     resets the sum: the scheduler gives such a request no prefix-cache hit)."""
+    num_draft: int = 0
+    """Speculative decoding: the last ``num_draft`` fed tokens are a draft, not the request's tokens (the
+    sequence then samples, and every token before the draft is known: no ``PLACEHOLDER``). The runner
+    verifies them against the distribution at each position and returns what it accepted, then one
+    token of its own, in ``StepOutput.verified``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +114,17 @@ class PositionLogprobs:
     top_token_ids: tuple[int, ...]
     """The most likely tokens, best first (their ranks are 1, 2, ...)."""
     top_logprobs: tuple[float, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class VerifiedDraft:
+    """A drafted sequence's result: the draft tokens the target accepted, then one it sampled."""
+
+    token_ids: list[int]
+    """The accepted draft tokens (a prefix of the draft), then the token sampled after them: a
+    replacement for the first rejected one, or past the whole draft when all were accepted."""
+    logprobs: list[PositionLogprobs] | None = None
+    """Aligned with ``token_ids`` when the request asked for logprobs."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +144,9 @@ class StepOutput:
     pooled: dict[int, PooledVector] | None = None
     """Per pooling request id whose prompt this step completed, its pooled vector (see
     ``SequenceInput.pooling``)."""
+    verified: dict[int, VerifiedDraft] | None = None
+    """Per request id that fed a draft (``SequenceInput.num_draft``), what verifying it produced; its
+    entry in ``sampled_token_ids`` (and ``logprobs``) is the last of those tokens."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -139,4 +139,45 @@ def render_metrics(metrics: EngineMetrics, stats: EngineStatistics) -> str:
         float(getattr(stats, "grammar_compile_seconds", 0.0)),
         "Seconds spent compiling structured-output grammars (worker threads).",
     )
+    _speculative(page, stats)
     return "\n".join(page.lines) + "\n"
+
+
+def _speculative(page: _Page, stats: EngineStatistics) -> None:
+    """Speculative decoding's counters (zero without it); per draft position only with it."""
+    page.counter(
+        "asyncllm_spec_decode_num_drafts_total", stats.spec_num_drafts, "Steps in which a request fed a draft."
+    )
+    page.counter("asyncllm_spec_decode_num_draft_tokens_total", stats.spec_draft_tokens, "Draft tokens fed.")
+    page.counter(
+        "asyncllm_spec_decode_num_accepted_tokens_total",
+        stats.spec_accepted_tokens,
+        "Draft tokens the model accepted.",
+    )
+    page.gauge(
+        "asyncllm_spec_decode_acceptance_rate",
+        float(stats.spec_acceptance_rate),
+        "Accepted over fed draft tokens since start (0 before any draft).",
+    )
+    positions = stats.spec_draft_tokens_per_position
+    if not positions:
+        return
+    page.family(
+        "asyncllm_spec_decode_num_draft_tokens_per_pos_total", "counter", "Draft tokens fed, by position in the draft."
+    )
+    for position, count in enumerate(positions):
+        page.sample("asyncllm_spec_decode_num_draft_tokens_per_pos_total", count, [("position", str(position))])
+    page.family(
+        "asyncllm_spec_decode_num_accepted_tokens_per_pos_total",
+        "counter",
+        "Draft tokens accepted, by position in the draft.",
+    )
+    for position, count in enumerate(stats.spec_accepted_tokens_per_position):
+        page.sample("asyncllm_spec_decode_num_accepted_tokens_per_pos_total", count, [("position", str(position))])
+    page.family(
+        "asyncllm_spec_decode_acceptance_rate_per_pos",
+        "gauge",
+        "Accepted over fed draft tokens since start, by position in the draft.",
+    )
+    for position, rate in enumerate(stats.spec_acceptance_rate_per_position):
+        page.sample("asyncllm_spec_decode_acceptance_rate_per_pos", float(rate), [("position", str(position))])

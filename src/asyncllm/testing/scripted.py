@@ -7,11 +7,12 @@ milliseconds. It is never a substitute for the model in a test of the model path
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from asyncllm.executor._runner import RunnerInfo, SequenceInput, StepBatch, StepOutput
+from asyncllm.executor._runner import RunnerInfo, SequenceInput, StepBatch, StepOutput, VerifiedDraft
 
 EOS_ID = 256
 """The ``ByteTokenizer``'s end-of-sequence id."""
@@ -67,6 +68,9 @@ def cycle(tokens: Sequence[int]) -> Script:
 class ScriptedRunner:
     """A ``ModelRunner`` that samples from a script. KV blocks are only counted, never stored.
 
+    It verifies speculative drafts as a greedy model would: a draft token is accepted while it is the
+    script's token at its position, and the script's token follows the accepted ones.
+
     Args:
         script: Picks each sampled token from the sequence's step input; or a list of token
             ids that every request emits in order.
@@ -90,7 +94,9 @@ class ScriptedRunner:
         fail_at_step: int | None = None,
     ) -> None:
         self.script: Script = script if callable(script) else cycle(script)
-        self.info = RunnerInfo(num_kv_blocks, block_size, vocab_size, max_model_len, eos_token_ids, "scripted runner")
+        self.info = RunnerInfo(
+            num_kv_blocks, block_size, vocab_size, max_model_len, eos_token_ids, "scripted runner", speculative=True
+        )
         self.fail_at_step = fail_at_step
         self.steps: list[RecordedStep] = []
         self.thread_ids: set[int] = set()
@@ -107,7 +113,31 @@ class ScriptedRunner:
         if self.fail_at_step is not None and len(self.steps) == self.fail_at_step:
             raise RuntimeError(f"scripted failure at step {self.fail_at_step}")
         self.steps.append(RecordedStep(tuple(batch.sequences), tuple(batch.finished_request_ids)))
-        return StepOutput([self.script(seq) for seq in batch.sequences if seq.sample])
+        verified: dict[int, VerifiedDraft] = {}
+        for seq in batch.sequences:
+            if seq.num_draft:
+                verified[seq.request_id] = VerifiedDraft(self._verify(seq))
+        sampled = [
+            verified[seq.request_id].token_ids[-1] if seq.num_draft else self.script(seq)
+            for seq in batch.sequences
+            if seq.sample
+        ]
+        return StepOutput(sampled, verified=verified or None)
+
+    def _verify(self, seq: SequenceInput) -> list[int]:
+        """The draft tokens the script agrees with, then the script's own next token."""
+        fed = len(seq.token_ids) - seq.num_draft
+        tokens: list[int] = []
+        for position in range(seq.num_draft + 1):
+            # The sequence as plain decoding would have fed it, up to this position.
+            plain = dataclasses.replace(
+                seq, token_ids=seq.token_ids[: fed + position], num_generated=seq.num_generated + position, num_draft=0
+            )
+            token = self.script(plain)
+            tokens.append(token)
+            if position == seq.num_draft or token != seq.token_ids[fed + position]:
+                break
+        return tokens
 
     def close(self) -> None:
         """Mark the runner closed."""

@@ -37,6 +37,7 @@ from asyncllm.executor._runner import (
     SequenceInput,
     StepBatch,
     StepOutput,
+    VerifiedDraft,
 )
 from asyncllm.models import DecoderForCausalLM, DecoderSpec, model_spec
 from asyncllm.models._linear import Linear, PackedFormat
@@ -353,6 +354,7 @@ class TorchModelRunner:
             hidden_size=spec.hidden_size,
             sliding_window=spec.uniform_sliding_window,
             long_rope_length=spec.rotary.long_from_position if spec.rotary and spec.rotary.long_inv_freq else None,
+            speculative=True,
         )
 
     def _capture_graphs(self, model: DecoderForCausalLM, max_seq_len: int) -> DecodeGraphs:
@@ -579,15 +581,21 @@ class TorchModelRunner:
         # ranks know the rows from the step); prompt logprobs' rows are sent after it, one message each.
         sample_logits = model.logits(rows) if rows is not None and self.parallel.sharded else None
         pooling = any(s.pooling is not None for s in sequences)
-        # Pooling sequences never sample: the sampler keeps no state for them.
-        self.sampler.record([s for s in sequences if s.pooling is None] if pooling else sequences)
+        drafting = any(s.num_draft for s in sequences)
+        # Pooling sequences never sample: the sampler keeps no state for them. A draft is not history
+        # (yet): verification records the tokens it accepts.
+        fed = [_without_draft(s) for s in sequences] if drafting else sequences
+        self.sampler.record([s for s in fed if s.pooling is None] if pooling else fed)
         offsets = step.query_start_loc[:-1].tolist()
         prompt_logprobs = self.sampler.prompt_logprobs(sequences, offsets, lambda at: self._logits_at(hidden, at))
         pooled, failed = self._pool(sequences, offsets, hidden) if pooling else (None, {})
         sampling = [s for s in sequences if s.sample]
         token_ids: torch.Tensor | list[int] = []
         logprobs = None
-        if rows is not None:
+        verified = None
+        if drafting:
+            token_ids, logprobs, verified = self._sample_and_verify(model, hidden, step.sample_index, sampling)
+        elif rows is not None:
             token_ids, logprobs = self._sample(model, rows, sampling, sample_logits)
         host_ids = ops.to_host(token_ids) if isinstance(token_ids, torch.Tensor) else token_ids
         clock.mark()
@@ -602,7 +610,7 @@ class TorchModelRunner:
             host_ids=host_ids,
             event=event,
             clock=clock,
-            rest=(logprobs, prompt_logprobs, failed or None, pooled),
+            rest=(logprobs, prompt_logprobs, failed or None, pooled, verified),
         )
 
     def _pool(
@@ -655,6 +663,48 @@ class TorchModelRunner:
 
             self.ranks.send(LogitsMessage(rows.tolist()))
         return self.model.logits(hidden[rows])
+
+    def _sample_and_verify(
+        self,
+        model: DecoderForCausalLM,
+        hidden: torch.Tensor,
+        sample_index: np.ndarray[Any, Any],
+        sampling: list[SequenceInput],
+    ) -> tuple[list[int], list[PositionLogprobs | None] | None, dict[int, VerifiedDraft]]:
+        """A step with drafts: plain sampling rows as usual, and each drafted sequence's draft verified
+        from the logits of its last ``num_draft + 1`` positions (``Sampler.verify``). The ids come back
+        to the host here: a drafted sequence's tokens are known only after verification.
+
+        Returns:
+            One id per sampling sequence (a drafted one's last token), their logprobs if asked, and
+            the drafted sequences' results by request id.
+        """
+        assert self.sampler is not None
+        ops = self.ops
+        token_ids = [0] * len(sampling)
+        logprobs: list[PositionLogprobs | None] = [None] * len(sampling)
+        plain = [row for row, seq in enumerate(sampling) if not seq.num_draft]
+        drafted = [row for row, seq in enumerate(sampling) if seq.num_draft]
+        if plain:
+            rows = hidden[ops.to_device(sample_index[plain])]
+            sampled, plain_logprobs = self._sample(model, rows, [sampling[row] for row in plain])
+            ids = ops.tolist(sampled) if isinstance(sampled, torch.Tensor) else sampled
+            for index, row in enumerate(plain):
+                token_ids[row] = int(ids[index])
+                if plain_logprobs is not None:
+                    logprobs[row] = plain_logprobs[index]
+        # The rows of the newest token and of each draft token: the last num_draft + 1 of the sequence.
+        flat = np.concatenate(
+            [np.arange(sample_index[row] - sampling[row].num_draft, sample_index[row] + 1) for row in drafted]
+        )
+        results = self.sampler.verify(model.logits(hidden[ops.to_device(flat)]), [sampling[row] for row in drafted])
+        verified: dict[int, VerifiedDraft] = {}
+        for row, result in zip(drafted, results):
+            verified[sampling[row].request_id] = result
+            token_ids[row] = result.token_ids[-1]
+            if result.logprobs is not None:
+                logprobs[row] = result.logprobs[-1]
+        return token_ids, logprobs if any(entry is not None for entry in logprobs) else None, verified
 
     def _sample(
         self,
@@ -768,6 +818,13 @@ class TorchModelRunner:
             torch.cuda.empty_cache()
 
 
+def _without_draft(seq: SequenceInput) -> SequenceInput:
+    """``seq`` with its draft tokens left out (the tokens that are the request's own)."""
+    if not seq.num_draft:
+        return seq
+    return dataclasses.replace(seq, token_ids=seq.token_ids[: len(seq.token_ids) - seq.num_draft], num_draft=0)
+
+
 IdFill = tuple[torch.Tensor, torch.Tensor]
 """Placeholder ids filled on the device: (flat rows of the step's input ids, the ids they take)."""
 
@@ -782,7 +839,7 @@ class PendingStep:
         host_ids: Where the ids arrive on the host (a list when already there).
         event: Recorded after the step's last launch; complete once ``host_ids`` holds the ids.
         clock: The step's timings, added when the step completes.
-        rest: The logprobs, prompt logprobs, failures and pooled vectors of the ``StepOutput``.
+        rest: The logprobs, prompt logprobs, failures, pooled vectors and verified drafts of the ``StepOutput``.
     """
 
     def __init__(
@@ -799,6 +856,7 @@ class PendingStep:
             dict[int, list[PositionLogprobs | None]] | None,
             dict[int, str] | None,
             dict[int, PooledVector] | None,
+            dict[int, VerifiedDraft] | None,
         ],
     ) -> None:
         self._runner = runner
@@ -813,7 +871,7 @@ class PendingStep:
     @classmethod
     def done(cls, output: StepOutput) -> PendingStep:
         """A step whose output is known already (an empty batch)."""
-        pending = cls(None, sample_rows={}, device_ids=None, host_ids=[], event=None, clock=None, rest=(None,) * 4)
+        pending = cls(None, sample_rows={}, device_ids=None, host_ids=[], event=None, clock=None, rest=(None,) * 5)
         pending._output = output
         return pending
 

@@ -38,10 +38,23 @@ A constrained request's matcher follows the same history: before its mask is com
 the output tokens it has not seen (or rolls back those the history no longer holds), so it is right
 after preemption, recompute and prefix-cache hits, and with async scheduling (the device thread
 knows the previous step's token when the next step starts).
+
+``Sampler.verify`` checks speculative drafts. Each draft position's logits go through the same stages
+as a plain step's would at that position: a request whose stages read its history (penalties, bad words
+of several tokens, a grammar) is verified position by position, each accepted draft token recorded
+before the next position is processed (so its penalties count it and its grammar has consumed it); the
+others, all positions at once. Greedy accepts a draft token while it is the argmax. Otherwise each
+draft token ``d`` (a deterministic proposal: all its probability on ``d``) is accepted with probability
+``p(d)`` under the target distribution ``p`` at its position (after temperature, min_p, top_k/top_p);
+at the first rejection the token is drawn from ``p`` with ``d`` removed and renormalised, and after a
+fully accepted draft one more token is drawn from the next position's ``p``. Each emitted token then
+has exactly the distribution plain sampling gives it (the standard speculative sampling argument with a
+point-mass draft), so only the speed changes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -49,7 +62,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from asyncllm.executor._runner import PositionLogprobs, SequenceInput
+from asyncllm.executor._runner import PositionLogprobs, SequenceInput, VerifiedDraft
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.structured import GrammarBackend, GrammarMatcher
 from asyncllm.worker._device_ops import DeviceOps, device_ops
@@ -635,6 +648,206 @@ class Sampler:
         # so the noise is never 0; U = 0 gives infinite noise, which never wins.
         return row_argmax(probs / uniform.log_().neg_())
 
+    # -- speculative decoding --------------------------------------------------------------------
+
+    def verify(self, logits: torch.Tensor, sequences: Sequence[SequenceInput]) -> list[VerifiedDraft]:
+        """Verify the drafts of a step's drafted sequences (see the module docstring).
+
+        Args:
+            logits: [sum of (num_draft + 1), vocab]: for each sequence in order, the logits after its
+                newest token and after each of its draft tokens. Not modified.
+            sequences: The sequences with ``num_draft`` > 0; ``record`` has seen their tokens up to the
+                draft (not the draft itself).
+
+        Returns:
+            Per sequence, the accepted draft tokens and the token sampled after them, with logprobs
+            (of the raw logits) when the request asked for them.
+        """
+        results: list[VerifiedDraft | None] = [None] * len(sequences)
+        together: list[tuple[int, int]] = []  # (sequence, first row) of those verified in one pass
+        offset = 0
+        for index, seq in enumerate(sequences):
+            state = self._state(seq)
+            rows = logits[offset : offset + seq.num_draft + 1]
+            if state.tokens is not None:
+                results[index] = self._verify_in_order(rows.float(), seq, state)
+            else:
+                together.append((index, offset))
+            offset += seq.num_draft + 1
+        if together:
+            drafted = [sequences[index] for index, _ in together]
+            verified = self._verify_together(logits, drafted, [offset for _, offset in together])
+            for (index, _), result in zip(together, verified):
+                results[index] = result
+        return [result for result in results if result is not None]
+
+    def _verify_together(
+        self, logits: torch.Tensor, sequences: list[SequenceInput], offsets: list[int]
+    ) -> list[VerifiedDraft]:
+        """Verify drafts whose stages do not read the history: every position of every draft in one pass."""
+        # One row per position: the sequence as plain decoding would have fed it up to that position.
+        flat: list[int] = []
+        positions: list[SequenceInput] = []
+        states: list[_RequestState] = []
+        for seq, offset in zip(sequences, offsets):
+            fed = len(seq.token_ids) - seq.num_draft
+            state = self._state(seq)
+            for position in range(seq.num_draft + 1):
+                flat.append(offset + position)
+                positions.append(dataclasses.replace(seq, token_ids=seq.token_ids[: fed + position], num_draft=0))
+                states.append(state)
+        raw = self._rows(logits, flat).float()
+        processed = self._process(raw, positions, states)
+        scores = self._target_scores(processed, states)
+        drafts = [seq.token_ids[len(seq.token_ids) - seq.num_draft :] for seq in sequences]
+        firsts = self._firsts(sequences)
+        argmax = self.ops.tolist(row_argmax(processed))
+        p_draft: list[float] = []
+        if not all(state.params.greedy for state in states):  # p(d) of every draft token, read back at once
+            draft_rows = [first + j for first, draft in zip(firsts, drafts) for j in range(len(draft))]
+            draft_ids = [token for draft in drafts for token in draft]
+            probs = torch.softmax(scores[self._index(draft_rows)], dim=-1)
+            p_draft = self.ops.tolist(probs[torch.arange(len(draft_rows), device=self.device), self._index(draft_ids)])
+        results: list[VerifiedDraft] = []
+        finals: list[tuple[int, int | None]] = []  # per sequence: the row it samples at, the id it excludes
+        cursor = 0
+        for first, draft in zip(firsts, drafts):
+            state = states[first]
+            if state.params.greedy:
+                accepted = _greedy_run(draft, argmax[first : first + len(draft)])
+            else:
+                uniform = self.ops.tolist(self._uniform(state, len(draft)))
+                accepted = _accepted_run(uniform, p_draft[cursor : cursor + len(draft)])
+            cursor += len(draft)
+            finals.append((first + accepted, draft[accepted] if accepted < len(draft) else None))
+        drawn = self._draw_excluding(scores, states, finals, argmax)
+        for seq, first, draft, (row, _), token in zip(sequences, firsts, drafts, finals, drawn):
+            tokens = [*draft[: row - first], token]
+            logprobs = None
+            if seq.params.logprobs is not None:
+                logprobs = compute_logprobs(
+                    torch.log_softmax(raw[first : row + 1], dim=-1),
+                    self._index(tokens),
+                    [seq.params.logprobs] * len(tokens),
+                )
+            results.append(VerifiedDraft(tokens, logprobs))
+        return results
+
+    @staticmethod
+    def _firsts(sequences: Sequence[SequenceInput]) -> list[int]:
+        """Each sequence's first row among the rows of ``_verify_together`` (num_draft + 1 each)."""
+        firsts, row = [], 0
+        for seq in sequences:
+            firsts.append(row)
+            row += seq.num_draft + 1
+        return firsts
+
+    def _verify_in_order(self, logits: torch.Tensor, seq: SequenceInput, state: _RequestState) -> VerifiedDraft:
+        """Verify one draft position by position, recording each accepted token before the next position's
+        stages run (penalties count it, a grammar consumes it; a token the grammar refuses has p = 0)."""
+        fed = len(seq.token_ids) - seq.num_draft
+        draft = list(seq.token_ids[fed:])
+        tokens: list[int] = []
+        uniform = [] if state.params.greedy else self.ops.tolist(self._uniform(state, len(draft)))
+        for position in range(len(draft) + 1):
+            if position:  # the draft token just accepted is now history, as if fed
+                at = seq.start_position + fed - 1 + position
+                self.record([dataclasses.replace(seq, token_ids=[draft[position - 1]], start_position=at, num_draft=0)])
+            plain = dataclasses.replace(seq, token_ids=seq.token_ids[: fed + position], num_draft=0)
+            processed = self._process(logits[position : position + 1], [plain], [state])
+            last = position == len(draft)
+            if state.params.greedy:
+                best = int(self.ops.tolist(row_argmax(processed))[0])
+                if last or best != draft[position]:
+                    tokens.append(best)
+                    break
+            else:
+                scores = self._target_scores(processed, [state])
+                if not last:
+                    p_draft = float(torch.softmax(scores, dim=-1)[0, draft[position]])
+                    if uniform[position] < p_draft:
+                        tokens.append(draft[position])
+                        continue
+                    scores[0, draft[position]] = _NEG_INF
+                tokens.append(int(self.ops.tolist(self._race(scores, [state], None))[0]))
+                break
+            tokens.append(draft[position])
+        logprobs = None
+        if seq.params.logprobs is not None:
+            logprobs = compute_logprobs(
+                torch.log_softmax(logits[: len(tokens)], dim=-1),
+                self._index(tokens),
+                [seq.params.logprobs] * len(tokens),
+            )
+        return VerifiedDraft(tokens, logprobs)
+
+    def _uniform(self, state: _RequestState, count: int) -> torch.Tensor:
+        """``count`` uniforms in [0, 1) for acceptance tests, from the request's generator when it has one."""
+        generator = state.generator if state.generator is not None else self._shared
+        return torch.rand(count, generator=generator, device=self.device)
+
+    def _target_scores(self, logits: torch.Tensor, states: list[_RequestState]) -> torch.Tensor:
+        """[rows, vocab] log-scores of the distribution a draw samples from (temperature, min_p, top_k/top_p
+        applied; -inf for tokens it never draws). Greedy rows are left as they are (their argmax decides)."""
+        params = [state.params for state in states]
+        random_rows = [row for row, p in enumerate(params) if not p.greedy]
+        if not random_rows:
+            return logits
+        scores = logits.clone()
+        ops = self.ops
+        temperature = ops.tensor([params[row].temperature for row in random_rows], torch.float32)[:, None]
+        log_min_p = None
+        if any(params[row].min_p > 0.0 for row in random_rows):
+            log_min_p = ops.tensor(
+                [math.log(params[row].min_p) if params[row].min_p > 0 else _NEG_INF for row in random_rows],
+                torch.float32,
+            )[:, None]
+        filtered = [i for i, row in enumerate(random_rows) if params[row].top_k > 0 or params[row].top_p < 1.0]
+        plain = [i for i, row in enumerate(random_rows) if not (params[row].top_k > 0 or params[row].top_p < 1.0)]
+        if plain:
+            index = self._index(plain)
+            rows = self._index([random_rows[i] for i in plain])
+            scores[rows] = _scale(logits[rows], temperature[index], None if log_min_p is None else log_min_p[index])
+        if filtered:
+            index = self._index(filtered)
+            rows = self._index([random_rows[i] for i in filtered])
+            values, order, _ = _candidates(
+                ops,
+                logits[rows],
+                [params[random_rows[i]] for i in filtered],
+                temperature[index],
+                None if log_min_p is None else log_min_p[index],
+            )
+            dense = torch.full((len(filtered), logits.shape[-1]), _NEG_INF, device=logits.device)
+            scores[rows] = dense.scatter_(1, order, values)
+        return scores
+
+    def _draw_excluding(
+        self,
+        scores: torch.Tensor,
+        states: list[_RequestState],
+        finals: list[tuple[int, int | None]],
+        argmax: list[int],
+    ) -> list[int]:
+        """Each sequence's token after its accepted run: the argmax (greedy), else a draw from its row of
+        ``scores`` without the rejected draft token, if any."""
+        tokens = [0] * len(finals)
+        draws: list[tuple[int, int, int | None]] = []  # position in finals, row, excluded id
+        for position, (row, excluded) in enumerate(finals):
+            if states[row].params.greedy:
+                tokens[position] = argmax[row]
+            else:
+                draws.append((position, row, excluded))
+        if draws:
+            rows = scores[self._index([row for _, row, _ in draws])]
+            for index, (_, _, excluded) in enumerate(draws):
+                if excluded is not None:
+                    rows[index, excluded] = _NEG_INF
+            drawn = self.ops.tolist(self._race(rows, [states[row] for _, row, _ in draws], None))
+            for (position, _, _), token in zip(draws, drawn):
+                tokens[position] = int(token)
+        return tokens
+
     # -- prompt logprobs -------------------------------------------------------------------------
 
     def prompt_logprobs(
@@ -725,6 +938,22 @@ def compute_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, nums: Sequ
             token_ids.tolist(), chosen[:, 0].tolist(), ranks.tolist(), top_ids, top_values, nums
         )
     ]
+
+
+def _greedy_run(draft: Sequence[int], argmax: Sequence[int]) -> int:
+    """How many leading draft tokens are the argmax at their position."""
+    accepted = 0
+    while accepted < len(draft) and argmax[accepted] == draft[accepted]:
+        accepted += 1
+    return accepted
+
+
+def _accepted_run(uniform: Sequence[float], p_draft: Sequence[float]) -> int:
+    """How many leading draft tokens pass their acceptance test (``u < p(d)``, so with probability ``p(d)``)."""
+    accepted = 0
+    while accepted < len(p_draft) and uniform[accepted] < p_draft[accepted]:
+        accepted += 1
+    return accepted
 
 
 def _changes_logits(seq: SequenceInput, state: _RequestState) -> bool:

@@ -171,14 +171,31 @@ class StepSplit:
     prefills: list[PrefillSpan]
 
 
+SHORT_CHUNK_TOKENS = 17
+"""A chunk of at most this many tokens that continues a cached context (a speculative draft after its
+request's newest token: at most 16 + 1) is attended as that many decode queries, each over the context up
+to its own position: the decode kernels read the cache in place, where a chunk would gather its context."""
+
+
 def split_step(step: StepInputs) -> StepSplit:
     """Split a step into decodes and prefill chunks, with padded decode block tables (gathered, no loop
-    over decodes; the loop is over prefill chunks, a few per step)."""
+    over decodes; the loop is over prefill chunks, a few per step). Short chunks after a cached context
+    (``SHORT_CHUNK_TOKENS``) count as one decode per token."""
     decodes = step.decode_index
-    decode_lens = step.seq_lens[decodes]
+    starts, chunks = step.query_start_loc, step.prefill_index
+    decode_rows, decode_lens = starts[decodes], step.seq_lens[decodes]
+    if len(chunks):
+        lengths = starts[chunks + 1] - starts[chunks]
+        short = (step.positions[starts[chunks]] > 0) & (lengths <= SHORT_CHUNK_TOKENS)
+        if short.any():
+            # Each token of a short chunk: its row, its own context length, its sequence's table.
+            rows = np.concatenate([np.arange(starts[c], starts[c + 1]) for c in chunks[short]])
+            decode_rows = np.concatenate((decode_rows, rows))
+            decode_lens = np.concatenate((decode_lens, step.positions[rows] + 1))
+            decodes = np.concatenate((decodes, np.repeat(chunks[short], lengths[short])))
+            chunks = chunks[~short]
     max_len = int(decode_lens.max(initial=0))
     tables = step.tables(decodes, max(1, -(-max_len // step.block_size)))
-    starts, chunks = step.query_start_loc, step.prefill_index
     prefills = [
         PrefillSpan(begin, end, position, step.block_tables[row])
         for begin, end, position, row in zip(
@@ -188,7 +205,7 @@ def split_step(step: StepInputs) -> StepSplit:
             step.rows[chunks].tolist(),
         )
     ]
-    return StepSplit(starts[decodes], decode_lens, tables, max_len, prefills)
+    return StepSplit(decode_rows, decode_lens, tables, max_len, prefills)
 
 
 def build_metadata(step: StepInputs, sliding_window: int | None, device: torch.device) -> AttentionMetadata:

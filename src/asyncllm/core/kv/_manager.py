@@ -226,6 +226,20 @@ class KVCacheManager:
                 request.block_hashes, tokens, self.block_size, request.cache_salt, long_rope=request.long_rope
             )
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the blocks of the request's table past its first ``num_tokens`` tokens.
+
+        Speculative decoding allocates slots for a whole draft; the blocks that only rejected draft
+        tokens used return to the pool (unlisted in the prefix cache: they were never confirmed).
+        """
+        table = self._tables.get(request.request_id)
+        if table is None:
+            return
+        keep = blocks_needed(num_tokens, self.block_size)
+        if len(table) > keep:
+            self.pool.release(table[keep:])
+            del table[keep:]
+
     def block_table(self, request_id: int) -> list[int]:
         """The request's blocks in sequence order from ``block_offset`` on (empty if it holds none)."""
         return self._tables.get(request_id, [])

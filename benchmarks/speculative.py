@@ -1,0 +1,330 @@
+"""Speculative decoding (n-gram prompt lookup) on and off: single-stream speed and batch throughput.
+
+    python benchmarks/speculative.py [--quick] [--model default|synthetic|PATH] [--repeats 3]
+                                     [--output-len 192] [--batch 64] [--batch-output-len 48] [--json PATH]
+
+Two engines on the same model, one with ``speculative_method="ngram"`` (``num_speculative_tokens``
+4, n-grams of 2-4 tokens unless ``--engine-opt`` says otherwise) and one without, run the same
+requests, greedy unless said otherwise (so both produce the same tokens):
+
+- single stream, repetitive: chat requests asking to rewrite a given passage (Python code, then prose)
+  with a small edit, so the answer mostly repeats the prompt: the workload prompt lookup is for;
+- single stream, free: chat requests for a story, where little of the output repeats the prompt;
+- single stream, sampled: the same at temperature 1 (seeded, ``ignore_eos``, so both engines generate
+  ``--output-len`` tokens, though not the same ones): drafts are seldom accepted, the case the
+  per-request back-off is for;
+- throughput at ``--batch`` concurrent requests (the rewrite requests, all at once): where the device is
+  busy with the batch anyway and drafts add compute.
+
+Per request: TTFT, mean ITL as the consumer sees it (a chunk of several tokens counts as several
+inter-token gaps), decode tokens/s (the tokens after the first over the time from the first to the
+last: what speculation changes) and end-to-end output tokens/s (all output tokens over the request's
+whole time, its prompt's computation included). Each repeat
+runs every request on both engines back to back, alternating which goes first; the reported numbers
+are medians over repeats and requests. Ratios are speculative / plain for tokens/s and throughput
+(> 1: speculation is faster) and plain / speculative for ITL. vLLM's CPU backend is not run here (it
+is not installed on the machines these figures come from). Nothing is asserted: on a shared machine
+the figures are noisy; read the per-round ratios beside the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from asyncllm.testing import import_path
+
+common = import_path(Path(__file__).with_name("common.py"), "asyncllm_benchmarks_common")
+
+FULL = {"output_len": 192, "batch": 64, "batch_output_len": 48, "repeats": 3}
+QUICK = {"output_len": 12, "batch": 4, "batch_output_len": 6, "repeats": 1}
+
+CODE = '''def merge_sorted(left, right):
+    """Merge two sorted lists into one sorted list."""
+    result = []
+    i = j = 0
+    while i < len(left) and j < len(right):
+        if left[i] <= right[j]:
+            result.append(left[i])
+            i += 1
+        else:
+            result.append(right[j])
+            j += 1
+    result.extend(left[i:])
+    result.extend(right[j:])
+    return result
+'''
+
+PROSE = (
+    "The lighthouse stood at the end of the rocky point, where the river met the sea. Every evening the "
+    "keeper climbed the one hundred and twelve steps to the lamp room, wound the clockwork, trimmed the "
+    "wick and lit the great lamp. Ships passing in the night saw its beam sweep across the water every "
+    "ten seconds, and they knew where the rocks were. In the winter storms the keeper stayed up all night, "
+    "watching the light and listening to the waves break against the cliffs below."
+)
+
+REPETITIVE = [
+    "Rewrite this Python function, renaming merge_sorted to merge_lists and result to merged. "
+    "Output only the code.\n\n" + CODE,
+    "Rewrite this paragraph, changing the river to a canal and nothing else.\n\n" + PROSE,
+]
+
+FREE = [
+    "Write a short story about a robot who learns to paint.",
+    "Describe a busy market in a small town on a summer morning.",
+]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="speculative", description=__doc__.split("\n")[0])
+    common.add_common_args(parser)
+    parser.set_defaults(model="default", peers="none")
+    parser.add_argument("--output-len", type=int, default=None, help="most output tokens per request (default 192)")
+    parser.add_argument("--batch", type=int, default=None, help="concurrent requests of the throughput run (64)")
+    parser.add_argument("--batch-output-len", type=int, default=None, help="output tokens per batch request (48)")
+    args = parser.parse_args(argv)
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.output_len < 2:
+        parser.error("--output-len must be at least 2 (an inter-token latency needs two tokens)")
+    return args
+
+
+async def _one(engine: Any, prompt: str, params: Any) -> dict[str, Any]:
+    """One chat request on an otherwise idle engine: TTFT, mean ITL, output tokens/s."""
+    stamps: list[tuple[float, int]] = []
+    token_ids: list[int] = []
+    engine.reset_prefix_cache()  # every repeat computes its prompt
+    start = time.perf_counter()
+    async with engine.chat_stream([{"role": "user", "content": prompt}], params) as stream:
+        async for chunk in stream:
+            if chunk.token_ids:
+                stamps.append((time.perf_counter(), len(chunk.token_ids)))
+                token_ids += chunk.token_ids
+    tokens = len(token_ids)
+    first, last = stamps[0][0], stamps[-1][0]
+    return {
+        "ttft": first - start,
+        "itl": (last - first) / max(tokens - stamps[0][1], 1),
+        "decode_tokens_per_s": (tokens - stamps[0][1]) / (last - first) if last > first else None,
+        "tokens_per_s": tokens / (last - start),
+        "output_tokens": tokens,
+        "token_ids": token_ids,
+    }
+
+
+async def _batch(engine: Any, prompts: list[str], params: Any) -> dict[str, Any]:
+    """All ``prompts`` at once: output tokens/s over the batch's wall time."""
+    import anyio
+
+    counts = [0] * len(prompts)
+
+    async def one(index: int) -> None:
+        completion = await engine.chat([{"role": "user", "content": prompts[index]}], params)
+        counts[index] = len(completion.token_ids)
+
+    start = time.perf_counter()
+    async with anyio.create_task_group() as group:
+        for index in range(len(prompts)):
+            group.start_soon(one, index)
+    elapsed = time.perf_counter() - start
+    return {"tokens_per_s": sum(counts) / elapsed, "output_tokens": sum(counts), "seconds": elapsed}
+
+
+def _chat_params(args: argparse.Namespace, max_tokens: int, *, sampled: bool = False, seed: int = 0) -> Any:
+    from asyncllm import SamplingParams
+
+    if sampled:
+        return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, ignore_eos=True)
+    # --quick runs a tiny random model, which may end at once: it generates its tokens regardless.
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=args.quick)
+
+
+async def _measure(args: argparse.Namespace, model_path: Path) -> dict[str, Any]:
+    from asyncllm import Engine
+
+    # Two engines in one process: 1 GiB of KV each unless said otherwise (the CPU default is up to 4 GiB).
+    options = {"kv_cache_memory": 1 << 30, **common.engine_options(args)}
+    speculative = {"speculative_method": "ngram", **options}
+    single = _chat_params(args, args.output_len)
+    batch_params = _chat_params(args, args.batch_output_len)
+    workloads = {"repetitive": REPETITIVE, "free": FREE, "sampled": FREE}
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+        name: {"plain": [], "ngram": []} for name in [*workloads, "batch"]
+    }
+    counters: dict[str, Any] = {}
+    common.log(f"loading two engines on {model_path} (plain and n-gram speculative)")
+    async with contextlib.AsyncExitStack() as stack:
+        engines = {
+            "plain": await stack.enter_async_context(Engine.open(model_path, **options)),
+            "ngram": await stack.enter_async_context(Engine.open(model_path, **speculative)),
+        }
+        for engine in engines.values():  # warm-up
+            await engine.chat([{"role": "user", "content": "Hi"}], _chat_params(args, 4))
+        total = args.repeats * (2 * sum(len(p) for p in workloads.values()) + 2)
+        with common.Progress("speculative runs", total) as progress:
+            for repeat in range(args.repeats):
+                order = ["plain", "ngram"] if repeat % 2 == 0 else ["ngram", "plain"]
+                for name, prompts in workloads.items():
+                    for index, prompt in enumerate(prompts):
+                        params = single
+                        if name == "sampled":
+                            params = _chat_params(args, args.output_len, sampled=True, seed=100 * repeat + index)
+                        pair = {}
+                        for system in order:
+                            before = engines[system].statistics()
+                            result = await _one(engines[system], prompt, params)
+                            result.update(common.statistics_delta(before, engines[system].statistics()))
+                            pair[system] = result
+                            progress.update()
+                            common.log(
+                                f"  {name} {system}: {result['output_tokens']} tokens, "
+                                f"{result['tokens_per_s']:.1f} tok/s, ITL {result['itl'] * 1e3:.1f} ms, "
+                                f"{result.get('num_steps')} steps"
+                            )
+                        same = pair["plain"]["token_ids"] == pair["ngram"]["token_ids"]
+                        if not same and name != "sampled":
+                            common.log(f"note: greedy outputs differ on a {name} request (numerics of the batch)")
+                        for system, result in pair.items():
+                            result["same_tokens"] = same
+                            del result["token_ids"]
+                            runs[name][system].append(result)
+                prompts = [REPETITIVE[i % len(REPETITIVE)] for i in range(args.batch)]
+                for system in order:
+                    before = engines[system].statistics()
+                    result = await _batch(engines[system], prompts, batch_params)
+                    result.update(common.statistics_delta(before, engines[system].statistics()))
+                    runs["batch"][system].append(result)
+                    progress.update()
+                    common.log(f"  batch {system}: {result['tokens_per_s']:.1f} tok/s")
+        stats = engines["ngram"].statistics()
+        counters = {
+            "drafts": stats.spec_num_drafts,
+            "draft_tokens": stats.spec_draft_tokens,
+            "accepted_tokens": stats.spec_accepted_tokens,
+            "acceptance_rate": stats.spec_acceptance_rate,
+            "acceptance_rate_per_position": list(stats.spec_acceptance_rate_per_position),
+        }
+    return {"runs": runs, "counters": counters}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; print the tables (and write ``--json``). Returns the exit status."""
+    import anyio
+
+    args = parse_args(argv)
+    info = common.machine_info()
+    model_path = common.resolve_model(args.model)
+    measured = anyio.run(_measure, args, model_path, backend=args.backend)
+    runs, counters = measured["runs"], measured["counters"]
+
+    rows = []
+    ratios: dict[str, dict[str, float | None]] = {}
+    notes: list[str] = []
+    for name in ("repetitive", "free", "sampled"):
+        plain, fast = runs[name]["plain"], runs[name]["ngram"]
+        for system, system_runs in (("plain", plain), ("n-gram", fast)):
+            accepted = sum(r.get("spec_accepted_tokens", 0) for r in system_runs)
+            drafted = sum(r.get("spec_draft_tokens", 0) for r in system_runs)
+            rows.append(
+                [
+                    name,
+                    system,
+                    common.median_of_runs(system_runs, "ttft") * 1e3,
+                    common.median_of_runs(system_runs, "itl") * 1e3,
+                    common.median_of_runs(system_runs, "decode_tokens_per_s"),
+                    common.median_of_runs(system_runs, "tokens_per_s"),
+                    common.median_of_runs(system_runs, "output_tokens"),
+                    accepted / drafted if drafted else None,
+                ]
+            )
+        decode = common.per_round_ratios(fast, plain, "decode_tokens_per_s")
+        speed = common.per_round_ratios(fast, plain, "tokens_per_s")
+        itl = common.per_round_ratios(fast, plain, "itl", ours_first=False)
+        ratios[name] = {
+            "decode_tokens_per_s": common.median(decode),
+            "tokens_per_s": common.median(speed),
+            "itl": common.median(itl),
+        }
+        notes.append(common.per_round_note(name, "decode tokens/s n-gram / plain", decode))
+        notes.append(common.per_round_note(name, "end-to-end tokens/s n-gram / plain", speed))
+        if name != "sampled":
+            same = all(r["same_tokens"] for r in fast)
+            verdict = "identical" if same else "NOT identical"
+            notes.append(f"{name}: greedy outputs {verdict} with and without speculation")
+    batch_plain, batch_fast = runs["batch"]["plain"], runs["batch"]["ngram"]
+    batch_rows = [
+        [system, common.median_of_runs(system_runs, "tokens_per_s"), common.median_of_runs(system_runs, "seconds")]
+        for system, system_runs in (("plain", batch_plain), ("n-gram", batch_fast))
+    ]
+    batch_ratios = common.per_round_ratios(batch_fast, batch_plain, "tokens_per_s")
+    ratios["batch"] = {"tokens_per_s": common.median(batch_ratios)}
+    notes.append(common.per_round_note(f"batch {args.batch}", "throughput n-gram / plain", batch_ratios))
+    per_position = ", ".join(f"{rate:.2f}" for rate in counters["acceptance_rate_per_position"])
+    notes.append(
+        f"n-gram engine over the whole run: {counters['drafts']} drafts, {counters['draft_tokens']} draft tokens, "
+        f"{counters['accepted_tokens']} accepted ({counters['acceptance_rate']:.2f}); per position: {per_position}"
+    )
+    notes.append("figures from a machine shared with other work: noisy; the per-round ratios show the spread")
+
+    common.print_header(
+        "speculative decoding" + (" (--quick: a smoke test, not a measurement)" if args.quick else ""),
+        info,
+        [
+            f"model: {common.model_summary(model_path)} ({args.dtype}, {args.device})",
+            f"single stream: {len(REPETITIVE)} rewrite and {len(FREE)} free chat requests, greedy, at most "
+            f"{args.output_len} tokens, and the free ones sampled (temperature 1, seeded); "
+            f"batch: {args.batch} rewrite requests at once, {args.batch_output_len} "
+            f"tokens each; median of {args.repeats} repeats",
+        ],
+    )
+    print(
+        common.format_table(
+            ["workload", "engine", "TTFT ms", "mean ITL ms", "decode tok/s", "e2e tok/s", "tokens", "acceptance"], rows
+        )
+    )
+    print()
+    print(common.format_table([f"batch {args.batch}", "output tok/s", "seconds"], batch_rows))
+    print()
+    print(
+        common.format_table(
+            ["ratio n-gram / plain", "decode tok/s", "e2e tok/s", "ITL (plain / n-gram)"],
+            [
+                [name, ratios[name]["decode_tokens_per_s"], ratios[name]["tokens_per_s"], ratios[name]["itl"]]
+                for name in ("repetitive", "free", "sampled")
+            ]
+            + [[f"batch {args.batch} (throughput)", None, ratios["batch"]["tokens_per_s"], None]],
+        )
+    )
+    print()
+    for note in notes:
+        print(f"- {note}")
+    common.write_json(
+        args.json,
+        {
+            "benchmark": "speculative",
+            "argv": list(sys.argv[1:] if argv is None else argv),
+            "machine": info,
+            "model": str(model_path),
+            "workload": {
+                "output_len": args.output_len,
+                "batch": args.batch,
+                "batch_output_len": args.batch_output_len,
+                "repeats": args.repeats,
+            },
+            "results": runs,
+            "ratios": ratios,
+            "counters": counters,
+            "notes": notes,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
