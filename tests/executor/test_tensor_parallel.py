@@ -194,6 +194,26 @@ async def test_a_rank_killed_while_idle_fails_the_health_check(tiny_cache: Path)
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the rank's own signal handling; no backend in it
+async def test_termination_signals_to_a_rank_leave_its_lifetime_to_the_engine(tiny_cache: Path) -> None:
+    # systemd (KillMode=control-group), `kill -TERM -PGID` and supervisors that signal a process group send
+    # SIGTERM to the ranks too, while the application drains its requests and then closes its engine.
+    before = _children()
+    engine = Engine.open(_model_dir(tiny_cache, "llama-gqa"), device="cpu", attention_backend="torch",
+                         tensor_parallel_size=2, kv_cache_blocks=64)  # fmt: skip
+    async with engine:
+        assert engine._ranks is not None
+        (pid,) = engine._ranks.pids
+        for how in (signal.SIGTERM, signal.SIGHUP):
+            os.kill(pid, how)  # pending before the rank's next step: a rank it ended could not join that step
+        result = await engine.generate([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        assert len(result.token_ids) == 4
+        engine.check_health()
+    assert not _alive(pid)
+    assert _children() == before
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # each engine test above closes on both backends
 async def test_open_and_close_cycles_leave_no_process_or_descriptor(tiny_cache: Path) -> None:
     model_dir = _model_dir(tiny_cache, "llama-one-kv-head")

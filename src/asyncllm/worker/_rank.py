@@ -7,8 +7,11 @@ cache allocation (``AllocateMessage``) or the end (``StopMessage``). It never sa
 
 It ends with its engine whatever happens there: a thread reads the process's stdin, which only the
 engine's process holds open, and exits the process at end-of-file (the engine's process is gone, even
-by SIGKILL); end-of-file on the commands pipe ends it too. SIGINT is ignored: a Ctrl-C in a terminal
-reaches the whole process group, and the engine, not each rank, decides how its ranks stop.
+by SIGKILL); end-of-file on the commands pipe ends it too. SIGINT, SIGTERM and SIGHUP are ignored: a
+Ctrl-C in a terminal, a hang-up, ``kill -TERM -PGID`` and systemd's stop (every process of the unit's
+cgroup) reach the ranks along with the engine's process, and the engine, not each rank, decides how its
+ranks stop (an application draining its requests on SIGTERM still needs them). The engine kills a rank
+with SIGKILL when it must.
 """
 
 from __future__ import annotations
@@ -100,7 +103,8 @@ def serve(commands: Connection, status: Connection) -> None:
 
 def main(argv: list[str]) -> int:
     """The process's entry: serve, and report a failure's reason on the status pipe before exiting."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for ignored in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the engine's to act on, not the rank's
+        signal.signal(ignored, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, name="asyncllm-lifeline", daemon=True).start()
     commands = Connection(int(argv[1]), writable=False)
     status = Connection(int(argv[2]), readable=False)
