@@ -35,6 +35,7 @@ from asyncllm.executor._runner import SequenceInput
 from asyncllm.models._parallel import TensorParallel, kv_head_range, shard_range
 from asyncllm.testing.parity import stream_all, transformers_greedy
 from asyncllm.testing.tiny_models import tiny_model_path
+from asyncllm.worker._model_runner import TorchModelRunner
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find processes")
 
@@ -191,6 +192,12 @@ async def test_a_rank_killed_while_idle_fails_the_health_check(tiny_cache: Path)
                 engine.check_health()
             with pytest.raises(EngineDeadError):
                 await engine.generate([5, 6, 7], SamplingParams(max_tokens=2))
+    # The engine died while its device thread was idle (not stuck): rank 0's runner is closed all the same
+    # (its weights, KV cache, process group and store sockets released), not kept by the dead engine.
+    assert engine._core is not None
+    runner = engine._core.runner
+    assert isinstance(runner, TorchModelRunner)
+    assert runner.model is None and runner.collectives is None and not runner.kv_caches
 
 
 @pytest.mark.anyio
