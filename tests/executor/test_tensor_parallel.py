@@ -221,6 +221,24 @@ async def test_termination_signals_to_a_rank_leave_its_lifetime_to_the_engine(ti
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # how the rank starts; no backend in it
+async def test_ranks_import_the_engines_modules_whatever_the_working_directory(
+    tiny_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `python -m` puts the working directory first on the child's path, ahead of the engine's own: a
+    # folder or file there named like a module the rank imports (an asyncllm checkout, a random.py) was
+    # imported in its place. The engine's process (a console script, `python /path/app.py`) had no such entry.
+    shadow = tmp_path / "asyncllm"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('the working directory shadowed asyncllm')\n")
+    monkeypatch.chdir(tmp_path)
+    async with Engine.open(_model_dir(tiny_cache, "llama-gqa"), device="cpu", attention_backend="torch",
+                           tensor_parallel_size=2, kv_cache_blocks=16) as engine:  # fmt: skip
+        result = await engine.generate([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    assert len(result.token_ids) == 2
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # each engine test above closes on both backends
 async def test_open_and_close_cycles_leave_no_process_or_descriptor(tiny_cache: Path) -> None:
     model_dir = _model_dir(tiny_cache, "llama-one-kv-head")

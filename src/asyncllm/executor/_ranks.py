@@ -1,7 +1,7 @@
 """The ranks of tensor parallelism beyond the device thread: their processes, and what reaches them each step.
 
 With ``tensor_parallel_size=N`` the engine's device thread drives rank 0 and ranks 1..N-1 run in worker
-processes (``python -m asyncllm.worker._rank``), each owning its device. ``RankProcesses`` starts them
+processes (``asyncllm.worker._rank`` in a fresh interpreter), each owning its device. ``RankProcesses`` starts them
 when the engine is entered and ends them when it is left; nothing here imports torch.
 
 Each rank process has three pipes to the engine's process:
@@ -58,6 +58,18 @@ __all__ = [
     "TableMirror",
     "TableSync",
 ]
+
+_BOOTSTRAP = """\
+import sys
+if sys.path and sys.path[0] == "":  # -c's entry for the working directory
+    del sys.path[0]
+from asyncllm.worker._rank import run
+run()
+"""
+# What a rank process runs (``python -c``). Not ``-m``, which puts the working directory first on the
+# child's path: a folder or file there named like a module the rank imports (an asyncllm checkout, a
+# random.py) would shadow the engine's own, which the engine's process (a console script, a script run
+# by its path) does not see. Only the engine's path, handed on as PYTHONPATH, is searched.
 
 RANK_EXIT_GRACE = 10.0
 """Seconds a rank process has to exit after the engine asked it to stop (a clean close) before it is
@@ -290,10 +302,11 @@ class RankProcesses:
         status_read, status_write = os.pipe()
         env = dict(os.environ)
         # The engine's import path, as multiprocessing's spawn hands it on: the rank imports the same asyncllm.
-        env["PYTHONPATH"] = os.pathsep.join(path for path in sys.path if path)
+        # An empty entry (the engine started by -c or interactively) is the working directory: said so.
+        env["PYTHONPATH"] = os.pathsep.join(path or os.getcwd() for path in sys.path)
         try:
             process = subprocess.Popen(
-                [sys.executable, "-m", "asyncllm.worker._rank", str(commands_read), str(status_write), str(rank)],
+                [sys.executable, "-c", _BOOTSTRAP, str(commands_read), str(status_write), str(rank)],
                 stdin=subprocess.PIPE,
                 pass_fds=(commands_read, status_write),
                 env=env,

@@ -1,6 +1,7 @@
-"""A tensor-parallel rank's process: ``python -m asyncllm.worker._rank COMMANDS_FD STATUS_FD RANK``.
+"""A tensor-parallel rank's process: ``run()`` with ``COMMANDS_FD STATUS_FD RANK`` as its arguments.
 
-Started by ``asyncllm.executor._ranks.RankProcesses``. It reads its ``RankConfig`` from the commands
+Started by ``asyncllm.executor._ranks.RankProcesses`` (a fresh interpreter that imports this module from the
+engine's path alone, and calls ``run``). It reads its ``RankConfig`` from the commands
 pipe, joins the ranks' process group, loads its shard of the model, then follows rank 0: each message
 is a step's forward (``StepMessage``), a gather of logits for prompt logprobs (``LogitsMessage``), a KV
 cache allocation (``AllocateMessage``) or the end (``StopMessage``). It never samples.
@@ -25,6 +26,7 @@ import threading
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import NoReturn
 
 import msgspec
 
@@ -121,10 +123,15 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def run() -> NoReturn:
+    """Run ``main`` on the process's arguments and exit with its status, skipping the interpreter's shutdown."""
     code = main(sys.argv)
     # Nothing is left to finalize (the report is sent, the model dropped): skipping the interpreter's
     # shutdown (torch's and gloo's destructors, seconds on a busy host) lets the engine close at once.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if __name__ == "__main__":
+    run()
