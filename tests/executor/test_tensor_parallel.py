@@ -30,7 +30,7 @@ from asyncllm import (
     UnsupportedModelError,
     WorkerDiedError,
 )
-from asyncllm.executor._ranks import RankProcesses, SequenceDelta, TableMirror, TableSync
+from asyncllm.executor._ranks import RankProcesses, SequenceDelta, StopMessage, TableMirror, TableSync
 from asyncllm.executor._runner import SequenceInput
 from asyncllm.models._parallel import TensorParallel, kv_head_range, shard_range
 from asyncllm.testing.parity import stream_all, transformers_greedy
@@ -363,6 +363,19 @@ def test_heads_split_evenly_or_kv_heads_replicate() -> None:
     assert [kv_head_range(1, p) for p in ranks] == [(0, 1)] * 4
     with pytest.raises(ValueError, match="do not divide"):
         kv_head_range(3, ranks[0])
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # threads and pipes only
+async def test_a_ranks_own_error_is_in_its_failure_whichever_thread_sees_the_exit_first() -> None:
+    # Rank 0's device thread (polling the ranks while it meets them, explaining a failed collective) can
+    # see a rank's exit before the watcher thread has read the report the rank sent just before exiting.
+    # Here no watcher runs at all: that order, every time.
+    async with RankProcesses(2, "unused", {}) as ranks:
+        ranks.send(StopMessage())  # not a RankConfig: the rank reports why, and exits
+        failure = await anyio.to_thread.run_sync(ranks.explain, RuntimeError("no rank exited"), 120.0)
+    assert isinstance(failure, WorkerDiedError)
+    assert "exited with status 1: RuntimeError: a rank's first message must be its RankConfig" in str(failure)
 
 
 @pytest.mark.anyio

@@ -270,6 +270,7 @@ class RankProcesses:
         self._closing = False
         self._graceful = True
         self._lock = threading.Lock()
+        self._reading = threading.Lock()  # one reader at a time on a status pipe: the watcher, or _died
         self._failure: WorkerDiedError | None = None
         self.send_seconds = 0.0
         """Rank 0's time spent encoding and writing messages, summed (the broadcast's cost to rank 0)."""
@@ -385,6 +386,11 @@ class RankProcesses:
         return self._failure
 
     def _died(self, rank: _Rank, code: int | None) -> WorkerDiedError:
+        # The rank's exit may be seen (rank 0's device thread polling) before the watcher has read what the
+        # rank sent just before it exited: its reason is in the pipe, ahead of the end-of-file.
+        with self._reading:
+            while not rank.exited and not rank.status.closed and rank.status.poll():
+                self._read_report(rank)
         with self._lock:
             if self._failure is None:
                 how = _describe_exit(code)
@@ -431,7 +437,9 @@ class RankProcesses:
                 if ready == self._wake_read:
                     return None
                 rank = by_conn[ready]  # type: ignore[index]
-                if not self._read_report(rank):
+                with self._reading:
+                    alive = not rank.exited and self._read_report(rank)  # _died may have read it to the end
+                if not alive:
                     return rank
 
     def _read_report(self, rank: _Rank) -> bool:
