@@ -8,13 +8,20 @@ chunked prefill, preemption and prefix-cache hits together and is compared token
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import ipaddress
 import os
+import queue
 import random
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +43,7 @@ from asyncllm.models._parallel import TensorParallel, kv_head_range, shard_range
 from asyncllm.testing.parity import stream_all, transformers_greedy
 from asyncllm.testing.tiny_models import tiny_model_path
 from asyncllm.worker._model_runner import TorchModelRunner
+from asyncllm.worker._parallel import open_group
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find processes")
 
@@ -376,6 +384,66 @@ async def test_a_ranks_own_error_is_in_its_failure_whichever_thread_sees_the_exi
         failure = await anyio.to_thread.run_sync(ranks.explain, RuntimeError("no rank exited"), 120.0)
     assert isinstance(failure, WorkerDiedError)
     assert "exited with status 1: RuntimeError: a rank's first message must be its RankConfig" in str(failure)
+
+
+def _listening() -> set[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]]:
+    """The (address, port) of every TCP socket this process listens on."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    found: set[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                    continue
+                host, port = fields[1].split(":")
+                raw = bytes.fromhex(host)  # 32-bit words in host (little-endian) order
+                words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                found.add((ipaddress.ip_address(words), int(port, 16)))
+    return found
+
+
+def _network_interface() -> str | None:
+    """A network interface of this host other than loopback that has an IPv4 address, if there is one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            if name != "lo":
+                with contextlib.suppress(OSError):  # SIOCGIFADDR: fails for an interface without an address
+                    fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+                    return name
+    return None
+
+
+def test_the_ranks_meet_and_talk_on_the_loopback_interface_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every rank runs on this host. A port open on every interface (TCPStore's, whatever host it is given) or
+    # on the network's (gloo's, at the address the host name resolves to, or GLOO_SOCKET_IFNAME's: often
+    # set for other torch jobs) lets other hosts connect to the ranks' store (rendezvous addresses, keys)
+    # and collectives for as long as the engine runs.
+    network = _network_interface()
+    if network is not None:
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", network)
+    before = _listening()
+    ports: queue.Queue[int] = queue.Queue()
+    cpu = torch.device("cpu")
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(open_group, rank=0, size=2, device=cpu, timeout=60.0,
+                            announce=lambda host, port: ports.put(port))  # fmt: skip
+        second = open_group(rank=1, size=2, device=cpu, timeout=60.0, store_port=ports.get(timeout=60))
+        groups = [first.result(timeout=60), second]
+    opened = _listening() - before
+    assert len(opened) >= 2  # the store, and gloo's
+    assert all(address.is_loopback for address, _ in opened), opened
+    with ThreadPoolExecutor(1) as pool:  # and they work
+        one, two = torch.ones(3), torch.full((3,), 2.0)
+        pending = pool.submit(groups[0].all_reduce, one)
+        groups[1].all_reduce(two)
+        pending.result(timeout=60)
+    assert one.tolist() == two.tolist() == [3.0, 3.0, 3.0]
 
 
 @pytest.mark.anyio
