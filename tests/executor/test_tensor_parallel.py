@@ -447,6 +447,17 @@ def test_the_ranks_meet_and_talk_on_the_loopback_interface_only(monkeypatch: pyt
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # threads and pipes only
+async def test_a_rank_the_engine_closes_before_configuring_it_exits_quietly() -> None:
+    # The engine's open failed (or was cancelled) after the ranks started and before they were sent their
+    # configuration: that is no failure of the rank's, to be logged with a traceback and reported.
+    async with RankProcesses(2, "unused", {}) as ranks:
+        (rank,) = ranks._ranks
+    assert rank.process.returncode == 0
+    assert rank.failure is None
+
+
+@pytest.mark.anyio
 async def test_rank_processes_need_two_ranks() -> None:
     with pytest.raises(ValueError, match="at least 2"):
         RankProcesses(1, "unused", {})

@@ -60,7 +60,10 @@ def serve(commands: Connection, status: Connection) -> None:
     from asyncllm.models import DecoderSpec
     from asyncllm.worker._model_runner import TorchModelRunner
 
-    config = decode_message(commands.recv_bytes())
+    try:
+        config = decode_message(commands.recv_bytes())
+    except EOFError:  # the engine gave up before configuring its ranks (its open failed): nothing to report
+        return
     if not isinstance(config, RankConfig):
         raise RuntimeError(f"a rank's first message must be its RankConfig, got {type(config).__name__}")
     spec = msgspec.convert(config.spec, DecoderSpec)
