@@ -265,15 +265,19 @@ async def test_open_and_close_cycles_leave_no_process_or_descriptor(tiny_cache: 
     assert descriptors[1] <= descriptors[0]  # the second cycle leaks no pipe or socket of the first
 
 
-def _orphan_script(model_dir: Path) -> str:
+def _orphan_script(model_dir: Path, fork: bool) -> str:
     return textwrap.dedent(f"""
-        import anyio, sys
+        import anyio, multiprocessing, sys, time
         from asyncllm import Engine
 
         async def main():
             async with Engine.open({str(model_dir)!r}, device="cpu", attention_backend="torch",
                                    tensor_parallel_size=2, kv_cache_blocks=16) as engine:
-                print(*engine._ranks.pids, flush=True)
+                children = []
+                if {fork!r}:  # the application forks a worker (multiprocessing's default on Linux) that lives on
+                    children.append(multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,)))
+                    children[0].start()
+                print(*engine._ranks.pids, *(child.pid for child in children), flush=True)
                 await anyio.sleep_forever()
 
         if __name__ == "__main__":
@@ -284,19 +288,21 @@ def _orphan_script(model_dir: Path) -> str:
     """)
 
 
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGINT"])
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGINT", "SIGKILL, a forked child alive"])
 def test_no_rank_outlives_its_engines_process(tiny_cache: Path, tmp_path: Path, how: str) -> None:
     # SIGKILL: the engine's process cannot clean up; its ranks read end-of-file on their lifeline and
-    # exit. SIGINT (Ctrl-C): the engine closes as it leaves `async with` and stops its ranks.
+    # exit, also when a child the application forked (inheriting every descriptor) outlives it.
+    # SIGINT (Ctrl-C): the engine closes as it leaves `async with` and stops its ranks.
     script = tmp_path / "engine.py"
-    script.write_text(_orphan_script(_model_dir(tiny_cache, "llama-one-kv-head")))
+    script.write_text(_orphan_script(_model_dir(tiny_cache, "llama-one-kv-head"), fork="forked" in how))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, env=env, text=True)
+    forked: list[int] = []
     try:
         assert process.stdout is not None
-        (pid,) = map(int, process.stdout.readline().split())
+        pid, *forked = map(int, process.stdout.readline().split())
         assert _alive(pid)
-        process.send_signal(getattr(signal, how))
+        process.send_signal(getattr(signal, how.split(",")[0]))
         process.wait(timeout=120)
         if how == "SIGINT":
             assert process.stdout.read().strip() == "interrupted"
@@ -305,7 +311,11 @@ def test_no_rank_outlives_its_engines_process(tiny_cache: Path, tmp_path: Path, 
         while _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not _alive(pid)
+        assert all(_alive(child) for child in forked)  # the forked child did outlive the engine
     finally:
+        for child in forked:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
         process.kill()
         process.wait()
 

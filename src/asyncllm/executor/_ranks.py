@@ -24,6 +24,7 @@ hangs is caught by ``step_timeout`` (rank 0's step waits on it in a collective).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from types import TracebackType
@@ -284,6 +286,7 @@ class RankProcesses:
         return [rank.process.pid for rank in self._ranks]
 
     async def __aenter__(self) -> RankProcesses:
+        _OPEN.add(self)
         self._wake_read, self._wake_write = os.pipe()
         try:
             for rank in range(1, self.size):
@@ -484,6 +487,41 @@ class RankProcesses:
             if fd >= 0:
                 os.close(fd)
         self._wake_read = self._wake_write = -1
+        _OPEN.discard(self)
+
+    def _close_in_forked_child(self) -> None:
+        # This process is a child forked from the engine's, with copies of the engine's ends of the ranks'
+        # pipes. Kept open, the stdin copies would keep the ranks alive after the engine's process ends
+        # (their lifeline's end-of-file never comes), and the commands copies would hide a closed pipe.
+        for rank in self._ranks:
+            with contextlib.suppress(OSError):
+                rank.commands.close()
+            with contextlib.suppress(OSError):
+                rank.status.close()
+            if rank.process.stdin is not None:
+                with contextlib.suppress(OSError):
+                    rank.process.stdin.close()
+        for fd in (self._wake_read, self._wake_write):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._wake_read = self._wake_write = -1
+
+
+_OPEN: weakref.WeakSet[RankProcesses] = weakref.WeakSet()
+"""The ``RankProcesses`` entered and not yet ended in this process."""
+
+
+def _close_inherited_pipes() -> None:
+    for processes in list(_OPEN):
+        processes._close_in_forked_child()
+    _OPEN.clear()
+
+
+# A child forked from the engine's process (multiprocessing's fork start method, Linux's default before
+# Python 3.14; os.fork) inherits every descriptor, the ranks' pipes too: it closes its copies at once.
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_inherited_pipes)
 
 
 def _describe_exit(code: int | None) -> str:
