@@ -39,11 +39,13 @@ from asyncllm import (
 )
 from asyncllm.executor._ranks import RankProcesses, SequenceDelta, StopMessage, TableMirror, TableSync
 from asyncllm.executor._runner import SequenceInput
+from asyncllm.models import model_spec
 from asyncllm.models._parallel import TensorParallel, kv_head_range, shard_range
 from asyncllm.testing.parity import stream_all, transformers_greedy
 from asyncllm.testing.tiny_models import tiny_model_path
 from asyncllm.worker._model_runner import TorchModelRunner
 from asyncllm.worker._parallel import open_group
+from asyncllm.worker._weights import load_config
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find processes")
 
@@ -244,6 +246,20 @@ async def test_ranks_import_the_engines_modules_whatever_the_working_directory(
                            tensor_parallel_size=2, kv_cache_blocks=16) as engine:  # fmt: skip
         result = await engine.generate([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     assert len(result.token_ids) == 2
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # sizing at load; no backend in it
+async def test_kv_cache_memory_in_bytes_is_what_the_ranks_caches_take_in_all_on_the_cpu(tiny_cache: Path) -> None:
+    # The ranks share the host's memory: kv_cache_memory=B bytes is B of it in all, as with one rank, not B
+    # per rank. llama-gqa's 2 KV heads are 1 per rank: a block's bytes on each rank are half of one rank's.
+    model_dir = _model_dir(tiny_cache, "llama-gqa")
+    spec = model_spec(load_config(model_dir))
+    block_bytes = 2 * spec.num_layers * 16 * spec.num_kv_heads * spec.head_dim * 4  # float32, 16-token blocks
+    async with Engine.open(model_dir, device="cpu", attention_backend="torch", tensor_parallel_size=2,
+                           kv_cache_memory=40 * block_bytes, max_num_batched_tokens=64) as engine:  # fmt: skip
+        assert engine._info is not None
+        assert engine._info.num_kv_blocks == 40
 
 
 @pytest.mark.anyio
