@@ -8,13 +8,20 @@ chunked prefill, preemption and prefix-cache hits together and is compared token
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import ipaddress
 import os
+import queue
 import random
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +37,15 @@ from asyncllm import (
     UnsupportedModelError,
     WorkerDiedError,
 )
-from asyncllm.executor._ranks import RankProcesses, SequenceDelta, TableMirror, TableSync
+from asyncllm.executor._ranks import RankProcesses, SequenceDelta, StopMessage, TableMirror, TableSync
 from asyncllm.executor._runner import SequenceInput
+from asyncllm.models import model_spec
 from asyncllm.models._parallel import TensorParallel, kv_head_range, shard_range
 from asyncllm.testing.parity import stream_all, transformers_greedy
 from asyncllm.testing.tiny_models import tiny_model_path
+from asyncllm.worker._model_runner import TorchModelRunner
+from asyncllm.worker._parallel import open_group
+from asyncllm.worker._weights import load_config
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find processes")
 
@@ -191,6 +202,64 @@ async def test_a_rank_killed_while_idle_fails_the_health_check(tiny_cache: Path)
                 engine.check_health()
             with pytest.raises(EngineDeadError):
                 await engine.generate([5, 6, 7], SamplingParams(max_tokens=2))
+    # The engine died while its device thread was idle (not stuck): rank 0's runner is closed all the same
+    # (its weights, KV cache, process group and store sockets released), not kept by the dead engine.
+    assert engine._core is not None
+    runner = engine._core.runner
+    assert isinstance(runner, TorchModelRunner)
+    assert runner.model is None and runner.collectives is None and not runner.kv_caches
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the rank's own signal handling; no backend in it
+async def test_termination_signals_to_a_rank_leave_its_lifetime_to_the_engine(tiny_cache: Path) -> None:
+    # systemd (KillMode=control-group), `kill -TERM -PGID` and supervisors that signal a process group send
+    # SIGTERM to the ranks too, while the application drains its requests and then closes its engine.
+    before = _children()
+    engine = Engine.open(_model_dir(tiny_cache, "llama-gqa"), device="cpu", attention_backend="torch",
+                         tensor_parallel_size=2, kv_cache_blocks=64)  # fmt: skip
+    async with engine:
+        assert engine._ranks is not None
+        (pid,) = engine._ranks.pids
+        for how in (signal.SIGTERM, signal.SIGHUP):
+            os.kill(pid, how)  # pending before the rank's next step: a rank it ended could not join that step
+        result = await engine.generate([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        assert len(result.token_ids) == 4
+        engine.check_health()
+    assert not _alive(pid)
+    assert _children() == before
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # how the rank starts; no backend in it
+async def test_ranks_import_the_engines_modules_whatever_the_working_directory(
+    tiny_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `python -m` puts the working directory first on the child's path, ahead of the engine's own: a
+    # folder or file there named like a module the rank imports (an asyncllm checkout, a random.py) was
+    # imported in its place. The engine's process (a console script, `python /path/app.py`) had no such entry.
+    shadow = tmp_path / "asyncllm"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('the working directory shadowed asyncllm')\n")
+    monkeypatch.chdir(tmp_path)
+    async with Engine.open(_model_dir(tiny_cache, "llama-gqa"), device="cpu", attention_backend="torch",
+                           tensor_parallel_size=2, kv_cache_blocks=16) as engine:  # fmt: skip
+        result = await engine.generate([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    assert len(result.token_ids) == 2
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # sizing at load; no backend in it
+async def test_kv_cache_memory_in_bytes_is_what_the_ranks_caches_take_in_all_on_the_cpu(tiny_cache: Path) -> None:
+    # The ranks share the host's memory: kv_cache_memory=B bytes is B of it in all, as with one rank, not B
+    # per rank. llama-gqa's 2 KV heads are 1 per rank: a block's bytes on each rank are half of one rank's.
+    model_dir = _model_dir(tiny_cache, "llama-gqa")
+    spec = model_spec(load_config(model_dir))
+    block_bytes = 2 * spec.num_layers * 16 * spec.num_kv_heads * spec.head_dim * 4  # float32, 16-token blocks
+    async with Engine.open(model_dir, device="cpu", attention_backend="torch", tensor_parallel_size=2,
+                           kv_cache_memory=40 * block_bytes, max_num_batched_tokens=64) as engine:  # fmt: skip
+        assert engine._info is not None
+        assert engine._info.num_kv_blocks == 40
 
 
 @pytest.mark.anyio
@@ -212,15 +281,19 @@ async def test_open_and_close_cycles_leave_no_process_or_descriptor(tiny_cache: 
     assert descriptors[1] <= descriptors[0]  # the second cycle leaks no pipe or socket of the first
 
 
-def _orphan_script(model_dir: Path) -> str:
+def _orphan_script(model_dir: Path, fork: bool) -> str:
     return textwrap.dedent(f"""
-        import anyio, sys
+        import anyio, multiprocessing, sys, time
         from asyncllm import Engine
 
         async def main():
             async with Engine.open({str(model_dir)!r}, device="cpu", attention_backend="torch",
                                    tensor_parallel_size=2, kv_cache_blocks=16) as engine:
-                print(*engine._ranks.pids, flush=True)
+                children = []
+                if {fork!r}:  # the application forks a worker (multiprocessing's default on Linux) that lives on
+                    children.append(multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,)))
+                    children[0].start()
+                print(*engine._ranks.pids, *(child.pid for child in children), flush=True)
                 await anyio.sleep_forever()
 
         if __name__ == "__main__":
@@ -231,19 +304,21 @@ def _orphan_script(model_dir: Path) -> str:
     """)
 
 
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGINT"])
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGINT", "SIGKILL, a forked child alive"])
 def test_no_rank_outlives_its_engines_process(tiny_cache: Path, tmp_path: Path, how: str) -> None:
     # SIGKILL: the engine's process cannot clean up; its ranks read end-of-file on their lifeline and
-    # exit. SIGINT (Ctrl-C): the engine closes as it leaves `async with` and stops its ranks.
+    # exit, also when a child the application forked (inheriting every descriptor) outlives it.
+    # SIGINT (Ctrl-C): the engine closes as it leaves `async with` and stops its ranks.
     script = tmp_path / "engine.py"
-    script.write_text(_orphan_script(_model_dir(tiny_cache, "llama-one-kv-head")))
+    script.write_text(_orphan_script(_model_dir(tiny_cache, "llama-one-kv-head"), fork="forked" in how))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, env=env, text=True)
+    forked: list[int] = []
     try:
         assert process.stdout is not None
-        (pid,) = map(int, process.stdout.readline().split())
+        pid, *forked = map(int, process.stdout.readline().split())
         assert _alive(pid)
-        process.send_signal(getattr(signal, how))
+        process.send_signal(getattr(signal, how.split(",")[0]))
         process.wait(timeout=120)
         if how == "SIGINT":
             assert process.stdout.read().strip() == "interrupted"
@@ -252,7 +327,11 @@ def test_no_rank_outlives_its_engines_process(tiny_cache: Path, tmp_path: Path, 
         while _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not _alive(pid)
+        assert all(_alive(child) for child in forked)  # the forked child did outlive the engine
     finally:
+        for child in forked:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
         process.kill()
         process.wait()
 
@@ -320,6 +399,90 @@ def test_heads_split_evenly_or_kv_heads_replicate() -> None:
     assert [kv_head_range(1, p) for p in ranks] == [(0, 1)] * 4
     with pytest.raises(ValueError, match="do not divide"):
         kv_head_range(3, ranks[0])
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # threads and pipes only
+async def test_a_ranks_own_error_is_in_its_failure_whichever_thread_sees_the_exit_first() -> None:
+    # Rank 0's device thread (polling the ranks while it meets them, explaining a failed collective) can
+    # see a rank's exit before the watcher thread has read the report the rank sent just before exiting.
+    # Here no watcher runs at all: that order, every time.
+    async with RankProcesses(2, "unused", {}) as ranks:
+        ranks.send(StopMessage())  # not a RankConfig: the rank reports why, and exits
+        failure = await anyio.to_thread.run_sync(ranks.explain, RuntimeError("no rank exited"), 120.0)
+    assert isinstance(failure, WorkerDiedError)
+    assert "exited with status 1: RuntimeError: a rank's first message must be its RankConfig" in str(failure)
+
+
+def _listening() -> set[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]]:
+    """The (address, port) of every TCP socket this process listens on."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    found: set[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                    continue
+                host, port = fields[1].split(":")
+                raw = bytes.fromhex(host)  # 32-bit words in host (little-endian) order
+                words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                found.add((ipaddress.ip_address(words), int(port, 16)))
+    return found
+
+
+def _network_interface() -> str | None:
+    """A network interface of this host other than loopback that has an IPv4 address, if there is one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            if name != "lo":
+                with contextlib.suppress(OSError):  # SIOCGIFADDR: fails for an interface without an address
+                    fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+                    return name
+    return None
+
+
+def test_the_ranks_meet_and_talk_on_the_loopback_interface_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every rank runs on this host. A port open on every interface (TCPStore's, whatever host it is given) or
+    # on the network's (gloo's, at the address the host name resolves to, or GLOO_SOCKET_IFNAME's: often
+    # set for other torch jobs) lets other hosts connect to the ranks' store (rendezvous addresses, keys)
+    # and collectives for as long as the engine runs.
+    network = _network_interface()
+    if network is not None:
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", network)
+    before = _listening()
+    ports: queue.Queue[int] = queue.Queue()
+    cpu = torch.device("cpu")
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(open_group, rank=0, size=2, device=cpu, timeout=60.0,
+                            announce=lambda host, port: ports.put(port))  # fmt: skip
+        second = open_group(rank=1, size=2, device=cpu, timeout=60.0, store_port=ports.get(timeout=60))
+        groups = [first.result(timeout=60), second]
+    opened = _listening() - before
+    assert len(opened) >= 2  # the store, and gloo's
+    assert all(address.is_loopback for address, _ in opened), opened
+    with ThreadPoolExecutor(1) as pool:  # and they work
+        one, two = torch.ones(3), torch.full((3,), 2.0)
+        pending = pool.submit(groups[0].all_reduce, one)
+        groups[1].all_reduce(two)
+        pending.result(timeout=60)
+    assert one.tolist() == two.tolist() == [3.0, 3.0, 3.0]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # threads and pipes only
+async def test_a_rank_the_engine_closes_before_configuring_it_exits_quietly() -> None:
+    # The engine's open failed (or was cancelled) after the ranks started and before they were sent their
+    # configuration: that is no failure of the rank's, to be logged with a traceback and reported.
+    async with RankProcesses(2, "unused", {}) as ranks:
+        (rank,) = ranks._ranks
+    assert rank.process.returncode == 0
+    assert rank.failure is None
 
 
 @pytest.mark.anyio

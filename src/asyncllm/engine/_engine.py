@@ -934,6 +934,13 @@ async def _close_runner(worker: DeviceWorker, runner: ModelRunner, timeout: floa
             return
         except DeviceStepTimeoutError:
             worker.abandon()
+    elif not worker.stuck and await worker.wait_exited(timeout):
+        # Failed from outside (a tensor-parallel rank died), not stuck: the thread ended once its call
+        # (if any: a collective with the dead rank) returned. Closed off it, the runner's weights, KV
+        # cache and process group go now, not whenever the dead engine object is dropped.
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(runner.close)
+        return
     logger.warning("asyncllm: the model runner was not closed (its device thread is stuck)")
 
 

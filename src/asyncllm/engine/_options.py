@@ -193,7 +193,8 @@ class EngineOptions:
         heads, MLP columns, the vocabulary and the KV cache's heads): the device thread drives rank 0
         and ranks 1..N-1 run in worker processes that the engine starts and ends. On CUDA rank r
         runs on the r-th device after the engine's; on the CPU the ranks share the host's CPUs
-        (num_threads is then per rank; None splits the usable CPUs between them). The llama,
+        (num_threads is then per rank; None splits the usable CPUs between them, unless
+        OMP_NUM_THREADS is set: every rank then takes that count as its own). The llama,
         mistral, qwen2 and qwen3 families; not with compile, and without CUDA graphs. See
         docs/tensor-parallel.md."""),
     )

@@ -124,7 +124,10 @@ class DeviceWorker:
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._exited = anyio.Event()
         self.abandoned = False
-        """True once a call timed out: the thread is left to finish (or not) on its own."""
+        """True once a call timed out or was failed from outside: the thread is left to finish (or not) on
+        its own."""
+        self.stuck = False
+        """True once a call timed out (``abandon``): the thread may never be free again."""
         self._pending: weakref.WeakSet[DeviceCall[Any]] = weakref.WeakSet()
         self._discarded: weakref.WeakSet[DeviceCall[Any]] = weakref.WeakSet()
         self._running: DeviceCall[Any] | None = None
@@ -187,6 +190,7 @@ class DeviceWorker:
 
         A thread cannot be interrupted, so it is left behind (a daemon) rather than waited for.
         """
+        self.stuck = True
         if not self.abandoned:
             self.abandoned = True
             self.discard_queued(DeviceStepTimeoutError("the device thread was abandoned after a call hung"))
@@ -236,6 +240,15 @@ class DeviceWorker:
             return
         # The thread's last act was the wake-up above, so this join returns at once.
         self._thread.join()
+
+    async def wait_exited(self, timeout: float | None) -> bool:
+        """Wait (shielded) up to ``timeout`` seconds (None: forever) for the thread to end; whether it has.
+
+        For a thread abandoned by ``fail`` rather than stuck: it ends as soon as its call returns.
+        """
+        with anyio.CancelScope(shield=True), anyio.move_on_after(math.inf if timeout is None else timeout):
+            await self._exited.wait()
+        return self._exited.is_set()
 
     @property
     def thread(self) -> threading.Thread:

@@ -1,7 +1,7 @@
 """The ranks of tensor parallelism beyond the device thread: their processes, and what reaches them each step.
 
 With ``tensor_parallel_size=N`` the engine's device thread drives rank 0 and ranks 1..N-1 run in worker
-processes (``python -m asyncllm.worker._rank``), each owning its device. ``RankProcesses`` starts them
+processes (``asyncllm.worker._rank`` in a fresh interpreter), each owning its device. ``RankProcesses`` starts them
 when the engine is entered and ends them when it is left; nothing here imports torch.
 
 Each rank process has three pipes to the engine's process:
@@ -24,6 +24,7 @@ hangs is caught by ``step_timeout`` (rank 0's step waits on it in a collective).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from types import TracebackType
@@ -58,6 +60,18 @@ __all__ = [
     "TableMirror",
     "TableSync",
 ]
+
+_BOOTSTRAP = """\
+import sys
+if sys.path and sys.path[0] == "":  # -c's entry for the working directory
+    del sys.path[0]
+from asyncllm.worker._rank import run
+run()
+"""
+# What a rank process runs (``python -c``). Not ``-m``, which puts the working directory first on the
+# child's path: a folder or file there named like a module the rank imports (an asyncllm checkout, a
+# random.py) would shadow the engine's own, which the engine's process (a console script, a script run
+# by its path) does not see. Only the engine's path, handed on as PYTHONPATH, is searched.
 
 RANK_EXIT_GRACE = 10.0
 """Seconds a rank process has to exit after the engine asked it to stop (a clean close) before it is
@@ -258,6 +272,7 @@ class RankProcesses:
         self._closing = False
         self._graceful = True
         self._lock = threading.Lock()
+        self._reading = threading.Lock()  # one reader at a time on a status pipe: the watcher, or _died
         self._failure: WorkerDiedError | None = None
         self.send_seconds = 0.0
         """Rank 0's time spent encoding and writing messages, summed (the broadcast's cost to rank 0)."""
@@ -271,6 +286,7 @@ class RankProcesses:
         return [rank.process.pid for rank in self._ranks]
 
     async def __aenter__(self) -> RankProcesses:
+        _OPEN.add(self)
         self._wake_read, self._wake_write = os.pipe()
         try:
             for rank in range(1, self.size):
@@ -290,10 +306,11 @@ class RankProcesses:
         status_read, status_write = os.pipe()
         env = dict(os.environ)
         # The engine's import path, as multiprocessing's spawn hands it on: the rank imports the same asyncllm.
-        env["PYTHONPATH"] = os.pathsep.join(path for path in sys.path if path)
+        # An empty entry (the engine started by -c or interactively) is the working directory: said so.
+        env["PYTHONPATH"] = os.pathsep.join(path or os.getcwd() for path in sys.path)
         try:
             process = subprocess.Popen(
-                [sys.executable, "-m", "asyncllm.worker._rank", str(commands_read), str(status_write), str(rank)],
+                [sys.executable, "-c", _BOOTSTRAP, str(commands_read), str(status_write), str(rank)],
                 stdin=subprocess.PIPE,
                 pass_fds=(commands_read, status_write),
                 env=env,
@@ -372,6 +389,11 @@ class RankProcesses:
         return self._failure
 
     def _died(self, rank: _Rank, code: int | None) -> WorkerDiedError:
+        # The rank's exit may be seen (rank 0's device thread polling) before the watcher has read what the
+        # rank sent just before it exited: its reason is in the pipe, ahead of the end-of-file.
+        with self._reading:
+            while not rank.exited and not rank.status.closed and rank.status.poll():
+                self._read_report(rank)
         with self._lock:
             if self._failure is None:
                 how = _describe_exit(code)
@@ -418,7 +440,9 @@ class RankProcesses:
                 if ready == self._wake_read:
                     return None
                 rank = by_conn[ready]  # type: ignore[index]
-                if not self._read_report(rank):
+                with self._reading:
+                    alive = not rank.exited and self._read_report(rank)  # _died may have read it to the end
+                if not alive:
                     return rank
 
     def _read_report(self, rank: _Rank) -> bool:
@@ -463,6 +487,41 @@ class RankProcesses:
             if fd >= 0:
                 os.close(fd)
         self._wake_read = self._wake_write = -1
+        _OPEN.discard(self)
+
+    def _close_in_forked_child(self) -> None:
+        # This process is a child forked from the engine's, with copies of the engine's ends of the ranks'
+        # pipes. Kept open, the stdin copies would keep the ranks alive after the engine's process ends
+        # (their lifeline's end-of-file never comes), and the commands copies would hide a closed pipe.
+        for rank in self._ranks:
+            with contextlib.suppress(OSError):
+                rank.commands.close()
+            with contextlib.suppress(OSError):
+                rank.status.close()
+            if rank.process.stdin is not None:
+                with contextlib.suppress(OSError):
+                    rank.process.stdin.close()
+        for fd in (self._wake_read, self._wake_write):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._wake_read = self._wake_write = -1
+
+
+_OPEN: weakref.WeakSet[RankProcesses] = weakref.WeakSet()
+"""The ``RankProcesses`` entered and not yet ended in this process."""
+
+
+def _close_inherited_pipes() -> None:
+    for processes in list(_OPEN):
+        processes._close_in_forked_child()
+    _OPEN.clear()
+
+
+# A child forked from the engine's process (multiprocessing's fork start method, Linux's default before
+# Python 3.14; os.fork) inherits every descriptor, the ranks' pipes too: it closes its copies at once.
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_inherited_pipes)
 
 
 def _describe_exit(code: int | None) -> str:

@@ -427,14 +427,15 @@ class TorchModelRunner:
             sizing = KVCacheSizing(num_blocks * bytes_per_block, available, peak, bytes_per_block, num_blocks)
         else:
             available = torch.cuda.mem_get_info(device)[0] if cuda else host_available_bytes()
-            if not cuda:  # the ranks' caches share the host's memory
-                available //= self.parallel.size
+            # On the CPU every rank's cache and activations share the host's memory: a block costs every
+            # rank's share of it, and kv_cache_memory (bytes, a fraction, the default's cap) is of the whole.
+            ranks = 1 if cuda else self.parallel.size
             sizing = size_kv_cache(
                 kv_cache_memory,
                 device_type=device.type,
                 available_bytes=available,
-                activation_peak_bytes=peak,
-                bytes_per_block=bytes_per_block,
+                activation_peak_bytes=peak * ranks,
+                bytes_per_block=bytes_per_block * ranks,
                 max_blocks=max_blocks,
             )
         self.kv_sizing = sizing

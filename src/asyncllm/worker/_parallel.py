@@ -8,6 +8,7 @@ take (the application may have its own, and two engines in one process must not 
 from __future__ import annotations
 
 import datetime
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +20,8 @@ from torch._C._distributed_c10d import Store, TCPStore  # torch.distributed re-e
 __all__ = ["ProcessGroupCollectives", "open_group", "rank_device"]
 
 STORE_HOST = "127.0.0.1"
-"""Where rank 0's store listens: every rank runs on this host."""
+"""Where rank 0's store listens, and the address every rank's gloo connections use: every rank runs on
+this host, and nothing of the ranks is reachable from another."""
 
 NO_TIMEOUT = datetime.timedelta(days=365)
 """The collectives' timeout with ``step_timeout=None`` (gloo needs one)."""
@@ -139,7 +141,12 @@ def open_group(
     """
     wait = NO_TIMEOUT if timeout is None else datetime.timedelta(seconds=timeout)
     if rank == 0:
-        store = TCPStore(STORE_HOST, 0, size, True, timeout=RENDEZVOUS_TIMEOUT, wait_for_workers=False)
+        # TCPStore binds the port it opens on every interface, whatever host it is given: it is handed a
+        # socket bound to the loopback address instead (and closes it with the store).
+        listener = socket.create_server((STORE_HOST, 0))
+        port = listener.getsockname()[1]
+        store = TCPStore(STORE_HOST, port, size, True, timeout=RENDEZVOUS_TIMEOUT, wait_for_workers=False,
+                         master_listen_fd=listener.detach())  # fmt: skip
         if announce is not None:
             announce(STORE_HOST, store.port)
     else:
@@ -157,5 +164,9 @@ def open_group(
         options._timeout = wait
         group = nccl(store, rank, size, options)
     else:
-        group = dist.ProcessGroupGloo(store, rank, size, wait)
+        # Gloo's own default binds the address the host name resolves to (or GLOO_SOCKET_IFNAME's).
+        gloo = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # bound, but not in torch's stubs
+        gloo._timeout = wait
+        gloo._devices = [dist.ProcessGroupGloo.create_device(hostname=STORE_HOST)]
+        group = dist.ProcessGroupGloo(store, rank, size, gloo)
     return ProcessGroupCollectives(group, rank, size, store)

@@ -1,14 +1,18 @@
-"""A tensor-parallel rank's process: ``python -m asyncllm.worker._rank COMMANDS_FD STATUS_FD RANK``.
+"""A tensor-parallel rank's process: ``run()`` with ``COMMANDS_FD STATUS_FD RANK`` as its arguments.
 
-Started by ``asyncllm.executor._ranks.RankProcesses``. It reads its ``RankConfig`` from the commands
+Started by ``asyncllm.executor._ranks.RankProcesses`` (a fresh interpreter that imports this module from the
+engine's path alone, and calls ``run``). It reads its ``RankConfig`` from the commands
 pipe, joins the ranks' process group, loads its shard of the model, then follows rank 0: each message
 is a step's forward (``StepMessage``), a gather of logits for prompt logprobs (``LogitsMessage``), a KV
 cache allocation (``AllocateMessage``) or the end (``StopMessage``). It never samples.
 
 It ends with its engine whatever happens there: a thread reads the process's stdin, which only the
 engine's process holds open, and exits the process at end-of-file (the engine's process is gone, even
-by SIGKILL); end-of-file on the commands pipe ends it too. SIGINT is ignored: a Ctrl-C in a terminal
-reaches the whole process group, and the engine, not each rank, decides how its ranks stop.
+by SIGKILL); end-of-file on the commands pipe ends it too. SIGINT, SIGTERM and SIGHUP are ignored: a
+Ctrl-C in a terminal, a hang-up, ``kill -TERM -PGID`` and systemd's stop (every process of the unit's
+cgroup) reach the ranks along with the engine's process, and the engine, not each rank, decides how its
+ranks stop (an application draining its requests on SIGTERM still needs them). The engine kills a rank
+with SIGKILL when it must.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import threading
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import NoReturn
 
 import msgspec
 
@@ -55,7 +60,10 @@ def serve(commands: Connection, status: Connection) -> None:
     from asyncllm.models import DecoderSpec
     from asyncllm.worker._model_runner import TorchModelRunner
 
-    config = decode_message(commands.recv_bytes())
+    try:
+        config = decode_message(commands.recv_bytes())
+    except EOFError:  # the engine gave up before configuring its ranks (its open failed): nothing to report
+        return
     if not isinstance(config, RankConfig):
         raise RuntimeError(f"a rank's first message must be its RankConfig, got {type(config).__name__}")
     spec = msgspec.convert(config.spec, DecoderSpec)
@@ -100,7 +108,8 @@ def serve(commands: Connection, status: Connection) -> None:
 
 def main(argv: list[str]) -> int:
     """The process's entry: serve, and report a failure's reason on the status pipe before exiting."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for ignored in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the engine's to act on, not the rank's
+        signal.signal(ignored, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, name="asyncllm-lifeline", daemon=True).start()
     commands = Connection(int(argv[1]), writable=False)
     status = Connection(int(argv[2]), readable=False)
@@ -117,10 +126,15 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def run() -> NoReturn:
+    """Run ``main`` on the process's arguments and exit with its status, skipping the interpreter's shutdown."""
     code = main(sys.argv)
     # Nothing is left to finalize (the report is sent, the model dropped): skipping the interpreter's
     # shutdown (torch's and gloo's destructors, seconds on a busy host) lets the engine close at once.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if __name__ == "__main__":
+    run()
