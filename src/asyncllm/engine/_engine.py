@@ -186,6 +186,7 @@ class Engine:
             info.block_size,
             enable_prefix_caching=self.options.enable_prefix_caching,
             sliding_window=info.sliding_window,
+            sliding_group=info.sliding_group,
         )
         scheduler = Scheduler(
             kv_cache,
