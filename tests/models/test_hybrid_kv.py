@@ -1,11 +1,11 @@
 """Gemma 2 and 3 with a sliding group: the sliding layers' KV blocks leave with the window, token-exact.
 
-On the torch backend a hybrid model's sliding layers keep their KV in a pool of their own
+On the torch and cpu backends a hybrid model's sliding layers keep their KV in a pool of their own
 (``RunnerInfo.sliding_group``), sized for the requests' windows, and its blocks go back to that pool
 as positions leave the window; the global layers keep every block. The tests run requests longer
 than the whole sliding pool holds, so they complete only if its blocks are freed and reused, and
 compare every token with transformers (greedy, float32), with chunked prefill, prefix-cache hits and
-preemption. The other backends keep one table (and every block), and say so.
+preemption, on the torch and cpu backends. Triton keeps one table (and every block), and says so.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ MAX_NEW_TOKENS = 40
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
 # Two requests of a step, chunks of 8, blocks of 4, a window of 8 (the tiny configs'): the sliding pool
 # gets 2 * (ceil(7 / 4) + 2) + 2 * 2 = 12 blocks, 48 tokens, less than one request's 75.
+BACKENDS = ("torch", "cpu")
 OPTIONS = {"block_size": 4, "max_num_seqs": 2, "max_num_batched_tokens": 8, "kv_cache_blocks": 40}
 
 
@@ -61,10 +62,11 @@ def test_the_split_turns_the_window_into_global_blocks() -> None:
         )  # fmt: skip
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("family", sorted(MODELS))
-async def test_sliding_blocks_leave_with_the_window_token_exact(tiny_cache: Path, family: str) -> None:
+async def test_sliding_blocks_leave_with_the_window_token_exact(tiny_cache: Path, family: str, backend: str) -> None:
     model_dir = _model_dir(str(tiny_cache), family)
-    async with Engine.open(model_dir, device="cpu", attention_backend="torch", **OPTIONS) as engine:
+    async with Engine.open(model_dir, device="cpu", attention_backend=backend, **OPTIONS) as engine:
         info = engine._info
         assert info is not None and info.sliding_group is not None
         window, sliding_blocks = info.sliding_group
@@ -98,13 +100,14 @@ async def test_sliding_blocks_leave_with_the_window_token_exact(tiny_cache: Path
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_preemption_with_a_sliding_group_is_token_exact(tiny_cache: Path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_preemption_with_a_sliding_group_is_token_exact(tiny_cache: Path, backend: str) -> None:
     # 22 whole-model blocks: the sliding pool gets its need, 4 * (ceil(7 / 4) + 2) + 2 * 2 = 20 blocks,
     # the global one (22 * 6 - 20 * 5) / 1 = 32, 128 tokens, fewer than four requests' 264: requests are
     # preempted and recomputed.
     model_dir = _model_dir(str(tiny_cache), "gemma3")
     options = {**OPTIONS, "kv_cache_blocks": 22, "max_num_seqs": 4, "enable_prefix_caching": False}
-    async with Engine.open(model_dir, device="cpu", attention_backend="torch", **options) as engine:
+    async with Engine.open(model_dir, device="cpu", attention_backend=backend, **options) as engine:
         assert engine._info is not None and engine._info.sliding_group is not None
         prompts = _prompts(engine._info.vocab_size, (20, 25, 30, 9), seed=3)
         got = await stream_all(engine, prompts, GREEDY)
@@ -114,10 +117,14 @@ async def test_preemption_with_a_sliding_group_is_token_exact(tiny_cache: Path) 
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_the_cpu_backend_keeps_one_table_and_says_so(tiny_cache: Path, caplog: pytest.LogCaptureFixture) -> None:
+async def test_the_triton_backend_keeps_one_table_and_says_so(
+    tiny_cache: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Its kernels and CUDA graphs address one table per request: the model keeps every block there.
+    pytest.importorskip("triton")
     model_dir = _model_dir(str(tiny_cache), "gemma3")
     with caplog.at_level("INFO", logger="asyncllm"):
-        async with Engine.open(model_dir, device="cpu", attention_backend="cpu", **OPTIONS) as engine:
+        async with Engine.open(model_dir, device="cpu", attention_backend="triton", **OPTIONS) as engine:
             assert engine._info is not None
             assert engine._info.sliding_group is None and engine._info.num_kv_blocks == 40
-    assert "sliding layers keep every KV block" in caplog.text
+    assert "sliding layers keep every KV block (the triton attention backend" in caplog.text

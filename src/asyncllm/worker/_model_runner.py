@@ -416,14 +416,14 @@ class TorchModelRunner:
     def _frees_hybrid(self, spec: DecoderSpec) -> bool:
         """Whether the sliding layers of a hybrid model get a pool of their own that frees.
 
-        The torch backend builds each group's metadata from its own tables; the others (their kernels'
+        The torch and cpu backends build each group's metadata from its own tables; triton (its kernels'
         launches, CUDA graphs' buffers) and tensor-parallel ranks (their table sync) address one table
         per request, so there the model keeps every block, as a model without a window does.
         """
         if spec.sliding_window is None or spec.uniform_sliding_window is not None:
             return False
         reason = None
-        if self.attention_backend != "torch":
+        if self.attention_backend not in ("torch", "cpu"):
             reason = f"the {self.attention_backend} attention backend addresses one block table per request"
         elif self.parallel.sharded:
             reason = "tensor-parallel ranks sync one block table per request"
