@@ -174,11 +174,6 @@ class KVCacheManager:
         go back to the pool first, whether or not the allocation then succeeds; so do the blocks of
         ``hit`` outside the window of its first token to compute, which are never taken.
 
-        Args:
-            request: The request whose table grows (created on first use).
-            num_tokens: Tokens the request will have KV for after this step.
-            hit: A cached prefix from ``find_cached_prefix`` (or ``prefix_of``) to start a new table with.
-
         With a sliding group, the request's table there grows too (its blocks that left the window
         returned first, as above); the allocation happens in both pools or in neither.
 
