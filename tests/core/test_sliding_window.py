@@ -423,3 +423,29 @@ def test_random_workloads_read_the_right_kv(
     assert all(len(r.output_token_ids) == max_tokens for r in requests)
     kv = scheduler.kv_cache
     assert held(kv) == 0 and all(kv.pool.ref_count(b) == 0 for b in range(num_blocks))
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_trimming_a_rejected_draft_counts_from_the_window(hybrid: bool) -> None:
+    """Speculative decoding trims a rejected draft's blocks (``trim``) from a table whose first blocks
+    left the window: the kept blocks are counted from ``block_offset``, and a hybrid model's sliding
+    group gives its draft blocks back too."""
+    window, block = 16, 4
+    if hybrid:
+        kv = KVCacheManager(64, block, sliding_group=(window, 64))
+        group = kv.sliding
+        assert group is not None
+    else:
+        kv = group = KVCacheManager(64, block, sliding_window=window)
+    request = make_request(0, list(range(40)), max_tokens=20)
+    assert kv.allocate_slots(request, 40) is not None
+    confirm(kv, request, 40)
+    assert kv.allocate_slots(request, 41 + 6) is not None  # the newest token and a draft of 6: 47 slots
+    assert group.block_offset(0) > 0  # the premise: the window's edge moved past the first blocks
+    before = held(group)
+    kv.trim(request, 42)  # one draft token accepted: 42 tokens' KV kept
+    kept = -(-42 // block) - group.block_offset(0)
+    assert len(group.block_table(0)) == kept
+    assert held(group) == before - (-(-47 // block) - -(-42 // block))
+    kv.free(request)
+    assert held(kv) == 0 and held(group) == 0

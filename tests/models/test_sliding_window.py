@@ -2,12 +2,13 @@
 
 A tiny Mistral (every layer slides, window 24) and a tiny Gemma 3 whose five layers all slide (window
 20) free the KV blocks that leave the window (``RunnerInfo.sliding_window``); a tiny Qwen2 that slides
-only on its second layer (``layer_types``) frees nothing. Prompts and generations run well past the
-window, with blocks of 16: greedy float32 tokens must equal transformers' ``generate`` in one batch,
-through chunked prefill across the window's edge, through recompute preemption, and from the prefix
-cache (a second round sharing prefixes far longer than the window, and n > 1 samples), on the torch
-and cpu backends (and triton's interpreter for one case). A long generation holds a bounded number of
-blocks, and every block is back in the pool at the end.
+only on its second layer (``layer_types``) keeps every block of its global layer and frees its sliding
+layer's in a pool of their own (``RunnerInfo.sliding_group``; tests/models/test_hybrid_kv.py). Prompts
+and generations run well past the window, with blocks of 16: greedy float32 tokens must equal
+transformers' ``generate`` in one batch, through chunked prefill across the window's edge, through
+recompute preemption, and from the prefix cache (a second round sharing prefixes far longer than the
+window, and n > 1 samples), on the torch and cpu backends (and triton's interpreter for one case). A
+long generation holds a bounded number of blocks, and every block is back in the pool at the end.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ async def test_greedy_matches_transformers(tiny_cache: Path, name: str, variant:
     assert got == _expected(model_dir, prompts)
     assert stats.kv_blocks_free == stats.kv_blocks_total
     assert (freed > 0) == (window is not None)
+    assert (engine._info.sliding_group is not None) == (window is None)  # qwen2-hybrid: a sliding group
     if variant == "preemption":
         assert stats.num_preemptions > 0
     if variant == "chunked-prefill":

@@ -40,6 +40,11 @@ from asyncllm.structured import GrammarCompiler
 logger = logging.getLogger("asyncllm")
 
 
+def _copied(table: list[int] | None) -> list[int] | None:
+    """A snapshot of a block table (the manager keeps changing its own while the step is in flight)."""
+    return None if table is None else list(table)
+
+
 @dataclass(slots=True)
 class LoopTimings:
     """Seconds the step loop spent in each of its phases, summed over all steps."""
@@ -323,6 +328,8 @@ class EngineCore:
                 start_position=s.start,
                 block_table=list(kv.block_table(s.request.request_id)),
                 block_offset=kv.block_offset(s.request.request_id),
+                sliding_block_table=_copied(kv.sliding_block_table(s.request.request_id)),
+                sliding_block_offset=kv.sliding_block_offset(s.request.request_id),
                 long_rope=s.request.long_rope,
                 sample=s.sample,
                 params=s.request.params,

@@ -187,6 +187,7 @@ class Engine:
             info.block_size,
             enable_prefix_caching=self.options.enable_prefix_caching,
             sliding_window=info.sliding_window,
+            sliding_group=info.sliding_group,
         )
         speculative = self.options.speculative_config()
         if speculative is not None and not info.speculative:

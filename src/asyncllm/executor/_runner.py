@@ -53,6 +53,11 @@ class RunnerInfo:
     speculative: bool = False
     """The runner verifies drafts (``SequenceInput.num_draft``, ``StepOutput.verified``); without it an
     engine with ``speculative_method`` refuses to start."""
+    sliding_group: tuple[int, int] | None = None
+    """A hybrid model (sliding and global layers) whose sliding layers free the blocks that leave their
+    window: ``(window, blocks of the sliding layers' pool)``. ``num_kv_blocks`` is then the global
+    layers' pool; each request gets a second table (``SequenceInput.sliding_block_table``). None: one
+    table per request (a model without one, or a backend that does not address two groups)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +93,11 @@ class SequenceInput:
     """The sequence index of ``block_table[0]``. The blocks before it held positions that left the
     sliding window of every token still to compute (``RunnerInfo.sliding_window``) and went back to the
     pool: attention never reads those positions again."""
+    sliding_block_table: list[int] | None = None
+    """With ``RunnerInfo.sliding_group``, the request's blocks in the sliding layers' pool, from sequence
+    index ``sliding_block_offset`` on (the blocks before it left their window); None otherwise."""
+    sliding_block_offset: int = 0
+    """The sequence index of ``sliding_block_table[0]``."""
     grammar: CompiledGrammar | None = None
     """``params.structured_output`` compiled: the sampler masks what it does not allow."""
     pooling: Pooling | None = None

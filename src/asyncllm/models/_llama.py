@@ -750,12 +750,15 @@ class DecoderForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: Any,
         long_rope: torch.Tensor | None = None,
+        sliding_meta: Any = None,
     ) -> torch.Tensor:
         """Run the flat batch ([tokens] ids and positions); return normed hidden states [tokens, hidden].
 
         ``meta`` is the step's attention metadata, built by ``self.backend.build_metadata``. ``long_rope``
         ([tokens] bool, or None: none) marks the tokens of sequences longer than LongRoPE's original
-        context, which rotate by its long frequencies (``RotaryEmbedding.cos_sin``).
+        context, which rotate by its long frequencies (``RotaryEmbedding.cos_sin``). ``sliding_meta``, where
+        a hybrid model's sliding layers have KV blocks of their own (``RunnerInfo.sliding_group``), is the
+        metadata of their tables, which those layers use instead of ``meta``.
         """
         backend = self.backend
         spec = self.spec
@@ -770,19 +773,24 @@ class DecoderForCausalLM(nn.Module):
         if not spec.llama_layer:
             local = cos_sin if self.local_rotary is None else self.local_rotary.cos_sin(positions, x.dtype)
             for layer, kv_cache in zip(layers, kv_caches):
-                x = layer(x, local if layer.self_attn.sliding else cos_sin, kv_cache, meta, backend)
+                sliding = layer.self_attn.sliding
+                layer_meta = sliding_meta if sliding and sliding_meta is not None else meta
+                x = layer(x, local if sliding else cos_sin, kv_cache, layer_meta, backend)
             normed: torch.Tensor = self.model.norm(x)
             return normed
         if self.fused_norm and backend.fuses_norms and all(layer.compiled is None for layer in layers):
-            if self.lean is not None and self.lean_forward and backend.runs_lean_forward:
+            lean_ok = sliding_meta is None  # the lean forward takes one metadata for every layer
+            if self.lean is not None and self.lean_forward and backend.runs_lean_forward and lean_ok:
                 return self.lean(x, cos_sin, kv_caches, meta)
             residual = None
             for layer, kv_cache in zip(layers, kv_caches):
-                x, residual = layer.forward_fused_norms(x, residual, cos_sin, kv_cache, meta, backend)
+                layer_meta = sliding_meta if layer.self_attn.sliding and sliding_meta is not None else meta
+                x, residual = layer.forward_fused_norms(x, residual, cos_sin, kv_cache, layer_meta, backend)
             final = self.model.norm
             return backend.rms_norm(x, final.weight, final.eps, residual)  # the last add, fused too
         for layer, kv_cache in zip(layers, kv_caches):
-            x = layer(x, cos_sin, kv_cache, meta, backend)
+            layer_meta = sliding_meta if layer.self_attn.sliding and sliding_meta is not None else meta
+            x = layer(x, cos_sin, kv_cache, layer_meta, backend)
         result: torch.Tensor = self.model.norm(x)
         return result
 

@@ -238,3 +238,46 @@ def size_kv_cache(
     if max_blocks is not None:
         num_blocks = min(num_blocks, max_blocks)
     return KVCacheSizing(budget, available_bytes, activation_peak_bytes, bytes_per_block, num_blocks)
+
+
+def split_hybrid_blocks(
+    num_blocks: int,
+    *,
+    num_global_layers: int,
+    num_sliding_layers: int,
+    sliding_window: int,
+    block_size: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+) -> tuple[int, int]:
+    """Split the memory of ``num_blocks`` whole-model KV blocks between a hybrid model's two pools.
+
+    The sliding layers' pool (``KVCacheManager.sliding``) needs no more blocks than its requests' windows:
+    each of ``max_num_seqs`` requests holds the blocks of its window and its step, and two steps' chunks
+    may be in flight (the engine schedules step N+1 while step N runs). The memory it does not need goes
+    to the global layers' pool, so the window's saving becomes more tokens in the cache. Never more
+    sliding blocks than global ones: a request holds no more blocks there than in the global pool.
+
+    Args:
+        num_blocks: Blocks of every layer that the memory holds (what the cache would have without the split).
+        num_global_layers: Layers that attend to the whole context.
+        num_sliding_layers: Layers that attend within ``sliding_window``.
+        sliding_window: The sliding layers' window, in positions.
+        block_size: Tokens per block.
+        max_num_seqs: Requests in one step at most.
+        max_num_batched_tokens: Tokens in one step at most.
+
+    Returns:
+        (global blocks, sliding blocks): global blocks of ``num_global_layers`` layers each, sliding
+        blocks of ``num_sliding_layers`` layers each, together within the memory of ``num_blocks``.
+
+    Raises:
+        ValueError: A count is not positive.
+    """
+    if min(num_blocks, num_global_layers, num_sliding_layers, sliding_window, block_size, max_num_seqs) < 1:
+        raise ValueError("every count of a hybrid split must be positive")
+    per_request = -(-(sliding_window - 1) // block_size) + 2  # the window, the block it starts in, one to grow
+    need = max_num_seqs * per_request + 2 * -(-max_num_batched_tokens // block_size)
+    sliding = min(num_blocks, need)
+    layers = num_global_layers + num_sliding_layers
+    return (num_blocks * layers - sliding * num_sliding_layers) // num_global_layers, sliding

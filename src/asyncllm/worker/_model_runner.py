@@ -57,6 +57,7 @@ from asyncllm.worker._memory import (
     reset_peak_rss,
     resident_bytes,
     size_kv_cache,
+    split_hybrid_blocks,
 )
 from asyncllm.worker._sampler import Sampler
 from asyncllm.worker._weights import checkpoint_tensors, load_config, load_eos_token_ids, load_model
@@ -182,6 +183,10 @@ class TorchModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler: Sampler | None = None
         self.input_batch = InputBatch(options.block_size, max_num_seqs=options.max_num_seqs)
+        self.sliding_batch: InputBatch | None = None
+        """With a sliding group (``RunnerInfo.sliding_group``), the sliding layers' block tables."""
+        self.sliding_group: tuple[int, int] | None = None
+        """``(window, blocks)`` of the sliding layers' pool, once loaded, where the model has one."""
         self.ops: DeviceOps = CpuOps()
         """Host-device copies and synchronisation (``DeviceOps``), set for the device at load."""
         self._pool_sums: dict[int, tuple[torch.Tensor, int]] = {}
@@ -311,15 +316,44 @@ class TorchModelRunner:
         assert backend is not None
         eos_token_ids = load_eos_token_ids(self.model_path, config)
         self.sampler = Sampler(device, model.spec.vocab_size, eos_token_ids, self.options.seed, self.ops)
+        hybrid = self._frees_hybrid(spec)
+        if hybrid:  # the probe's table covers both groups
+            self.sliding_batch = InputBatch(self.block_size, max_num_seqs=self.options.max_num_seqs)
         num_blocks = self.options.kv_cache_blocks or self._size_kv_cache(model, device, dtype)
+        sliding_blocks = None
+        if hybrid:
+            assert spec.sliding_window is not None
+            num_sliding = sum(spec.layer_is_sliding(i) for i in range(spec.num_layers))
+            num_blocks, sliding_blocks = split_hybrid_blocks(
+                num_blocks,
+                num_global_layers=spec.num_layers - num_sliding,
+                num_sliding_layers=num_sliding,
+                sliding_window=spec.sliding_window,
+                block_size=self.block_size,
+                max_num_seqs=self.options.max_num_seqs,
+                max_num_batched_tokens=self.options.max_num_batched_tokens,
+            )
+            self.sliding_group = (spec.sliding_window, sliding_blocks)
+            logger.info(
+                "hybrid KV cache: %d blocks for the global layers, %d for the sliding ones (window %d)",
+                num_blocks,
+                sliding_blocks,
+                spec.sliding_window,
+            )
         slots = num_blocks * self.block_size
-        self.kv_caches = self._allocate_kv_cache(num_blocks)
+        self.kv_caches = self._allocate_kv_cache(num_blocks, sliding_blocks)
         max_model_len = int(getattr(config, "max_position_embeddings", 2048))
         # Fresh rows (the sizing probe is gone), as wide as the longest table the cache can hold.
         longest = min(max_model_len, self.options.max_model_len or max_model_len, slots)
         self.input_batch = InputBatch(
             self.block_size, max_num_seqs=self.options.max_num_seqs, max_blocks_per_seq=-(-longest // self.block_size)
         )
+        if hybrid:
+            self.sliding_batch = InputBatch(
+                self.block_size,
+                max_num_seqs=self.options.max_num_seqs,
+                max_blocks_per_seq=-(-longest // self.block_size),
+            )
         if device.type == "cuda" and isinstance(backend, TritonAttentionBackend):  # every kernel variant, now
             backend.warm_up(num_heads=model.local_heads[0], head_dim=spec.head_dim, dtype=dtype,
                             block_size=self.block_size, max_model_len=longest,
@@ -353,6 +387,7 @@ class TorchModelRunner:
             structured_output=True,
             hidden_size=spec.hidden_size,
             sliding_window=spec.uniform_sliding_window,
+            sliding_group=self.sliding_group,
             long_rope_length=spec.rotary.long_from_position if spec.rotary and spec.rotary.long_inv_freq else None,
             speculative=True,
         )
@@ -380,18 +415,45 @@ class TorchModelRunner:
         element = torch.tensor([], dtype=dtype).element_size()
         return 2 * spec.num_layers * self.block_size * model.local_heads[1] * spec.head_dim * element
 
-    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """A KV cache of ``num_blocks`` blocks for this rank's KV heads; rank 0 has the other ranks
-        allocate theirs too (every rank holds the same blocks, of its own heads)."""
+    def _frees_hybrid(self, spec: DecoderSpec) -> bool:
+        """Whether the sliding layers of a hybrid model get a pool of their own that frees.
+
+        The torch and cpu backends build each group's metadata from its own tables; triton (its kernels'
+        launches, CUDA graphs' buffers) and tensor-parallel ranks (their table sync) address one table
+        per request, so there the model keeps every block, as a model without a window does.
+        """
+        if spec.sliding_window is None or spec.uniform_sliding_window is not None:
+            return False
+        reason = None
+        if self.attention_backend not in ("torch", "cpu"):
+            reason = f"the {self.attention_backend} attention backend addresses one block table per request"
+        elif self.parallel.sharded:
+            reason = "tensor-parallel ranks sync one block table per request"
+        if reason is not None:
+            logger.info("hybrid model: its sliding layers keep every KV block (%s)", reason)
+            return False
+        return True
+
+    def _allocate_kv_cache(
+        self, num_blocks: int, sliding_blocks: int | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A KV cache of ``num_blocks`` blocks for this rank's KV heads (``sliding_blocks`` for the sliding
+        layers of a hybrid model with a sliding group); rank 0 has the other ranks allocate theirs too
+        (every rank holds the same blocks, of its own heads)."""
         assert self.model is not None
         if self.ranks is not None:
             from asyncllm.executor._ranks import AllocateMessage
 
             self.ranks.send(AllocateMessage(num_blocks))
         spec = self.model.spec
-        shape = (num_blocks * self.block_size, self.model.local_heads[1], spec.head_dim)
+        heads = (self.model.local_heads[1], spec.head_dim)
         self.kv_caches = []  # the old cache goes before the new one is allocated
-        return [(self._zeros(shape), self._zeros(shape)) for _ in range(spec.num_layers)]
+        caches = []
+        for index in range(spec.num_layers):
+            blocks = sliding_blocks if sliding_blocks is not None and spec.layer_is_sliding(index) else num_blocks
+            shape = (blocks * self.block_size, *heads)
+            caches.append((self._zeros(shape), self._zeros(shape)))
+        return caches
 
     def _zeros(self, shape: tuple[int, int, int]) -> torch.Tensor:
         if self.device.type != "cpu":
@@ -461,6 +523,7 @@ class TorchModelRunner:
             token_ids=[0] * tokens,
             start_position=0,
             block_table=list(range(num_blocks)),
+            sliding_block_table=list(range(num_blocks)) if self.sliding_batch is not None else None,
             sample=True,
             params=SamplingParams(temperature=0.0, max_tokens=1),
             prompt_token_ids=[0] * tokens,
@@ -512,6 +575,8 @@ class TorchModelRunner:
         assert self.model is not None and self.sampler is not None, "load() first"
         self.sampler.forget(batch.finished_request_ids)
         self.input_batch.remove(batch.finished_request_ids)
+        if self.sliding_batch is not None:
+            self.sliding_batch.remove(batch.finished_request_ids)
         for request_id in batch.finished_request_ids:
             self._pool_sums.pop(request_id, None)
         if not batch.sequences:
@@ -573,8 +638,9 @@ class TorchModelRunner:
             fill = (ops.to_device(flat), after.device_ids[ops.tensor([row for _, row in plan], torch.int64)])
         replay = self.graphs is not None and self.graphs.fits(step)
         meta = None if replay else self._metadata(step)
+        sliding_meta = None if self.sliding_batch is None else self._metadata(self._sliding_step(sequences))
         clock.mark()
-        hidden = self._replay(step, fill) if meta is None else self._forward(step, meta, fill)
+        hidden = self._replay(step, fill) if meta is None else self._forward(step, meta, fill, sliding_meta)
         clock.mark()
         model = self.model
         rows = hidden[ops.to_device(step.sample_index)] if len(step.sample_index) else None
@@ -751,7 +817,25 @@ class TorchModelRunner:
         assert self.backend is not None
         return self.backend.build_metadata(step)
 
-    def _forward(self, step: StepInputs, meta: Any = None, fill: IdFill | None = None) -> torch.Tensor:
+    def _sliding_step(self, sequences: list[SequenceInput]) -> StepInputs:
+        """The step's arrays over the sliding layers' tables (``SequenceInput.sliding_block_table``).
+
+        Raises:
+            ValueError: A sequence has no sliding table.
+        """
+        assert self.sliding_batch is not None
+        sliding = []
+        for seq in sequences:
+            if seq.sliding_block_table is None:
+                raise ValueError(f"request {seq.request_id} of a hybrid model's step has no sliding_block_table")
+            sliding.append(
+                dataclasses.replace(seq, block_table=seq.sliding_block_table, block_offset=seq.sliding_block_offset)
+            )
+        return self.sliding_batch.prepare(sliding)
+
+    def _forward(
+        self, step: StepInputs, meta: Any = None, fill: IdFill | None = None, sliding_meta: Any = None
+    ) -> torch.Tensor:
         assert self.model is not None
         if meta is None:
             meta = self._metadata(step)
@@ -766,7 +850,12 @@ class TorchModelRunner:
         n = step.num_tokens
         long_rope = None if step.long_rope is None else ids_positions[2 * n :] != 0
         hidden: torch.Tensor = self.model(
-            ids_positions[:n], ids_positions[n : 2 * n], self.kv_caches, meta, long_rope=long_rope
+            ids_positions[:n],
+            ids_positions[n : 2 * n],
+            self.kv_caches,
+            meta,
+            long_rope=long_rope,
+            sliding_meta=sliding_meta,
         )
         return hidden
 
@@ -898,7 +987,6 @@ class PendingStep:
 
 
 class _StepClock:
-
     """Splits one step's time into input preparation, forward and sampling (``RunnerTimings``).
 
     Preparation is host work, timed on the host. On CUDA the forward and sampling are queued

@@ -27,6 +27,9 @@ class CacheHit:
     num_tokens: int
     block_offset: int = 0
     """The sequence index of ``block_ids[0]``: how many leading blocks of the prefix the hit leaves out."""
+    sliding: CacheHit | None = None
+    """With a sliding group (``KVCacheManager.sliding``), the same prefix's blocks in that group's pool,
+    from the window of its first token to compute on; None without one."""
 
 
 NO_HIT = CacheHit([], 0)
@@ -41,22 +44,45 @@ class KVCacheManager:
     be computed: they go back to the pool (listed in the prefix cache until evicted, like any freed
     block), and the table starts at sequence index ``block_offset(request_id)``.
 
+    With ``sliding_group`` set (a hybrid model: global layers that read every position, sliding layers
+    that read a window), every request holds two tables: this manager's, for the global layers, which
+    keeps every block; and one in ``sliding``, a manager of its own over the sliding layers' pool, which
+    frees as above. Both grow together: an allocation happens in both pools or in neither, a prefix hit
+    holds in both (the whole chain here, the window there), and freeing a request frees both.
+
     Args:
-        num_blocks: Blocks in the cache.
+        num_blocks: Blocks in the cache (with ``sliding_group``: in the global layers' pool).
         block_size: Tokens per block.
         enable_prefix_caching: Reuse the KV of identical prefixes (full blocks) across requests.
         sliding_window: The window every layer of the model attends within, or None (some layer sees
             the whole context: every block stays needed).
+        sliding_group: ``(window, num_blocks)`` of a hybrid model's sliding layers: their window and
+            the blocks of their own pool. None: one table per request.
 
     Raises:
-        ValueError: ``sliding_window`` is not positive.
+        ValueError: ``sliding_window`` or a ``sliding_group`` value is not positive, or both are given.
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True, sliding_window: int | None = None
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
+        sliding_group: tuple[int, int] | None = None,
     ) -> None:
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        if sliding_group is not None and sliding_window is not None:
+            raise ValueError("sliding_window (every layer slides) and sliding_group (some do) exclude each other")
+        self.sliding: KVCacheManager | None = None
+        """The sliding layers' tables and pool of a hybrid model (``sliding_group``); None otherwise."""
+        if sliding_group is not None:
+            window, sliding_blocks = sliding_group
+            self.sliding = KVCacheManager(
+                sliding_blocks, block_size, enable_prefix_caching=enable_prefix_caching, sliding_window=window
+            )
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window
@@ -97,10 +123,14 @@ class KVCacheManager:
             if block_id is None:
                 break
             blocks.append(block_id)
-        return CacheHit(blocks, len(blocks) * self.block_size)
+        if self.sliding is None:
+            return CacheHit(blocks, len(blocks) * self.block_size)
+        # The sliding group's hit is at most the global chain; its length is the hit's for both.
+        sliding = self.sliding._windowed_hit(request.block_hashes[: len(blocks)])
+        return CacheHit(blocks[: sliding.num_tokens // self.block_size], sliding.num_tokens, 0, sliding)
 
     def _windowed_hit(self, hashes: list[bytes]) -> CacheHit:
-        """The longest prefix whose blocks within the window of its next token are all cached.
+        """The longest prefix of ``hashes`` whose blocks within the window of its next token are all cached.
 
         The chained hash of a block names every token before it, so a cached block is this prefix's
         whatever became of the blocks before it; only those the next token attends to must be there.
@@ -144,26 +174,51 @@ class KVCacheManager:
         go back to the pool first, whether or not the allocation then succeeds; so do the blocks of
         ``hit`` outside the window of its first token to compute, which are never taken.
 
+        With a sliding group, the request's table there grows too (its blocks that left the window
+        returned first, as above); the allocation happens in both pools or in neither.
+
         Args:
             request: The request whose table grows (created on first use).
             num_tokens: Tokens the request will have KV for after this step.
             hit: A cached prefix from ``find_cached_prefix`` (or ``prefix_of``) to start a new table with.
 
         Returns:
-            The newly allocated block ids (possibly empty), or None when the pool is too small
-            right now; in that case nothing else changes.
+            The newly allocated block ids of this manager's table (possibly empty), or None when a pool
+            is too small right now; in that case nothing else changes.
+
+        Raises:
+            ValueError: With a sliding group, ``hit`` covers tokens but carries no ``sliding`` part.
         """
         rid = request.request_id
         if self.sliding_window is not None:
             self._leave_window(rid, request.num_confirmed_tokens)
             hit = self._trim_hit(hit)
-        table = self._tables.get(rid, [])
-        offset = self._offsets.get(rid, hit.block_offset if not table else 0)
+        if self.sliding is not None:
+            if hit.num_tokens and hit.sliding is None:
+                raise ValueError("a hit on a hybrid model's cache must carry its sliding group's blocks")
+            self.sliding._leave_window(rid, request.num_confirmed_tokens)
+        missing, available = self._shortfall(rid, num_tokens, hit)
+        if missing > available:
+            return None
+        # This pool has room, so once the sliding group's allocation succeeds, this one cannot fail.
+        if self.sliding is not None and self.sliding.allocate_slots(request, num_tokens, hit.sliding or NO_HIT) is None:
+            return None
+        return self._commit(rid, num_tokens, hit)
+
+    def _shortfall(self, request_id: int, num_tokens: int, hit: CacheHit) -> tuple[int, int]:
+        """Blocks the request's table lacks for ``num_tokens`` tokens, and the free blocks it may take."""
+        table = self._tables.get(request_id, [])
+        offset = self._offsets.get(request_id, hit.block_offset if not table else 0)
         missing = blocks_needed(num_tokens, self.block_size) - offset - len(table) - len(hit.block_ids)
         # Hit blocks that sit in the free queue stop being available once taken.
         available = self.pool.num_free_blocks - sum(1 for b in hit.block_ids if self.pool.ref_count(b) == 0)
-        if missing > available:
-            return None
+        return missing, available
+
+    def _commit(self, rid: int, num_tokens: int, hit: CacheHit) -> list[int]:
+        """Take ``hit`` and the missing blocks (``_shortfall`` said they fit)."""
+        table = self._tables.get(rid, [])
+        offset = self._offsets.get(rid, hit.block_offset if not table else 0)
+        missing = blocks_needed(num_tokens, self.block_size) - offset - len(table) - len(hit.block_ids)
         if hit.block_ids:
             self.pool.touch(hit.block_ids)
             table = table + hit.block_ids
@@ -203,7 +258,12 @@ class KVCacheManager:
         first = self.first_needed_block(num_tokens)
         if offset > first or offset + len(table) < num_blocks:
             return None
-        return CacheHit(table[first - offset : num_blocks - offset], num_tokens, first)
+        sliding = None
+        if self.sliding is not None:
+            sliding = self.sliding.prefix_of(request_id, num_blocks)
+            if sliding is None:
+                return None
+        return CacheHit(table[first - offset : num_blocks - offset], num_tokens, first, sliding)
 
     def cache_computed_blocks(self, request: Request) -> None:
         """List the request's newly completed full blocks in the prefix cache."""
@@ -213,11 +273,16 @@ class KVCacheManager:
         if num_full == 0:
             return
         self._hash_blocks(request, num_full * self.block_size)
+        self._cache_table(request, num_full)
+        if self.sliding is not None:  # the same blocks of the same chain, in the sliding layers' pool
+            self.sliding._cache_table(request, num_full)
+        request.num_cached_blocks = max(request.num_cached_blocks, num_full)
+
+    def _cache_table(self, request: Request, num_full: int) -> None:
         table = self._tables.get(request.request_id, [])
         offset = self._offsets.get(request.request_id, 0)
         for index in range(max(request.num_cached_blocks, offset), min(num_full, offset + len(table))):
             self.pool.cache(table[index - offset], request.block_hashes[index])
-        request.num_cached_blocks = max(request.num_cached_blocks, num_full)
 
     def _hash_blocks(self, request: Request, num_tokens: int) -> None:
         if len(request.block_hashes) * self.block_size + self.block_size <= num_tokens:
@@ -232,10 +297,13 @@ class KVCacheManager:
         Speculative decoding allocates slots for a whole draft; the blocks that only rejected draft
         tokens used return to the pool (unlisted in the prefix cache: they were never confirmed).
         """
+        if self.sliding is not None:
+            self.sliding.trim(request, num_tokens)
         table = self._tables.get(request.request_id)
         if table is None:
             return
-        keep = blocks_needed(num_tokens, self.block_size)
+        # The table starts at block_offset: the blocks before it left the sliding window.
+        keep = max(0, blocks_needed(num_tokens, self.block_size) - self.block_offset(request.request_id))
         if len(table) > keep:
             self.pool.release(table[keep:])
             del table[keep:]
@@ -249,8 +317,18 @@ class KVCacheManager:
         left the sliding window and went back to the pool (0 without a window)."""
         return self._offsets.get(request_id, 0)
 
+    def sliding_block_table(self, request_id: int) -> list[int] | None:
+        """The request's table in the sliding group (see ``block_table``); None without a sliding group."""
+        return None if self.sliding is None else self.sliding.block_table(request_id)
+
+    def sliding_block_offset(self, request_id: int) -> int:
+        """The sequence index of the request's first block in ``sliding_block_table`` (0 without one)."""
+        return 0 if self.sliding is None else self.sliding.block_offset(request_id)
+
     def free(self, request: Request) -> None:
-        """Return every block of the request to the pool; a no-op if it holds none."""
+        """Return every block of the request to its pool (both, with a sliding group); a no-op if it holds none."""
+        if self.sliding is not None:
+            self.sliding.free(request)
         table = self._tables.pop(request.request_id, None)
         self._offsets.pop(request.request_id, None)
         request.num_cached_blocks = 0
@@ -258,5 +336,7 @@ class KVCacheManager:
             self.pool.release(table)
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached block; return how many were listed."""
+        """Forget every cached block (in both pools, with a sliding group); return how many this pool listed."""
+        if self.sliding is not None:
+            self.sliding.reset_prefix_cache()
         return self.pool.reset_prefix_cache()

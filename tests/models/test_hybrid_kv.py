@@ -1,0 +1,130 @@
+"""Gemma 2 and 3 with a sliding group: the sliding layers' KV blocks leave with the window, token-exact.
+
+On the torch and cpu backends a hybrid model's sliding layers keep their KV in a pool of their own
+(``RunnerInfo.sliding_group``), sized for the requests' windows, and its blocks go back to that pool
+as positions leave the window; the global layers keep every block. The tests run requests longer
+than the whole sliding pool holds, so they complete only if its blocks are freed and reused, and
+compare every token with transformers (greedy, float32), with chunked prefill, prefix-cache hits and
+preemption, on the torch and cpu backends. Triton keeps one table (and every block), and says so.
+"""
+
+from __future__ import annotations
+
+import random
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from asyncllm import Engine, SamplingParams
+from asyncllm.testing.parity import stream_all, transformers_greedy
+from asyncllm.testing.tiny_models import tiny_model_path
+from asyncllm.worker._memory import split_hybrid_blocks
+
+pytestmark = pytest.mark.anyio
+
+MODELS = {"gemma2": {"num_layers": 4}, "gemma3": {"num_layers": 6}}
+MAX_NEW_TOKENS = 40
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+# Two requests of a step, chunks of 8, blocks of 4, a window of 8 (the tiny configs'): the sliding pool
+# gets 2 * (ceil(7 / 4) + 2) + 2 * 2 = 12 blocks, 48 tokens, less than one request's 75.
+BACKENDS = ("torch", "cpu")
+OPTIONS = {"block_size": 4, "max_num_seqs": 2, "max_num_batched_tokens": 8, "kv_cache_blocks": 40}
+
+
+@cache
+def _model_dir(cache_root: str, family: str) -> Path:
+    return tiny_model_path(cache_root, family, **MODELS[family])
+
+
+def _prompts(vocab_size: int, lengths: tuple[int, ...], seed: int = 7) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.choice(range(3, vocab_size)) for _ in range(n)] for n in lengths]
+
+
+def test_the_split_turns_the_window_into_global_blocks() -> None:
+    # 40 blocks of 6 layers (5 sliding): the sliding pool needs 12, so the global layers get
+    # (40 * 6 - 12 * 5) / 1 = 180 blocks, 4.5 times the tokens.
+    split = split_hybrid_blocks(
+        40, num_global_layers=1, num_sliding_layers=5, sliding_window=8, block_size=4, max_num_seqs=2,
+        max_num_batched_tokens=8,
+    )  # fmt: skip
+    assert split == (180, 12)
+    # Never more sliding blocks than global ones: a small cache stays as it was.
+    assert split_hybrid_blocks(
+        10, num_global_layers=1, num_sliding_layers=5, sliding_window=8, block_size=4, max_num_seqs=2,
+        max_num_batched_tokens=8,
+    ) == (10, 10)  # fmt: skip
+    with pytest.raises(ValueError, match="positive"):
+        split_hybrid_blocks(
+            10, num_global_layers=0, num_sliding_layers=5, sliding_window=8, block_size=4, max_num_seqs=2,
+            max_num_batched_tokens=8,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", sorted(MODELS))
+async def test_sliding_blocks_leave_with_the_window_token_exact(tiny_cache: Path, family: str, backend: str) -> None:
+    model_dir = _model_dir(str(tiny_cache), family)
+    async with Engine.open(model_dir, device="cpu", attention_backend=backend, **OPTIONS) as engine:
+        info = engine._info
+        assert info is not None and info.sliding_group is not None
+        window, sliding_blocks = info.sliding_group
+        num_layers = MODELS[family]["num_layers"]
+        num_sliding = num_layers // 2 if family == "gemma2" else num_layers - 1
+        assert (window, sliding_blocks) == (8, 12)
+        assert info.num_kv_blocks == (40 * num_layers - 12 * num_sliding) // (num_layers - num_sliding)
+        prompts = _prompts(info.vocab_size, (35, 30, 13))
+        got = await stream_all(engine, prompts, GREEDY)
+        # A conversation's next turn: its prompt is the last one and its answer (75 tokens, 18 of them
+        # computed in full blocks) and more. The hit must hold in both groups: every block in the global
+        # pool, those of the window at position 72 in the sliding pool, freed when the turn ended.
+        turn = _prompts(info.vocab_size, (35,), seed=11)
+        (answer,) = await stream_all(engine, turn, GREEDY)
+        follow_up = [[*turn[0], *answer, 5, 6]]
+        before = engine.statistics().prefix_cache_hits
+        got_follow_up = await stream_all(engine, follow_up, GREEDY)
+        stats = engine.statistics()
+        assert engine._core is not None
+        kv = engine._core.scheduler.kv_cache
+        assert kv.sliding is not None
+        freed = kv.sliding.num_window_freed_blocks
+        sliding_free = kv.sliding.num_free_blocks
+    # 75 tokens are 19 blocks: more than the sliding pool's 12, so they were freed and reused.
+    assert freed >= 19 - 12
+    assert stats.prefix_cache_hits - before == 72
+    assert sliding_free == sliding_blocks and stats.kv_blocks_free == stats.kv_blocks_total
+    assert got == transformers_greedy(model_dir, tuple(map(tuple, prompts)), MAX_NEW_TOKENS)
+    assert [answer] == transformers_greedy(model_dir, tuple(map(tuple, turn)), MAX_NEW_TOKENS)
+    assert got_follow_up == transformers_greedy(model_dir, tuple(map(tuple, follow_up)), MAX_NEW_TOKENS)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_preemption_with_a_sliding_group_is_token_exact(tiny_cache: Path, backend: str) -> None:
+    # 22 whole-model blocks: the sliding pool gets its need, 4 * (ceil(7 / 4) + 2) + 2 * 2 = 20 blocks,
+    # the global one (22 * 6 - 20 * 5) / 1 = 32, 128 tokens, fewer than four requests' 264: requests are
+    # preempted and recomputed.
+    model_dir = _model_dir(str(tiny_cache), "gemma3")
+    options = {**OPTIONS, "kv_cache_blocks": 22, "max_num_seqs": 4, "enable_prefix_caching": False}
+    async with Engine.open(model_dir, device="cpu", attention_backend=backend, **options) as engine:
+        assert engine._info is not None and engine._info.sliding_group is not None
+        prompts = _prompts(engine._info.vocab_size, (20, 25, 30, 9), seed=3)
+        got = await stream_all(engine, prompts, GREEDY)
+        stats = engine.statistics()
+    assert stats.num_preemptions > 0
+    assert got == transformers_greedy(model_dir, tuple(map(tuple, prompts)), MAX_NEW_TOKENS)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_triton_backend_keeps_one_table_and_says_so(
+    tiny_cache: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Its kernels and CUDA graphs address one table per request: the model keeps every block there.
+    pytest.importorskip("triton")
+    model_dir = _model_dir(str(tiny_cache), "gemma3")
+    with caplog.at_level("INFO", logger="asyncllm"):
+        async with Engine.open(model_dir, device="cpu", attention_backend="triton", **OPTIONS) as engine:
+            assert engine._info is not None
+            assert engine._info.sliding_group is None and engine._info.num_kv_blocks == 40
+    assert "sliding layers keep every KV block (the triton attention backend" in caplog.text
