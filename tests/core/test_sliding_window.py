@@ -31,32 +31,13 @@ from asyncllm.core._scheduler import ScheduledRequest, Scheduler, SchedulerOutpu
 from asyncllm.core.kv import KVCacheManager  # noqa: E402
 from asyncllm.core.kv._manager import CacheHit  # noqa: E402
 from asyncllm.executor._runner import StepOutput  # noqa: E402
-from asyncllm.sampling_params import SamplingParams  # noqa: E402
+from asyncllm.testing.kv_requests import confirm, held, make_request  # noqa: E402
 
 assert _TORCH_PRELOADED or "torch" not in sys.modules, "asyncllm.core must not import torch"
 
-NEVER = 10**9
-"""A stop id the fake model never samples."""
 
 
-def make_request(request_id: int, prompt: list[int], max_tokens: int) -> Request:
-    return Request(
-        request_id=request_id,
-        prompt_token_ids=list(prompt),
-        params=SamplingParams(max_tokens=max_tokens),
-        stop_token_ids=frozenset({NEVER}),
-        max_total_tokens=len(prompt) + max_tokens,
-    )
 
-
-def confirm(kv: KVCacheManager, request: Request, num_tokens: int) -> None:
-    """A finished step computed the request's KV up to ``num_tokens`` (as Scheduler.update records it)."""
-    request.num_computed_tokens = request.num_confirmed_tokens = num_tokens
-    kv.cache_computed_blocks(request)
-
-
-def held(kv: KVCacheManager) -> int:
-    return kv.pool.num_blocks - kv.num_free_blocks
 
 
 # ----------------------------------------------------------------------------------------------
