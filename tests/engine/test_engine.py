@@ -117,6 +117,50 @@ async def test_leaving_a_stream_early_frees_its_blocks(tiny_llama: Path, how: st
     assert stats.num_running == stats.num_waiting == 0
 
 
+async def test_abort_by_id_ends_the_stream_from_another_task_and_frees_its_blocks(tiny_llama: Path) -> None:
+    async with _open(tiny_llama, max_num_seqs=1) as engine:
+        total = engine.statistics().kv_blocks_total
+        running = engine.stream("abandoned", ABANDONED)
+        # max_num_seqs=1: this one waits behind the first and is aborted before it ever runs.
+        waiting = engine.stream("never scheduled", ABANDONED)
+        samples = engine.stream("several", SamplingParams(n=3, temperature=1.0, max_tokens=900, ignore_eos=True))
+        first = await running.__anext__()
+        outcomes: dict[str, bool] = {}
+
+        async def supervisor() -> None:  # holds ids, not streams
+            for name, request_id in (("running", running.request_id), ("waiting", waiting.request_id)):
+                outcomes[name] = engine.abort(request_id)
+            outcomes["samples"] = engine.abort(samples.request_id)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(supervisor)
+        rest = [chunk async for chunk in running]
+        waited = [chunk async for chunk in waiting]
+        ended = [chunk async for chunk in samples if chunk.finished]
+        await engine.generate("barrier", SamplingParams(max_tokens=1))
+        stats = engine.statistics()
+        again = engine.abort(running.request_id)
+        unknown = engine.abort(10**9)
+    assert outcomes == {"running": True, "waiting": True, "samples": True}
+    assert first.finished is False and rest[-1].finish_reason == "abort"
+    assert len(rest) + 1 < ABANDONED.max_tokens
+    assert [c.finish_reason for c in waited] == ["abort"] and waited[0].token_ids == ()
+    assert sorted((c.index, c.finish_reason) for c in ended) == [(0, "abort"), (1, "abort"), (2, "abort")]
+    assert (again, unknown) == (False, False)
+    assert stats.kv_blocks_free == total
+    assert stats.num_running == stats.num_waiting == 0
+
+
+async def test_abort_by_id_after_the_end_is_false_and_after_close_raises(tiny_llama: Path) -> None:
+    async with _open(tiny_llama) as engine:
+        stream = engine.stream("short", GREEDY)
+        chunks = [chunk async for chunk in stream]
+        assert chunks[-1].finish_reason == "length"
+        assert engine.abort(stream.request_id) is False
+    with pytest.raises(EngineClosedError):
+        engine.abort(stream.request_id)
+
+
 async def test_seeded_sampling_is_reproducible(tiny_llama: Path) -> None:
     seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=20, ignore_eos=True)
     async with _open(tiny_llama) as engine:

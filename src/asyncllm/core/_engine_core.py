@@ -208,6 +208,17 @@ class EngineCore:
         if threading.get_ident() == self._loop_thread:
             self._wake()
 
+    def is_live(self, request_id: int) -> bool:
+        """Whether ``request_id`` is a stream's id (with n > 1, its first sample's) with a sample yet to end:
+        what ``Engine.abort`` may still end (an abort already asked for but not yet applied counts as live)."""
+        group = self._groups.get(request_id)
+        if group is not None:
+            return any(not sample.finished for sample in group)
+        request = self.requests.get(request_id)
+        if request is None or request.finished:
+            return False
+        return not request.group or request.group[0].request_id == request_id
+
     def stop_nowait(self) -> None:
         """Abort every request and end the loop after the step in flight."""
         self._stopping = True

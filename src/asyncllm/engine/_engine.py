@@ -820,6 +820,31 @@ class Engine:
             completion, text=first.text, tool_calls=first.tool_calls, samples=tuple(samples)
         )
 
+    def abort(self, request_id: int) -> bool:
+        """End a live request by its id (``RequestStream.request_id``), as closing its stream would.
+
+        For code that holds a request's id but not its stream: a supervisor, an admin endpoint, a
+        deadline kept elsewhere. Every unfinished sample of the request gets a last chunk with
+        ``finish_reason="abort"`` (``generate`` returns with it), and its KV blocks go back to the pool
+        before the engine's next step. Call it from the engine's event loop.
+
+        Args:
+            request_id: A stream's ``request_id``.
+
+        Returns:
+            True when the request was still running or waiting; False when it had already ended (or
+            no request had that id): aborting twice, or after the end, is harmless.
+
+        Raises:
+            EngineClosedError: The engine is not running.
+            EngineDeadError: The engine died.
+        """
+        core, _ = self._require_running()
+        if not core.is_live(request_id):
+            return False
+        core.abort_nowait(request_id)
+        return True
+
     # -- introspection ---------------------------------------------------------------------------
 
     def check_health(self) -> None:
