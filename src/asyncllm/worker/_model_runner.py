@@ -355,9 +355,10 @@ class TorchModelRunner:
                 max_blocks_per_seq=-(-longest // self.block_size),
             )
         if device.type == "cuda" and isinstance(backend, TritonAttentionBackend):  # every kernel variant, now
+            global_layers = spec.sliding_window is not None and spec.uniform_sliding_window is None
             backend.warm_up(num_heads=model.local_heads[0], head_dim=spec.head_dim, dtype=dtype,
                             block_size=self.block_size, max_model_len=longest,
-                            max_num_seqs=self.options.max_num_seqs)  # fmt: skip
+                            max_num_seqs=self.options.max_num_seqs, global_layers=global_layers)  # fmt: skip
         if device.type == "cuda" and isinstance(backend, TritonAttentionBackend) and spec.moe is not None:
             backend.warm_up_moe(num_experts=spec.moe.num_experts, top_k=spec.moe.top_k, hidden_size=spec.hidden_size,
                                 intermediate_size=spec.moe.intermediate_size, dtype=dtype)  # fmt: skip
