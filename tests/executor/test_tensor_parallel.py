@@ -39,6 +39,7 @@ from asyncllm import (
 )
 from asyncllm.executor._ranks import RankProcesses, SequenceDelta, StopMessage, TableMirror, TableSync
 from asyncllm.executor._runner import SequenceInput
+from asyncllm.http._prometheus import render_metrics
 from asyncllm.models import model_spec
 from asyncllm.models._parallel import TensorParallel, kv_head_range, shard_range
 from asyncllm.testing.parity import stream_all, transformers_greedy
@@ -168,7 +169,15 @@ async def test_a_hybrid_models_sliding_pool_frees_on_every_rank_token_exact(tiny
         rng = random.Random(3)
         prompts = [[rng.randrange(3, engine._info.vocab_size) for _ in range(n)] for n in (30, 25)]
         first = await stream_all(engine, prompts, params)
-        second = await stream_all(engine, prompts[:1], params)
+        second: list[int] = []
+        during = []  # the second pass alone, a snapshot per chunk streamed
+        async with engine.stream(prompts[0], params) as stream:
+            async for chunk in stream:
+                second.extend(chunk.token_ids)
+                during.append(engine.statistics())
+        # The snapshot where the request held the most global blocks: its last while running.
+        last = max(during, key=lambda snapshot: snapshot.kv_blocks_total - snapshot.kv_blocks_free)
+        page = render_metrics(engine.metrics, last)
         stats = engine.statistics()
         assert engine._core is not None and engine._core.scheduler.kv_cache.sliding is not None
         freed = engine._core.scheduler.kv_cache.sliding.num_window_freed_blocks
@@ -176,7 +185,15 @@ async def test_a_hybrid_models_sliding_pool_frees_on_every_rank_token_exact(tiny
     assert stats.kv_blocks_free == stats.kv_blocks_total == 18
     assert stats.kv_sliding_blocks_free == stats.kv_sliding_blocks_total == 12
     expected = transformers_greedy(model_dir, tuple(map(tuple, prompts)), MAX_NEW_TOKENS)
-    assert first == expected and second == expected[:1]
+    assert first == expected and [second] == expected[:1]
+    # While it decodes, the request holds the window's blocks in the sliding pool (window / block_size
+    # + 1, and the step in flight's), all of its context in the global one; /metrics says both.
+    sliding_held = last.kv_sliding_blocks_total - last.kv_sliding_blocks_free
+    assert 3 <= sliding_held <= 4 and last.kv_blocks_total - last.kv_blocks_free >= 10
+    assert last.kv_sliding_usage == sliding_held / 12
+    assert f"asyncllm_kv_cache_sliding_blocks_free {last.kv_sliding_blocks_free}\n" in page
+    assert "asyncllm_kv_cache_sliding_blocks_total 12\n" in page
+    assert f"asyncllm_kv_cache_sliding_usage_ratio {last.kv_sliding_usage!r}\n" in page
 
 
 @pytest.mark.anyio
