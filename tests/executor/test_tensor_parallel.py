@@ -442,7 +442,7 @@ def test_tables_that_lose_leading_blocks_and_sliding_tables_reach_the_other_rank
     # layers have a second table that does. The ranks get both, as what changed.
     sync, mirror = TableSync(), TableMirror()
 
-    def seq(table: list[int], offset: int, sliding: list[int], sliding_offset: int) -> SequenceInput:
+    def seq(table: list[int], offset: int, sliding: list[int] | None = None, sliding_offset: int = 0) -> SequenceInput:
         return SequenceInput(
             1, [1], 0, table, True, SamplingParams(), block_offset=offset, sliding_block_table=sliding,
             sliding_block_offset=sliding_offset,
@@ -456,9 +456,15 @@ def test_tables_that_lose_leading_blocks_and_sliding_tables_reach_the_other_rank
             sequence.sliding_block_table,
             sequence.sliding_block_offset,
         )
-        sliding = None if delta.sliding is None else (delta.sliding.kept_blocks, delta.sliding.new_blocks)
-        return (delta.kept_blocks, delta.new_blocks), sliding
+        if sequence.sliding_block_table is None:
+            return (delta.kept_blocks, delta.new_blocks), None
+        assert delta.sliding is not None
+        return (delta.kept_blocks, delta.new_blocks), (delta.sliding.kept_blocks, delta.sliding.new_blocks)
 
+    # Every layer slides (Mistral): the ranks learn the offset, and keep what stays.
+    assert step(seq([4, 5, 6], 0)) == ((0, [4, 5, 6]), None)
+    assert step(seq([5, 6, 10], 1)) == ((2, [10]), None)
+    sync, mirror = TableSync(), TableMirror()
     assert step(seq([4, 5, 6], 0, [7, 8, 9], 0)) == ((0, [4, 5, 6]), (0, [7, 8, 9]))
     assert step(seq([4, 5, 6, 10], 0, [8, 9, 11], 1)) == ((3, [10]), (2, [11]))
     assert step(seq([5, 6, 10], 1, [9, 11], 2)) == ((3, []), (2, []))
