@@ -157,14 +157,21 @@ class EngineStatistics(msgspec.Struct, frozen=True):
     Attributes:
         num_running: Requests holding KV blocks and being stepped.
         num_waiting: Requests queued for admission (including preempted ones).
-        kv_blocks_total: Blocks in the KV cache.
-        kv_blocks_free: Blocks not held by any request.
+        kv_blocks_total: Blocks in the KV cache (of a hybrid model with a sliding pool: the global
+            layers' pool, which keeps every block of a request).
+        kv_blocks_free: Blocks not held by any request (of that pool).
         num_preemptions: Times a running request was preempted (its KV recomputed later).
         num_steps: Model steps run so far.
         num_prompt_tokens: Prompt tokens computed so far (recomputation after preemption included).
         num_generated_tokens: Tokens sampled so far.
         num_finished_requests: Requests that ended, for any reason.
-        kv_usage: Fraction of KV blocks held by requests (0.0-1.0).
+        kv_usage: Fraction of KV blocks held by requests (0.0-1.0; of the global layers' pool for a
+            hybrid model with a sliding pool).
+        kv_sliding_blocks_total: A hybrid model's sliding layers' pool (Gemma 2/3, Qwen2 with
+            ``layer_types``: ``RunnerInfo.sliding_group``), whose blocks leave with the window: its
+            blocks; 0 without one.
+        kv_sliding_blocks_free: Blocks of the sliding pool not held by any request (0 without one).
+        kv_sliding_usage: Fraction of the sliding pool's blocks held by requests (0.0 without one).
         num_cached_blocks: Blocks listed in the prefix cache (held or evictable).
         prefix_cache_queries: Prompt tokens looked up in the prefix cache (requests that skip it, mean
             pooling and ``prompt_logprobs``, are not lookups).
@@ -236,3 +243,6 @@ class EngineStatistics(msgspec.Struct, frozen=True):
     spec_draft_tokens_per_position: tuple[int, ...] = ()
     spec_accepted_tokens_per_position: tuple[int, ...] = ()
     spec_acceptance_rate_per_position: tuple[float, ...] = ()
+    kv_sliding_blocks_total: int = 0
+    kv_sliding_blocks_free: int = 0
+    kv_sliding_usage: float = 0.0

@@ -39,6 +39,7 @@ from asyncllm import (
 )
 from asyncllm.executor._ranks import RankProcesses, SequenceDelta, StopMessage, TableMirror, TableSync
 from asyncllm.executor._runner import SequenceInput
+from asyncllm.http._prometheus import render_metrics
 from asyncllm.models import model_spec
 from asyncllm.models._parallel import TensorParallel, kv_head_range, shard_range
 from asyncllm.testing.parity import stream_all, transformers_greedy
@@ -148,6 +149,51 @@ async def test_two_ranks_match_one_and_transformers(tiny_cache: Path, name: str)
     for got_vector, want_vector in zip(two[3], one[3]):
         assert got_vector.embedding == pytest.approx(want_vector.embedding, abs=1e-5)
     assert _children() == before  # the rank process is gone with its engine
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_hybrid_models_sliding_pool_frees_on_every_rank_token_exact(tiny_cache: Path) -> None:
+    # Qwen2 with layer_types (its second layer slides, window 8): every rank holds both pools, and
+    # each step tells the ranks both tables' changes. 15 whole-model blocks: the sliding pool gets
+    # 2 * 4 + 2 * 2 = 12, the global one 2 * 15 - 12 = 18, 72 tokens, fewer than the two requests' 42
+    # + 37 (preemption); the second pass hits the prefix cache.
+    model_dir = tiny_model_path(tiny_cache, "qwen2", sliding_window=8)
+    options = {"block_size": 4, "max_num_seqs": 2, "max_num_batched_tokens": 8, "kv_cache_blocks": 15}
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+    async with Engine.open(
+        model_dir, device="cpu", attention_backend="cpu", tensor_parallel_size=2, **options
+    ) as engine:
+        assert engine._info is not None and engine._info.sliding_group == (8, 12)
+        assert "tensor-parallel over 2 ranks" in engine._info.description
+        rng = random.Random(3)
+        prompts = [[rng.randrange(3, engine._info.vocab_size) for _ in range(n)] for n in (30, 25)]
+        first = await stream_all(engine, prompts, params)
+        second: list[int] = []
+        during = []  # the second pass alone, a snapshot per chunk streamed
+        async with engine.stream(prompts[0], params) as stream:
+            async for chunk in stream:
+                second.extend(chunk.token_ids)
+                during.append(engine.statistics())
+        # The snapshot where the request held the most global blocks: its last while running.
+        last = max(during, key=lambda snapshot: snapshot.kv_blocks_total - snapshot.kv_blocks_free)
+        page = render_metrics(engine.metrics, last)
+        stats = engine.statistics()
+        assert engine._core is not None and engine._core.scheduler.kv_cache.sliding is not None
+        freed = engine._core.scheduler.kv_cache.sliding.num_window_freed_blocks
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0 and freed > 0
+    assert stats.kv_blocks_free == stats.kv_blocks_total == 18
+    assert stats.kv_sliding_blocks_free == stats.kv_sliding_blocks_total == 12
+    expected = transformers_greedy(model_dir, tuple(map(tuple, prompts)), MAX_NEW_TOKENS)
+    assert first == expected and [second] == expected[:1]
+    # While it decodes, the request holds the window's blocks in the sliding pool (window / block_size
+    # + 1, and the step in flight's), all of its context in the global one; /metrics says both.
+    sliding_held = last.kv_sliding_blocks_total - last.kv_sliding_blocks_free
+    assert 3 <= sliding_held <= 4 and last.kv_blocks_total - last.kv_blocks_free >= 10
+    assert last.kv_sliding_usage == sliding_held / 12
+    assert f"asyncllm_kv_cache_sliding_blocks_free {last.kv_sliding_blocks_free}\n" in page
+    assert "asyncllm_kv_cache_sliding_blocks_total 12\n" in page
+    assert f"asyncllm_kv_cache_sliding_usage_ratio {last.kv_sliding_usage!r}\n" in page
 
 
 @pytest.mark.anyio
@@ -389,6 +435,42 @@ def test_block_tables_reach_the_other_ranks_as_what_changed() -> None:
     assert [(d.kept_blocks, d.new_blocks) for d in step(_seq(2, [9, 3]))] == [(0, [9, 3])]
     # A new epoch (a preemption) rewrites the table even when it starts alike.
     assert [(d.kept_blocks, d.new_blocks) for d in step(_seq(2, [9, 3, 8], epoch=1))] == [(0, [9, 3, 8])]
+
+
+def test_tables_that_lose_leading_blocks_and_sliding_tables_reach_the_other_ranks() -> None:
+    # A sliding window drops a table's leading blocks (block_offset grows); a hybrid model's sliding
+    # layers have a second table that does. The ranks get both, as what changed.
+    sync, mirror = TableSync(), TableMirror()
+
+    def seq(table: list[int], offset: int, sliding: list[int] | None = None, sliding_offset: int = 0) -> SequenceInput:
+        return SequenceInput(
+            1, [1], 0, table, True, SamplingParams(), block_offset=offset, sliding_block_table=sliding,
+            sliding_block_offset=sliding_offset,
+        )  # fmt: skip
+
+    def step(sequence: SequenceInput) -> tuple[tuple[int, list[int]], tuple[int, list[int]] | None]:
+        (delta,) = sync.deltas([sequence])
+        (got,) = mirror.sequences([delta])
+        assert (got.block_table, got.block_offset) == (sequence.block_table, sequence.block_offset)
+        assert (got.sliding_block_table, got.sliding_block_offset) == (
+            sequence.sliding_block_table,
+            sequence.sliding_block_offset,
+        )
+        if sequence.sliding_block_table is None:
+            return (delta.kept_blocks, delta.new_blocks), None
+        assert delta.sliding is not None
+        return (delta.kept_blocks, delta.new_blocks), (delta.sliding.kept_blocks, delta.sliding.new_blocks)
+
+    # Every layer slides (Mistral): the ranks learn the offset, and keep what stays.
+    assert step(seq([4, 5, 6], 0)) == ((0, [4, 5, 6]), None)
+    assert step(seq([5, 6, 10], 1)) == ((2, [10]), None)
+    sync, mirror = TableSync(), TableMirror()
+    assert step(seq([4, 5, 6], 0, [7, 8, 9], 0)) == ((0, [4, 5, 6]), (0, [7, 8, 9]))
+    assert step(seq([4, 5, 6, 10], 0, [8, 9, 11], 1)) == ((3, [10]), (2, [11]))
+    assert step(seq([5, 6, 10], 1, [9, 11], 2)) == ((3, []), (2, []))
+    assert step(seq([6, 10, 3], 2, [11, 12], 3)) == ((2, [3]), (1, [12]))
+    # Past every block the rank holds: sent whole.
+    assert step(seq([6, 10, 3], 2, [13], 5)) == ((3, []), (0, [13]))
 
 
 def test_heads_split_evenly_or_kv_heads_replicate() -> None:

@@ -120,6 +120,7 @@ async def test_gemma2_on_triton_gets_torch_attention(tiny_cache: Path, caplog: p
     with caplog.at_level("INFO", logger="asyncllm"):
         async with Engine.open(model_dir, device="cpu", attention_backend="triton") as engine:
             assert engine._info is not None
+            assert engine._info.sliding_group is not None  # torch attention: its sliding pool frees
             prompts = _prompts(engine._info.vocab_size, (20,))
             got = await stream_all(engine, prompts, GREEDY)
     assert "no attention soft-cap" in caplog.text

@@ -1,11 +1,12 @@
 """Gemma 2 and 3 with a sliding group: the sliding layers' KV blocks leave with the window, token-exact.
 
-On the torch and cpu backends a hybrid model's sliding layers keep their KV in a pool of their own
+A hybrid model's sliding layers keep their KV in a pool of their own
 (``RunnerInfo.sliding_group``), sized for the requests' windows, and its blocks go back to that pool
 as positions leave the window; the global layers keep every block. The tests run requests longer
 than the whole sliding pool holds, so they complete only if its blocks are freed and reused, and
 compare every token with transformers (greedy, float32), with chunked prefill, prefix-cache hits and
-preemption, on the torch and cpu backends. Triton keeps one table (and every block), and says so.
+preemption, on the torch and cpu backends, and on triton (in the interpreter: a narrower gemma3, fewer
+tokens) with its decode steps run from the CUDA graphs' static buffers of both tables.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from __future__ import annotations
 import random
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from asyncllm import Engine, SamplingParams
+from asyncllm.executor._runner import StepBatch
 from asyncllm.testing.parity import stream_all, transformers_greedy
 from asyncllm.testing.tiny_models import tiny_model_path
 from asyncllm.worker._memory import split_hybrid_blocks
@@ -116,15 +119,68 @@ async def test_preemption_with_a_sliding_group_is_token_exact(tiny_cache: Path, 
     assert got == transformers_greedy(model_dir, tuple(map(tuple, prompts)), MAX_NEW_TOKENS)
 
 
+# The triton test runs in the interpreter (seconds a step): a narrower gemma3, and few steps.
+NARROW = {"num_layers": 6, "hidden_size": 32, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 64}
+
+
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_the_triton_backend_keeps_one_table_and_says_so(
-    tiny_cache: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    # Its kernels and CUDA graphs address one table per request: the model keeps every block there.
+async def test_triton_frees_the_sliding_group_token_exact_eagerly_and_from_graph_buffers(tiny_cache: Path) -> None:
+    # Its kernels take each group's table (the sliding layers' metadata is the sliding pool's); decode
+    # steps run from the CUDA graphs' static buffers (both tables), eagerly here, as without CUDA they can.
     pytest.importorskip("triton")
-    model_dir = _model_dir(str(tiny_cache), "gemma3")
-    with caplog.at_level("INFO", logger="asyncllm"):
-        async with Engine.open(model_dir, device="cpu", attention_backend="triton", **OPTIONS) as engine:
-            assert engine._info is not None
-            assert engine._info.sliding_group is None and engine._info.num_kv_blocks == 40
-    assert "sliding layers keep every KV block (the triton attention backend" in caplog.text
+    from asyncllm.worker._graphs import DecodeGraphs
+    from asyncllm.worker._model_runner import TorchModelRunner
+
+    model_dir = tiny_model_path(tiny_cache, "gemma3", **NARROW)
+    # 12 whole-model blocks: the sliding pool gets 12 (2 * 4 + 2 * 2), the global one 12 * 6 - 12 * 5 = 12,
+    # 48 tokens, fewer than the two requests' 30 + 22: one is preempted and recomputed.
+    options = {**OPTIONS, "kv_cache_blocks": 12}
+    held: list[tuple[int, int, int]] = []  # (tokens fed, sliding blocks held, global blocks) of every sequence fed
+    async with Engine.open(model_dir, device="cpu", attention_backend="triton", **options) as engine:
+        assert engine._core is not None
+        info, runner = engine._info, engine._core.runner
+        assert info is not None and info.sliding_group == (8, 12) and info.num_kv_blocks == 12
+        assert isinstance(runner, TorchModelRunner) and runner.model is not None
+        runner.graphs = DecodeGraphs(
+            runner.model, runner.kv_caches, block_size=4, max_seq_len=64, max_batch=2, device=runner.device,
+            use_graphs=False, sliding_group=True,
+        )  # fmt: skip
+        launch = runner.launch
+
+        def recording(batch: StepBatch, after: Any = None) -> Any:
+            for seq in batch.sequences:
+                held.append((len(seq.token_ids), len(seq.sliding_block_table or ()), len(seq.block_table)))
+            return launch(batch, after)
+
+        runner.launch = recording  # type: ignore[method-assign]
+        replays: list[int] = []
+        run = runner.graphs.run
+
+        def replaying(step: Any, *args: Any, **kwargs: Any) -> Any:
+            assert kwargs["sliding_step"] is not None
+            replays.append(step.num_seqs)
+            return run(step, *args, **kwargs)
+
+        runner.graphs.run = replaying  # type: ignore[method-assign]
+        prompts = _prompts(info.vocab_size, (20, 12), seed=5)
+        params = SamplingParams(temperature=0.0, max_tokens=10)
+        got = await stream_all(engine, prompts, params)
+        preemptions = engine.statistics().num_preemptions
+        # The first conversation's next turn: a prefix-cache hit in both pools.
+        follow_up = [[*prompts[0], *got[0], 5, 6]]
+        got_follow_up = await stream_all(engine, follow_up, SamplingParams(temperature=0.0, max_tokens=3))
+        stats = engine.statistics()
+        assert engine._core.scheduler.kv_cache.sliding is not None
+        freed = engine._core.scheduler.kv_cache.sliding.num_window_freed_blocks
+    assert preemptions > 0 and stats.prefix_cache_hits > 0 and freed > 0 and 2 in replays
+    # A decoding sequence holds window / block_size + 1 sliding blocks at most, mostly, while its global
+    # table grows to 8; a chunk's step holds the chunk's blocks besides, and the window's edge moves only
+    # with confirmed tokens (the engine schedules a step while the one before runs): at most the 4 a
+    # request is given in the split and a chunk's 2.
+    decodes = sorted(sliding for fed, sliding, _ in held if fed == 1)
+    assert decodes[len(decodes) // 2] <= 8 // 4 + 1 and max(sliding for _, sliding, _ in held) <= 4 + 2
+    assert max(blocks for _, _, blocks in held) >= 8
+    assert stats.kv_blocks_free == stats.kv_blocks_total == 12
+    assert stats.kv_sliding_blocks_free == stats.kv_sliding_blocks_total == 12
+    assert got == transformers_greedy(model_dir, tuple(map(tuple, prompts)), 10)
+    assert got_follow_up == transformers_greedy(model_dir, tuple(map(tuple, follow_up)), 3)

@@ -123,6 +123,7 @@ class EngineCore:
         """A snapshot of the scheduler's, the KV cache's, the loop's and the device's counters."""
         scheduler = self.scheduler
         kv = scheduler.kv_cache
+        sliding = kv.sliding
         runner_timings = getattr(self.runner, "timings", None) or RunnerTimings()
         speculative = None if scheduler.speculator is None else scheduler.speculator.counters
         drafted = () if speculative is None else speculative.draft_tokens_per_position
@@ -133,6 +134,9 @@ class EngineCore:
             kv_blocks_total=kv.pool.num_blocks,
             kv_blocks_free=kv.num_free_blocks,
             kv_usage=1.0 - kv.num_free_blocks / kv.pool.num_blocks,
+            kv_sliding_blocks_total=0 if sliding is None else sliding.pool.num_blocks,
+            kv_sliding_blocks_free=0 if sliding is None else sliding.num_free_blocks,
+            kv_sliding_usage=0.0 if sliding is None else 1.0 - sliding.num_free_blocks / sliding.pool.num_blocks,
             num_cached_blocks=kv.pool.num_cached_blocks,
             prefix_cache_queries=kv.num_query_tokens,
             prefix_cache_hits=kv.num_hit_tokens,

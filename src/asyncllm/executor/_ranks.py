@@ -9,9 +9,11 @@ Each rank process has three pipes to the engine's process:
 - **commands** (engine to rank): msgspec-encoded ``RankMessage``s, written by rank 0's runner on the
   device thread. A step is one ``StepMessage``: the scheduler's sequences for that step, their block
   tables sent as what changed since the rank last saw them (``TableSync``), so a decode step costs a
-  few integers per sequence. The rank decodes it, runs the same ``InputBatch`` as rank 0, and joins
-  the step's collectives (``torch.distributed``: gloo on the CPU, NCCL on CUDA). Waiting for the next
-  message is a blocking read: an idle rank uses no CPU and no collective times out while idle.
+  few integers per sequence. A table that loses leading blocks to a sliding window says its new
+  ``block_offset``; a hybrid model's second table (its sliding layers' pool) travels the same way.
+  The rank decodes it, runs the same ``InputBatch`` as rank 0, and joins the step's collectives
+  (``torch.distributed``: gloo on the CPU, NCCL on CUDA). Waiting for the next message is a blocking
+  read: an idle rank uses no CPU and no collective times out while idle.
 - **status** (rank to engine): reports (a failure's reason, counters at exit), and the rank's
   sentinel: the engine sees end-of-file there the moment the process exits, for whatever reason.
 - **stdin** (engine to rank): the lifeline. The engine never writes to it; when the engine's process
@@ -57,6 +59,7 @@ __all__ = [
     "SequenceDelta",
     "StepMessage",
     "StopMessage",
+    "TableDelta",
     "TableMirror",
     "TableSync",
 ]
@@ -94,6 +97,15 @@ class RankConfig(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag
     a rank builds its shard from it without importing transformers (seconds at start-up)."""
 
 
+class TableDelta(msgspec.Struct, frozen=True, array_like=True):
+    """A hybrid model's second block table (its sliding layers' pool) as the other ranks receive it; the
+    fields mean what ``SequenceDelta``'s of the same names do."""
+
+    block_offset: int
+    kept_blocks: int
+    new_blocks: list[int]
+
+
 class SequenceDelta(msgspec.Struct, frozen=True, array_like=True):
     """One sequence of a step as the other ranks receive it."""
 
@@ -103,8 +115,13 @@ class SequenceDelta(msgspec.Struct, frozen=True, array_like=True):
     token_ids: list[int]
     sample: bool
     kept_blocks: int
-    """Blocks of the table the rank holds from earlier steps that stay; 0: the table is ``new_blocks``."""
+    """Blocks of the table the rank holds from earlier steps that stay (from ``block_offset`` on: the
+    rank drops those before it); 0: the table is ``new_blocks``."""
     new_blocks: list[int]
+    block_offset: int = 0
+    """The sequence index of the table's first block (``SequenceInput.block_offset``)."""
+    sliding: TableDelta | None = None
+    """The sliding layers' table (``SequenceInput.sliding_block_table``); None without one."""
 
 
 class StepMessage(msgspec.Struct, frozen=True, array_like=True, tag="step"):
@@ -122,9 +139,11 @@ class LogitsMessage(msgspec.Struct, frozen=True, array_like=True, tag="logits"):
 
 
 class AllocateMessage(msgspec.Struct, frozen=True, array_like=True, tag="allocate"):
-    """Replace the KV cache by one of ``num_blocks`` blocks (the rank's KV heads)."""
+    """Replace the KV cache by one of ``num_blocks`` blocks (the rank's KV heads); ``sliding_blocks`` for
+    a hybrid model's sliding layers (``RunnerInfo.sliding_group``), None: every layer has ``num_blocks``."""
 
     num_blocks: int
+    sliding_blocks: int | None = None
 
 
 class StopMessage(msgspec.Struct, frozen=True, array_like=True, tag="stop"):
@@ -150,45 +169,92 @@ class RankReport(msgspec.Struct, frozen=True, kw_only=True):
 _PARAMS = SamplingParams(temperature=0.0, max_tokens=1)  # the other ranks never sample: any valid params
 
 
+_Held = tuple[int, int, int, int, int]
+"""What a rank holds of one table: (epoch, block offset, end (offset + blocks), first block, last block)."""
+
+
+def _kept(held: _Held | None, epoch: int, offset: int, table: Sequence[int]) -> int:
+    """How many blocks of the rank's copy ``held`` stay in ``table`` (which starts at sequence index ``offset``).
+
+    Within an epoch a table only grows at its end and loses blocks at its start (a sliding window), so
+    the copy's blocks from ``offset`` on are a prefix of it when its bounds say so: its end is within
+    the table, and its first and last blocks are where the table has them (O(1) checks, as
+    ``InputBatch`` makes).
+    """
+    if held is None or held[0] != epoch or not table:
+        return 0
+    _, held_offset, held_end, first, last = held
+    if offset < held_offset or held_end <= offset or held_end > offset + len(table):
+        return 0
+    if table[held_end - offset - 1] != last or (offset == held_offset and table[0] != first):
+        return 0
+    return held_end - offset
+
+
 class TableSync:
     """Rank 0's record of the block tables the other ranks hold, so that a step sends only new blocks.
 
     Both sides forget a request absent from a step, as ``InputBatch`` does: a request that comes back
-    (after a preemption, in a new epoch) is sent whole.
+    (after a preemption, in a new epoch) is sent whole. A hybrid model's sliding tables are recorded
+    the same way, apart.
     """
 
     def __init__(self) -> None:
-        self._known: dict[int, tuple[int, int, int, int]] = {}  # request -> (epoch, blocks, first, last)
+        self._known: dict[int, _Held] = {}
+        self._sliding: dict[int, _Held] = {}
 
     def deltas(self, sequences: Sequence[SequenceInput]) -> list[SequenceDelta]:
         """The step's sequences for the other ranks; records what they will hold afterwards."""
-        known, now = self._known, {}
+        known, sliding_known = self._known, self._sliding
+        now: dict[int, _Held] = {}
+        sliding_now: dict[int, _Held] = {}
         out = []
         for seq in sequences:
-            table = seq.block_table
-            held = known.get(seq.request_id)
-            kept = 0
-            # Kept only when the table grew in the same epoch: the rank's copy is a prefix of it.
-            grown = held is not None and held[0] == seq.epoch and len(table) >= held[1] > 0
-            if held is not None and grown and table[0] == held[2] and table[held[1] - 1] == held[3]:
-                kept = held[1]
+            rid, epoch, table, offset = seq.request_id, seq.epoch, seq.block_table, seq.block_offset
+            kept = _kept(known.get(rid), epoch, offset, table)
+            if table:
+                now[rid] = (epoch, offset, offset + len(table), table[0], table[-1])
+            sliding = None
+            if seq.sliding_block_table is not None:
+                s_table, s_offset = seq.sliding_block_table, seq.sliding_block_offset
+                s_kept = _kept(sliding_known.get(rid), epoch, s_offset, s_table)
+                sliding = TableDelta(s_offset, s_kept, list(s_table[s_kept:]))
+                if s_table:
+                    sliding_now[rid] = (epoch, s_offset, s_offset + len(s_table), s_table[0], s_table[-1])
             out.append(
                 SequenceDelta(
-                    seq.request_id, seq.epoch, seq.start_position, list(seq.token_ids), seq.sample, kept,
-                    list(table[kept:]),
+                    rid, epoch, seq.start_position, list(seq.token_ids), seq.sample, kept, list(table[kept:]),
+                    offset, sliding,
                 )
             )  # fmt: skip
-            if table:
-                now[seq.request_id] = (seq.epoch, len(table), table[0], table[-1])
-        self._known = now
+        self._known, self._sliding = now, sliding_now
         return out
+
+
+def _mirror(
+    held: tuple[int, list[int]] | None, request_id: int, offset: int, kept: int, new_blocks: list[int]
+) -> list[int]:
+    """The table a rank rebuilds from its copy ``held`` ((offset, blocks)) and a delta.
+
+    Raises:
+        RuntimeError: The delta keeps blocks this rank does not hold.
+    """
+    table: list[int] = []
+    if kept and held is not None and offset >= held[0]:
+        table = held[1]
+        del table[: offset - held[0]]
+    if len(table) != kept:
+        raise RuntimeError(f"request {request_id} keeps {kept} blocks, this rank holds {len(table)}")
+    table.extend(new_blocks)
+    return table
 
 
 class TableMirror:
     """A rank's copy of the block tables, rebuilt from each step's ``SequenceDelta``s."""
 
     def __init__(self) -> None:
-        self._tables: dict[int, list[int]] = {}
+        self._tables: dict[int, tuple[int, list[int]]] = {}
+        self._sliding: dict[int, tuple[int, list[int]]] = {}
 
     def sequences(self, deltas: Sequence[SequenceDelta]) -> list[SequenceInput]:
         """The step's sequences, with their whole block tables, as rank 0's runner saw them.
@@ -196,28 +262,34 @@ class TableMirror:
         Raises:
             RuntimeError: A delta keeps blocks this rank does not hold (rank 0 and this rank disagree).
         """
-        tables: dict[int, list[int]] = {}
+        tables: dict[int, tuple[int, list[int]]] = {}
+        sliding_tables: dict[int, tuple[int, list[int]]] = {}
         out = []
         for delta in deltas:
-            table = self._tables.get(delta.request_id, []) if delta.kept_blocks else []
-            if len(table) != delta.kept_blocks:
-                raise RuntimeError(
-                    f"request {delta.request_id} keeps {delta.kept_blocks} blocks, this rank holds {len(table)}"
-                )
-            table.extend(delta.new_blocks)
-            tables[delta.request_id] = table
+            rid = delta.request_id
+            table = _mirror(self._tables.get(rid), rid, delta.block_offset, delta.kept_blocks, delta.new_blocks)
+            tables[rid] = (delta.block_offset, table)
+            sliding_table = None
+            sliding = delta.sliding
+            if sliding is not None:
+                held = self._sliding.get(rid)
+                sliding_table = _mirror(held, rid, sliding.block_offset, sliding.kept_blocks, sliding.new_blocks)
+                sliding_tables[rid] = (sliding.block_offset, sliding_table)
             out.append(
                 SequenceInput(
-                    request_id=delta.request_id,
+                    request_id=rid,
                     token_ids=delta.token_ids,
                     start_position=delta.start_position,
                     block_table=table,
                     sample=delta.sample,
                     params=_PARAMS,
                     epoch=delta.epoch,
+                    block_offset=delta.block_offset,
+                    sliding_block_table=sliding_table,
+                    sliding_block_offset=0 if sliding is None else sliding.block_offset,
                 )
             )
-        self._tables = tables
+        self._tables, self._sliding = tables, sliding_tables
         return out
 
 

@@ -57,7 +57,7 @@ class RunnerInfo:
     """A hybrid model (sliding and global layers) whose sliding layers free the blocks that leave their
     window: ``(window, blocks of the sliding layers' pool)``. ``num_kv_blocks`` is then the global
     layers' pool; each request gets a second table (``SequenceInput.sliding_block_table``). None: one
-    table per request (a model without one, or a backend that does not address two groups)."""
+    table per request (a model without global and sliding layers both)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -108,6 +108,22 @@ def render_metrics(metrics: EngineMetrics, stats: EngineStatistics) -> str:
     if usage is None:
         usage = 1.0 - stats.kv_blocks_free / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
     page.gauge("asyncllm_kv_cache_usage_ratio", float(usage), "Fraction of KV blocks held by requests (0-1).")
+    # A hybrid model's sliding layers' pool (the gauges above are then the global layers' pool): 0 without one.
+    page.gauge(
+        "asyncllm_kv_cache_sliding_blocks_total",
+        getattr(stats, "kv_sliding_blocks_total", 0),
+        "Blocks in a hybrid model's sliding-window KV pool (0: no such pool).",
+    )
+    page.gauge(
+        "asyncllm_kv_cache_sliding_blocks_free",
+        getattr(stats, "kv_sliding_blocks_free", 0),
+        "Sliding-window KV pool blocks not held by any request.",
+    )
+    page.gauge(
+        "asyncllm_kv_cache_sliding_usage_ratio",
+        float(getattr(stats, "kv_sliding_usage", 0.0)),
+        "Fraction of the sliding-window KV pool's blocks held by requests (0-1).",
+    )
     page.counter("asyncllm_num_preemptions_total", stats.num_preemptions, "Requests preempted (KV recomputed later).")
     page.counter("asyncllm_num_steps_total", stats.num_steps, "Model steps run.")
     page.family(

@@ -12,7 +12,9 @@ the KV-write kernel skips; they attend to one (finite) cache slot and their outp
 The token ids and positions live here (and, for a LongRoPE model, which rows' sequences rotate by
 its long frequencies); the attention metadata (query offsets, sequence lengths,
 block tables, slots) in buffers the model's own backend builds (``AttentionBackend.graph_inputs``),
-the same object that builds every eager step's metadata. Each is staged on the host (pinned, from
+the same object that builds every eager step's metadata. A hybrid model whose sliding layers have a
+pool of their own (``RunnerInfo.sliding_group``) has a second set of metadata buffers, for the sliding
+tables and slots, which those layers read; the sequence lengths are the same. Each is staged on the host (pinned, from
 torch's caching host allocator, so no step waits for the previous step's copy to have read it) and
 copied with non-blocking copies before the replay; of the block tables only the used prefix travels
 (the step's rows by the blocks its longest context uses). Block tables are as wide as the longest
@@ -67,6 +69,8 @@ class DecodeGraphs:
             (a dict of batch size to splits; empty for none).
         use_graphs: Capture and replay CUDA graphs; False runs the same padded path eagerly.
         ops: Host-to-device copies (``DeviceOps``); default ``device_ops(device)``.
+        sliding_group: The model's sliding layers read tables of their own (a hybrid model's sliding
+            pool): each ``run`` then takes the step's sliding arrays too, in buffers of their own.
     """
 
     def __init__(
@@ -81,6 +85,7 @@ class DecodeGraphs:
         split_kv: dict[int, int] | None = None,
         use_graphs: bool = True,
         ops: DeviceOps | None = None,
+        sliding_group: bool = False,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -96,6 +101,10 @@ class DecodeGraphs:
         self._meta = model.backend.graph_inputs(
             max_batch=b, max_blocks=self.max_blocks, block_size=block_size, device=device
         )
+        # The sliding layers' tables hold as many columns: zeros before their offset, then the window's blocks.
+        self._sliding_meta = None if not sliding_group else model.backend.graph_inputs(
+            max_batch=b, max_blocks=self.max_blocks, block_size=block_size, device=device
+        )
         # Ids, positions and (LongRoPE) the long-frequency flags of the rows, one section of b each.
         self._long_rope = model.rotary.long_inv_freq is not None
         self._ids = torch.zeros((3 if self._long_rope else 2) * b, dtype=torch.int64, device=device)
@@ -107,7 +116,10 @@ class DecodeGraphs:
         positions = self._ids[b : b + size]
         long_rope = self._ids[2 * b : 2 * b + size] != 0 if self._long_rope else None
         meta = self._meta.metadata(size, splits)
-        result: torch.Tensor = self.model(ids, positions, self.kv_caches, meta, long_rope=long_rope)
+        sliding = None if self._sliding_meta is None else self._sliding_meta.metadata(size, splits)
+        result: torch.Tensor = self.model(
+            ids, positions, self.kv_caches, meta, long_rope=long_rope, sliding_meta=sliding
+        )
         return result
 
     def _variants(self) -> list[tuple[int, int]]:
@@ -143,7 +155,12 @@ class DecodeGraphs:
         )
 
     def run(
-        self, step: StepInputs, splits: int = 1, fill: tuple[torch.Tensor, torch.Tensor] | None = None
+        self,
+        step: StepInputs,
+        splits: int = 1,
+        fill: tuple[torch.Tensor, torch.Tensor] | None = None,
+        *,
+        sliding_step: StepInputs | None = None,
     ) -> torch.Tensor:
         """Hidden states [n, hidden] of a decode-only step (``fits`` must hold).
 
@@ -151,12 +168,22 @@ class DecodeGraphs:
             step: The step's arrays (one token per sequence).
             splits: The split-KV parts the step would like (> 1 picks a split graph if captured).
             fill: Placeholder ids taken on the device: (rows of the step's ids, the ids they take).
+            sliding_step: With ``sliding_group``, the same step over the sliding layers' tables.
+
+        Raises:
+            ValueError: ``sliding_step`` is missing with ``sliding_group`` (or given without it).
         """
+        if (sliding_step is None) != (self._sliding_meta is None):
+            raise ValueError("a step of graphs with a sliding group needs its sliding tables (and only then)")
         n = step.num_seqs
         size = next(b for b in self.sizes if b >= n)
         splits = self.split_kv.get(size, 1) if splits > 1 else 1
+        non_blocking = self.device.type == "cuda"
         self._meta.fill(step)
-        self._meta.upload(self.device.type == "cuda")
+        self._meta.upload(non_blocking)
+        if self._sliding_meta is not None and sliding_step is not None:
+            self._sliding_meta.fill(sliding_step)
+            self._sliding_meta.upload(non_blocking)
         # Ids, positions (and LongRoPE flags) of the graph's rows (padding rows: token 0 at position 0,
         # short), in one copy.
         sections = 3 if self._long_rope else 2

@@ -355,9 +355,10 @@ class TorchModelRunner:
                 max_blocks_per_seq=-(-longest // self.block_size),
             )
         if device.type == "cuda" and isinstance(backend, TritonAttentionBackend):  # every kernel variant, now
+            global_layers = spec.sliding_window is not None and spec.uniform_sliding_window is None
             backend.warm_up(num_heads=model.local_heads[0], head_dim=spec.head_dim, dtype=dtype,
                             block_size=self.block_size, max_model_len=longest,
-                            max_num_seqs=self.options.max_num_seqs)  # fmt: skip
+                            max_num_seqs=self.options.max_num_seqs, global_layers=global_layers)  # fmt: skip
         if device.type == "cuda" and isinstance(backend, TritonAttentionBackend) and spec.moe is not None:
             backend.warm_up_moe(num_experts=spec.moe.num_experts, top_k=spec.moe.top_k, hidden_size=spec.hidden_size,
                                 intermediate_size=spec.moe.intermediate_size, dtype=dtype)  # fmt: skip
@@ -406,6 +407,7 @@ class TorchModelRunner:
             device=self.device,
             split_kv={b: s for b, s in split_kv.items() if s > 1},
             ops=self.ops,
+            sliding_group=self.sliding_batch is not None,
         )
         graphs.capture()
         return graphs
@@ -416,23 +418,13 @@ class TorchModelRunner:
         return 2 * spec.num_layers * self.block_size * model.local_heads[1] * spec.head_dim * element
 
     def _frees_hybrid(self, spec: DecoderSpec) -> bool:
-        """Whether the sliding layers of a hybrid model get a pool of their own that frees.
+        """Whether the sliding layers of a hybrid model get a pool of their own that frees: always, for a
+        model with sliding and global layers.
 
-        The torch and cpu backends build each group's metadata from its own tables; triton (its kernels'
-        launches, CUDA graphs' buffers) and tensor-parallel ranks (their table sync) address one table
-        per request, so there the model keeps every block, as a model without a window does.
+        Every backend builds each group's metadata from its own tables (triton's CUDA graphs keep static
+        buffers for both), and tensor-parallel ranks receive both tables' changes with each step.
         """
-        if spec.sliding_window is None or spec.uniform_sliding_window is not None:
-            return False
-        reason = None
-        if self.attention_backend not in ("torch", "cpu"):
-            reason = f"the {self.attention_backend} attention backend addresses one block table per request"
-        elif self.parallel.sharded:
-            reason = "tensor-parallel ranks sync one block table per request"
-        if reason is not None:
-            logger.info("hybrid model: its sliding layers keep every KV block (%s)", reason)
-            return False
-        return True
+        return spec.sliding_window is not None and spec.uniform_sliding_window is None
 
     def _allocate_kv_cache(
         self, num_blocks: int, sliding_blocks: int | None = None
@@ -444,7 +436,7 @@ class TorchModelRunner:
         if self.ranks is not None:
             from asyncllm.executor._ranks import AllocateMessage
 
-            self.ranks.send(AllocateMessage(num_blocks))
+            self.ranks.send(AllocateMessage(num_blocks, sliding_blocks))
         spec = self.model.spec
         heads = (self.model.local_heads[1], spec.head_dim)
         self.kv_caches = []  # the old cache goes before the new one is allocated
@@ -630,6 +622,7 @@ class TorchModelRunner:
             assert self._tables is not None
             self.ranks.send(StepMessage(self._tables.deltas(sequences), time.perf_counter()))
         step = self.input_batch.prepare(sequences)
+        sliding_step = None if self.sliding_batch is None else self._sliding_step(sequences)
         fill = None
         if plan:
             assert after is not None and after.device_ids is not None
@@ -638,9 +631,12 @@ class TorchModelRunner:
             fill = (ops.to_device(flat), after.device_ids[ops.tensor([row for _, row in plan], torch.int64)])
         replay = self.graphs is not None and self.graphs.fits(step)
         meta = None if replay else self._metadata(step)
-        sliding_meta = None if self.sliding_batch is None else self._metadata(self._sliding_step(sequences))
+        sliding_meta = None if replay or sliding_step is None else self._metadata(sliding_step)
         clock.mark()
-        hidden = self._replay(step, fill) if meta is None else self._forward(step, meta, fill, sliding_meta)
+        if meta is None:
+            hidden = self._replay(step, fill, sliding_step)
+        else:
+            hidden = self._forward(step, meta, fill, sliding_meta)
         clock.mark()
         model = self.model
         rows = hidden[ops.to_device(step.sample_index)] if len(step.sample_index) else None
@@ -859,9 +855,12 @@ class TorchModelRunner:
         )
         return hidden
 
-    def _replay(self, step: StepInputs, fill: IdFill | None = None) -> torch.Tensor:
+    def _replay(
+        self, step: StepInputs, fill: IdFill | None = None, sliding_step: StepInputs | None = None
+    ) -> torch.Tensor:
         assert self.graphs is not None and self.backend is not None
-        return self.graphs.run(step, self.backend.kv_splits(step.num_seqs, step.max_seq_len), fill)
+        splits = self.backend.kv_splits(step.num_seqs, step.max_seq_len)
+        return self.graphs.run(step, splits, fill, sliding_step=sliding_step)
 
     # -- ranks other than 0 (``asyncllm.worker._rank``) ----------------------------------------------
 
@@ -869,16 +868,25 @@ class TorchModelRunner:
         """Meet the other ranks and load this rank's shard (no KV cache: rank 0 says its size)."""
         self._load_model()
 
-    def allocate(self, num_blocks: int) -> None:
-        """Replace the KV cache by one of ``num_blocks`` blocks of this rank's KV heads."""
-        self.kv_caches = self._allocate_kv_cache(num_blocks)
+    def allocate(self, num_blocks: int, sliding_blocks: int | None = None) -> None:
+        """Replace the KV cache by one of ``num_blocks`` blocks of this rank's KV heads (``sliding_blocks``
+        for a hybrid model's sliding layers, which then read each step's sliding tables)."""
+        self.kv_caches = self._allocate_kv_cache(num_blocks, sliding_blocks)
+        self.sliding_batch = None
+        if sliding_blocks is not None:
+            self.sliding_batch = InputBatch(self.block_size, max_num_seqs=self.options.max_num_seqs)
 
     def forward_step(self, sequences: list[SequenceInput]) -> None:
-        """Run a step's forward as rank 0 does (its collectives with it); gather the sampled rows' logits."""
+        """Run a step's forward as rank 0 does (its collectives with it); gather the sampled rows' logits.
+
+        Raises:
+            ValueError: This rank's cache has a sliding group and a sequence has no sliding table.
+        """
         assert self.model is not None
         with torch.inference_mode():
             step = self.input_batch.prepare(sequences)
-            self._hidden = hidden = self._forward(step)
+            sliding_meta = None if self.sliding_batch is None else self._metadata(self._sliding_step(sequences))
+            self._hidden = hidden = self._forward(step, sliding_meta=sliding_meta)
             if len(step.sample_index):
                 self.model.logits(hidden[self.ops.to_device(step.sample_index)])
 

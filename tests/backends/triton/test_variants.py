@@ -126,5 +126,12 @@ def test_warm_up_launches_every_reachable_key(monkeypatch: pytest.MonkeyPatch) -
     wanted = set(reachable_keys(shape, max_model_len=4096, max_num_seqs=8, num_sms=132))
     assert {key for key, _, _ in launches} == wanted
     assert count == len(wanted)
+    # A hybrid model's global layers attend without the window: their variants are compiled too.
+    launches.clear()
+    count = backend.warm_up(num_heads=8, head_dim=64, dtype=torch.float16, block_size=16, max_model_len=4096,
+                            max_num_seqs=8, num_sms=132, global_layers=True)  # fmt: skip
+    unwindowed = set(reachable_keys(AttentionShape(8, 2, 64, torch.float16, 16), max_model_len=4096, max_num_seqs=8,
+                                    num_sms=132))  # fmt: skip
+    assert {key for key, _, _ in launches} == wanted | unwindowed and unwindowed - wanted
     for key, signature, launch_dtype in launches:
         assert signature == expected_signature(key.kernel, launch_dtype), key

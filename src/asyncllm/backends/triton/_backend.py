@@ -96,6 +96,7 @@ class TritonAttentionBackend(AttentionBackend[TritonAttentionMetadata]):
         max_model_len: int,
         max_num_seqs: int,
         num_sms: int | None = None,
+        global_layers: bool = False,
     ) -> int:
         """Compile every attention-kernel variant the model's steps can reach, before the first request.
 
@@ -113,6 +114,8 @@ class TritonAttentionBackend(AttentionBackend[TritonAttentionMetadata]):
             max_num_seqs: The largest batch.
             num_sms: The device's multiprocessors (the split-KV counts); None: the device's own on
                 CUDA, no split elsewhere.
+            global_layers: With a sliding window, some layers attend without it (a hybrid model's
+                global layers): their variants (no window) are compiled too.
 
         Returns:
             The number of variants.
@@ -122,17 +125,25 @@ class TritonAttentionBackend(AttentionBackend[TritonAttentionMetadata]):
         if num_sms is None and self.device.type == "cuda":
             num_sms = attention_triton._num_sms(self.device)
         shape = variants.AttentionShape(num_heads, self.num_kv_heads, head_dim, dtype, block_size, self.sliding_window)
-        keys = variants.reachable_keys(shape, max_model_len=max_model_len, max_num_seqs=max_num_seqs, num_sms=num_sms)
+        shapes = [shape]
+        if global_layers and self.sliding_window is not None:
+            shapes.append(dataclasses.replace(shape, sliding_window=None))
         start = time.perf_counter()
-        variants.warm_up(shape, sorted(set(keys.values())), self.device)
+        count = 0
+        for each in shapes:
+            keys = variants.reachable_keys(
+                each, max_model_len=max_model_len, max_num_seqs=max_num_seqs, num_sms=num_sms
+            )
+            variants.warm_up(each, sorted(set(keys.values())), self.device)
+            count += len(keys)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         logger.info(
             "triton attention: %d kernel variants compiled or loaded from triton's cache in %.1f s",
-            len(keys),
+            count,
             time.perf_counter() - start,
         )
-        return len(keys)
+        return count
 
     def warm_up_moe(self, *, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                     dtype: torch.dtype) -> int:  # fmt: skip
