@@ -202,6 +202,8 @@ class TorchModelRunner:
         """This rank's place in the model (``models._parallel``), once loaded."""
         self.collectives: ProcessGroupCollectives | None = None
         """The ranks' collectives (with the time spent in them), once loaded; None with one rank."""
+        self.draft: DraftModel | None = None
+        """``speculative_method="draft_model"``: the draft model beside the target, once loaded."""
         self._tables: TableSync | None = None  # rank 0: what the other ranks hold of the block tables
         self._hidden: torch.Tensor | None = None  # other ranks: the last step's final hidden states
 
@@ -316,6 +318,8 @@ class TorchModelRunner:
         assert backend is not None
         eos_token_ids = load_eos_token_ids(self.model_path, config)
         self.sampler = Sampler(device, model.spec.vocab_size, eos_token_ids, self.options.seed, self.ops)
+        if self.options.speculative_method == "draft_model":
+            self.draft = self._load_draft(config, model, backend.name)
         hybrid = self._frees_hybrid(spec)
         if hybrid:  # the probe's table covers both groups
             self.sliding_batch = InputBatch(self.block_size, max_num_seqs=self.options.max_num_seqs)
@@ -350,6 +354,12 @@ class TorchModelRunner:
         )
         if hybrid:
             self.sliding_batch = InputBatch(
+                self.block_size,
+                max_num_seqs=self.options.max_num_seqs,
+                max_blocks_per_seq=-(-longest // self.block_size),
+            )
+        if self.draft is not None:
+            self.draft.batch = InputBatch(
                 self.block_size,
                 max_num_seqs=self.options.max_num_seqs,
                 max_blocks_per_seq=-(-longest // self.block_size),
@@ -390,7 +400,65 @@ class TorchModelRunner:
             sliding_group=self.sliding_group,
             long_rope_length=spec.rotary.long_from_position if spec.rotary and spec.rotary.long_inv_freq else None,
             speculative=True,
+            draft_model=self.draft is not None,
         )
+
+    def _load_draft(self, config: Any, model: DecoderForCausalLM, backend_name: str) -> DraftModel:
+        """Load ``speculative_model`` beside the target, after checking it can draft for it.
+
+        Raises:
+            ValueError: The folder is not a model, its family is not one the engine runs, its vocabulary
+                or tokenizer differs from the target's, either model has a sliding window or LongRoPE,
+                or the target is split over ranks.
+        """
+        path = Path(str(self.options.speculative_model))
+        if not (path / "config.json").is_file():
+            raise ValueError(f"speculative_model {str(path)!r} is not a local model folder (no config.json)")
+        if self.parallel.sharded:
+            raise ValueError('speculative_method="draft_model" does not run with tensor_parallel_size > 1')
+        draft_config = load_config(path)
+        try:
+            spec = model_spec(draft_config)
+        except (NotImplementedError, ValueError, KeyError) as exc:
+            raise ValueError(f"speculative_model {str(path)!r}: an unsupported draft model ({exc})") from exc
+        target = model.spec
+        if spec.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"speculative_model {str(path)!r} has a vocabulary of {spec.vocab_size} tokens, the target "
+                f"{target.vocab_size}: a draft model must share the target's tokenizer"
+            )
+        check_same_tokenizer(self.model_path, path)
+        for name, checked in (("the target", target), ("the draft model", spec)):
+            if checked.sliding_window is not None:
+                raise ValueError(
+                    f'speculative_method="draft_model": {name} has a sliding window (not supported: the draft '
+                    "attends to the whole context through the target's block tables)"
+                )
+            if checked.rotary is not None and checked.rotary.long_inv_freq is not None:
+                raise ValueError(f'speculative_method="draft_model": {name} uses LongRoPE (not supported)')
+        draft = load_model(
+            spec,
+            checkpoint_tensors(path),
+            device=self.device,
+            dtype=self.dtype,
+            fuse_projections=self.switches.fuse_projections,
+        )
+        draft.fused_norm = self.switches.fused_norm
+        draft.backend = backend = create_backend(
+            backend_name,
+            device=self.device,
+            dtype=self.dtype,
+            head_dim=spec.head_dim,
+            num_kv_heads=draft.local_heads[1],
+            sliding_window=None,
+            requested=True,
+            attn_softcap=spec.attn_softcap,
+        )
+        packed = self.switches.packed_gemm
+        if packed is not False and self.device.type == "cpu" and self.dtype == torch.float32:
+            draft.pack_weights(None if packed is True else packed, greedy_head=False)
+        logger.info("draft model %s: %s, %d layers", path, spec.architecture, spec.num_layers)
+        return DraftModel(draft, backend)
 
     def _capture_graphs(self, model: DecoderForCausalLM, max_seq_len: int) -> DecodeGraphs:
         assert self.backend is not None
@@ -411,9 +479,12 @@ class TorchModelRunner:
         return graphs
 
     def _kv_bytes_per_block(self, model: DecoderForCausalLM, dtype: torch.dtype) -> int:
-        spec = model.spec
         element = torch.tensor([], dtype=dtype).element_size()
-        return 2 * spec.num_layers * self.block_size * model.local_heads[1] * spec.head_dim * element
+        # A draft model's KV lives in the same blocks: a block costs both.
+        models = [model] if self.draft is None else [model, self.draft.model]
+        return sum(
+            2 * m.spec.num_layers * self.block_size * m.local_heads[1] * m.spec.head_dim * element for m in models
+        )
 
     def _frees_hybrid(self, spec: DecoderSpec) -> bool:
         """Whether the sliding layers of a hybrid model get a pool of their own that frees.
@@ -453,6 +524,10 @@ class TorchModelRunner:
             blocks = sliding_blocks if sliding_blocks is not None and spec.layer_is_sliding(index) else num_blocks
             shape = (blocks * self.block_size, *heads)
             caches.append((self._zeros(shape), self._zeros(shape)))
+        if self.draft is not None:  # the draft's KV, indexed by the same slots
+            draft, self.draft.kv_caches = self.draft.model, []
+            shape = (num_blocks * self.block_size, draft.local_heads[1], draft.spec.head_dim)
+            self.draft.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in range(draft.spec.num_layers)]
         return caches
 
     def _zeros(self, shape: tuple[int, int, int]) -> torch.Tensor:
@@ -579,6 +654,8 @@ class TorchModelRunner:
             self.sliding_batch.remove(batch.finished_request_ids)
         for request_id in batch.finished_request_ids:
             self._pool_sums.pop(request_id, None)
+        if self.draft is not None:
+            self.draft.forget(batch.finished_request_ids)
         if not batch.sequences:
             return PendingStep.done(StepOutput([]))
         try:
@@ -664,6 +741,10 @@ class TorchModelRunner:
             token_ids, logprobs, verified = self._sample_and_verify(model, hidden, step.sample_index, sampling)
         elif rows is not None:
             token_ids, logprobs = self._sample(model, rows, sampling, sample_logits)
+        proposals = None
+        if self.draft is not None:
+            ids_positions = self._draft_inputs(step, fill)
+            token_ids, proposals = self._run_draft(step, ids_positions, sequences, sampling, token_ids, verified)
         host_ids = ops.to_host(token_ids) if isinstance(token_ids, torch.Tensor) else token_ids
         clock.mark()
         event = ops.record()  # after the clock's last mark: once it is complete, so are the clock's events
@@ -677,7 +758,7 @@ class TorchModelRunner:
             host_ids=host_ids,
             event=event,
             clock=clock,
-            rest=(logprobs, prompt_logprobs, failed or None, pooled, verified),
+            rest=(logprobs, prompt_logprobs, failed or None, pooled, verified, proposals),
         )
 
     def _pool(
@@ -764,7 +845,9 @@ class TorchModelRunner:
         flat = np.concatenate(
             [np.arange(sample_index[row] - sampling[row].num_draft, sample_index[row] + 1) for row in drafted]
         )
-        results = self.sampler.verify(model.logits(hidden[ops.to_device(flat)]), [sampling[row] for row in drafted])
+        drafted_seqs = [sampling[row] for row in drafted]
+        draft_probs = None if self.draft is None else [self.draft.probs_of(seq) for seq in drafted_seqs]
+        results = self.sampler.verify(model.logits(hidden[ops.to_device(flat)]), drafted_seqs, draft_probs)
         verified: dict[int, VerifiedDraft] = {}
         for row, result in zip(drafted, results):
             verified[sampling[row].request_id] = result
@@ -772,6 +855,90 @@ class TorchModelRunner:
             if result.logprobs is not None:
                 logprobs[row] = result.logprobs[-1]
         return token_ids, logprobs if any(entry is not None for entry in logprobs) else None, verified
+
+    def _draft_inputs(self, step: StepInputs, fill: IdFill | None) -> torch.Tensor:
+        """The step's ids and positions on the device, placeholders filled (as the target's forward had them)."""
+        ids_positions = self.ops.to_device(np.concatenate((step.input_ids, step.positions)))
+        if fill is not None:
+            ids_positions[fill[0]] = fill[1]
+        return ids_positions
+
+    def _draft_forward(self, step: StepInputs, ids_positions: torch.Tensor) -> torch.Tensor:
+        draft = self.draft
+        assert draft is not None
+        n = step.num_tokens
+        meta = draft.backend.build_metadata(step)
+        hidden: torch.Tensor = draft.model(ids_positions[:n], ids_positions[n : 2 * n], draft.kv_caches, meta)
+        return hidden
+
+    def _run_draft(
+        self,
+        step: StepInputs,
+        ids_positions: torch.Tensor,
+        sequences: list[SequenceInput],
+        sampling: list[SequenceInput],
+        token_ids: torch.Tensor | list[int],
+        verified: dict[int, VerifiedDraft] | None,
+    ) -> tuple[torch.Tensor | list[int], dict[int, list[int]] | None]:
+        """The draft model's share of a step: its KV for every fed token, then its proposals.
+
+        First it runs over the step's tokens exactly as the target did (prefill chunks, decodes and
+        drafts alike, in the same slots), so its KV stays as complete as the target's: the same block
+        tables, preemptions and trims cover both. Then, for the sequences with ``num_propose``, it runs
+        ``num_propose`` single-token passes from the token the step produced (each pass feeds the
+        previous pass's proposal) and proposes a token per pass (``Sampler.propose``). Those passes
+        write KV at positions the next step feeds again: scratch.
+
+        Returns:
+            The step's sampled ids (brought to the host when a sequence proposes: the passes feed them)
+            and the proposals by request id (None when no sequence proposes).
+        """
+        draft = self.draft
+        assert draft is not None and self.sampler is not None
+        self._draft_forward(step, ids_positions)
+        proposing = [(row, seq) for row, seq in enumerate(sampling) if seq.num_propose > 0]
+        if not proposing:
+            return token_ids, None
+        host = self.ops.tolist(token_ids) if isinstance(token_ids, torch.Tensor) else list(token_ids)
+        tokens: dict[int, int] = {}
+        positions: dict[int, int] = {}
+        for row, seq in proposing:
+            result = None if verified is None else verified.get(seq.request_id)
+            fed = len(seq.token_ids) - seq.num_draft
+            accepted = 0 if result is None else len(result.token_ids) - 1
+            tokens[seq.request_id] = int(host[row])
+            positions[seq.request_id] = seq.start_position + fed + accepted
+        proposals: dict[int, list[int]] = {seq.request_id: [] for _, seq in proposing}
+        probs: dict[int, list[torch.Tensor]] = {seq.request_id: [] for _, seq in proposing}
+        for depth in range(max(seq.num_propose for _, seq in proposing)):
+            active = [seq for _, seq in proposing if seq.num_propose > depth]
+            passes = [
+                dataclasses.replace(
+                    seq,
+                    token_ids=[tokens[seq.request_id]],
+                    start_position=positions[seq.request_id] + depth,
+                    sample=True,
+                    num_draft=0,
+                    pooling=None,
+                )
+                for seq in active
+            ]
+            assert draft.batch is not None
+            pass_step = draft.batch.prepare(passes)
+            pass_ids = self.ops.to_device(np.concatenate((pass_step.input_ids, pass_step.positions)))
+            hidden = self._draft_forward(pass_step, pass_ids)
+            logits = draft.model.logits(hidden[self.ops.to_device(pass_step.sample_index)])
+            chosen, qs = self.sampler.propose(logits, active)
+            for seq, token, q in zip(active, chosen, qs):
+                proposals[seq.request_id].append(token)
+                tokens[seq.request_id] = token
+                if q is not None:
+                    probs[seq.request_id].append(q)
+        for _, seq in proposing:
+            rid = seq.request_id
+            q_rows = torch.stack(probs[rid]) if probs[rid] else None
+            draft.pending[rid] = (positions[rid] + 1, proposals[rid], q_rows)
+        return host, proposals
 
     def _sample(
         self,
@@ -908,6 +1075,78 @@ class TorchModelRunner:
             torch.cuda.empty_cache()
 
 
+class DraftModel:
+    """A draft model beside the target (``speculative_method="draft_model"``), on the device thread.
+
+    Its KV tensors are indexed by the target's slots (the same block tables); its proposal passes
+    have their own ``InputBatch`` rows.
+
+    Args:
+        model: The loaded draft model.
+        backend: Its attention backend (its own heads).
+    """
+
+    def __init__(self, model: DecoderForCausalLM, backend: AttentionBackend[Any]) -> None:
+        self.model = model
+        self.backend = backend
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.batch: InputBatch | None = None
+        self.pending: dict[int, tuple[int, list[int], torch.Tensor | None]] = {}
+        """Per request, its latest proposal: the position of its first token, the tokens, and the
+        [tokens, vocab] distributions they were drawn from (None when greedy)."""
+
+    def forget(self, request_ids: list[int]) -> None:
+        """Drop finished requests' proposals and proposal rows."""
+        for request_id in request_ids:
+            self.pending.pop(request_id, None)
+        if self.batch is not None:
+            self.batch.remove(request_ids)
+
+    def probs_of(self, seq: SequenceInput) -> torch.Tensor | None:
+        """The distributions ``seq``'s draft was drawn from, when it is this model's latest sampled proposal.
+
+        A draft that is not (another position, other tokens: never, as the scheduler feeds the latest
+        proposal) is verified as a point mass.
+        """
+        held = self.pending.pop(seq.request_id, None)
+        if held is None:
+            return None
+        position, tokens, probs = held
+        if probs is None:
+            return None
+        draft = list(seq.token_ids[len(seq.token_ids) - seq.num_draft :])
+        start = seq.start_position + len(seq.token_ids) - seq.num_draft
+        if position != start or tokens[: len(draft)] != draft:
+            return None
+        return probs[: len(draft)]
+
+
+def check_same_tokenizer(target: Path, draft: Path) -> None:
+    """Refuse a draft model whose tokenizer is not the target's (the same token for every id).
+
+    Raises:
+        ValueError: Either folder has no ``tokenizer.json``, or their vocabularies (added tokens
+            included) differ.
+    """
+    from tokenizers import Tokenizer
+
+    vocabularies = []
+    for folder in (target, draft):
+        file = folder / "tokenizer.json"
+        if not file.is_file():
+            raise ValueError(
+                f'speculative_method="draft_model" compares the tokenizers of the target and the draft: '
+                f"{str(folder)!r} has no tokenizer.json"
+            )
+        vocabularies.append(Tokenizer.from_file(str(file)).get_vocab(with_added_tokens=True))
+    if vocabularies[0] != vocabularies[1]:
+        differing = sorted(set(vocabularies[0].items()) ^ set(vocabularies[1].items()))[:3]
+        raise ValueError(
+            f"speculative_model {str(draft)!r} has another tokenizer than the target's (e.g. {differing}): "
+            "a draft model must share the target's vocabulary"
+        )
+
+
 def _without_draft(seq: SequenceInput) -> SequenceInput:
     """``seq`` with its draft tokens left out (the tokens that are the request's own)."""
     if not seq.num_draft:
@@ -929,7 +1168,8 @@ class PendingStep:
         host_ids: Where the ids arrive on the host (a list when already there).
         event: Recorded after the step's last launch; complete once ``host_ids`` holds the ids.
         clock: The step's timings, added when the step completes.
-        rest: The logprobs, prompt logprobs, failures, pooled vectors and verified drafts of the ``StepOutput``.
+        rest: The logprobs, prompt logprobs, failures, pooled vectors, verified drafts and draft-model
+            proposals of the ``StepOutput``.
     """
 
     def __init__(
@@ -947,6 +1187,7 @@ class PendingStep:
             dict[int, str] | None,
             dict[int, PooledVector] | None,
             dict[int, VerifiedDraft] | None,
+            dict[int, list[int]] | None,
         ],
     ) -> None:
         self._runner = runner
@@ -961,7 +1202,7 @@ class PendingStep:
     @classmethod
     def done(cls, output: StepOutput) -> PendingStep:
         """A step whose output is known already (an empty batch)."""
-        pending = cls(None, sample_rows={}, device_ids=None, host_ids=[], event=None, clock=None, rest=(None,) * 5)
+        pending = cls(None, sample_rows={}, device_ids=None, host_ids=[], event=None, clock=None, rest=(None,) * 6)
         pending._output = output
         return pending
 
