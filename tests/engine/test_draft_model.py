@@ -158,8 +158,10 @@ async def test_a_grammar_checks_the_proposals(target: Path) -> None:
 
 
 async def test_sampled_requests_run_and_return_every_block(target: Path, other_draft: Path) -> None:
+    # Without async scheduling: each step's result is in before the next is scheduled.
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, ignore_eos=True, n=2, seed=3)
-    outputs, stats = await run(target, params, speculative_method="draft_model", speculative_model=str(other_draft))
+    options: dict[str, Any] = {"speculative_method": "draft_model", "async_scheduling": False}
+    outputs, stats = await run(target, params, speculative_model=str(other_draft), **options)
     assert all(len(tokens) == 16 for sample in outputs for tokens in sample)
     check_counters(stats)
 

@@ -266,6 +266,8 @@ class Scheduler:
                 del scheduled[index]
                 if item.sample:  # the token it would have sampled is not coming after all
                     victim.num_pending_tokens -= 1
+                if item.num_propose and victim.drafting is not None:  # nor the proposal
+                    victim.drafting.awaiting_proposal = False
                 break
         self._preempt(victim)
         evicted.append(victim)
