@@ -358,11 +358,14 @@ class TorchModelRunner:
                 max_num_seqs=self.options.max_num_seqs,
                 max_blocks_per_seq=-(-longest // self.block_size),
             )
-        if self.draft is not None:
-            self.draft.batch = InputBatch(
-                self.block_size,
-                max_num_seqs=self.options.max_num_seqs,
-                max_blocks_per_seq=-(-longest // self.block_size),
+        if self.draft is not None:  # fresh rows, as wide as the target's
+            self.draft.batch, self.draft.pass_batch = (
+                InputBatch(
+                    self.block_size,
+                    max_num_seqs=self.options.max_num_seqs,
+                    max_blocks_per_seq=-(-longest // self.block_size),
+                )
+                for _ in range(2)
             )
         if device.type == "cuda" and isinstance(backend, TritonAttentionBackend):  # every kernel variant, now
             backend.warm_up(num_heads=model.local_heads[0], head_dim=spec.head_dim, dtype=dtype,
@@ -458,7 +461,7 @@ class TorchModelRunner:
         if packed is not False and self.device.type == "cpu" and self.dtype == torch.float32:
             draft.pack_weights(None if packed is True else packed, greedy_head=False)
         logger.info("draft model %s: %s, %d layers", path, spec.architecture, spec.num_layers)
-        return DraftModel(draft, backend)
+        return DraftModel(draft, backend, InputBatch(self.block_size, max_num_seqs=self.options.max_num_seqs))
 
     def _capture_graphs(self, model: DecoderForCausalLM, max_seq_len: int) -> DecodeGraphs:
         assert self.backend is not None
@@ -743,8 +746,7 @@ class TorchModelRunner:
             token_ids, logprobs = self._sample(model, rows, sampling, sample_logits)
         proposals = None
         if self.draft is not None:
-            ids_positions = self._draft_inputs(step, fill)
-            token_ids, proposals = self._run_draft(step, ids_positions, sequences, sampling, token_ids, verified)
+            token_ids, proposals = self._run_draft(sequences, plan, fill, sampling, token_ids, verified)
         host_ids = ops.to_host(token_ids) if isinstance(token_ids, torch.Tensor) else token_ids
         clock.mark()
         event = ops.record()  # after the clock's last mark: once it is complete, so are the clock's events
@@ -856,88 +858,96 @@ class TorchModelRunner:
                 logprobs[row] = result.logprobs[-1]
         return token_ids, logprobs if any(entry is not None for entry in logprobs) else None, verified
 
-    def _draft_inputs(self, step: StepInputs, fill: IdFill | None) -> torch.Tensor:
-        """The step's ids and positions on the device, placeholders filled (as the target's forward had them)."""
-        ids_positions = self.ops.to_device(np.concatenate((step.input_ids, step.positions)))
-        if fill is not None:
-            ids_positions[fill[0]] = fill[1]
-        return ids_positions
-
-    def _draft_forward(self, step: StepInputs, ids_positions: torch.Tensor) -> torch.Tensor:
+    def _draft_forward(self, step: StepInputs, fill: IdFill | None = None) -> torch.Tensor:
         draft = self.draft
         assert draft is not None
         n = step.num_tokens
+        ids_positions = self.ops.to_device(np.concatenate((step.input_ids, step.positions)))
+        if fill is not None:  # placeholders: the previous step's samples, gathered on the device
+            ids_positions[fill[0]] = fill[1]
         meta = draft.backend.build_metadata(step)
         hidden: torch.Tensor = draft.model(ids_positions[:n], ids_positions[n : 2 * n], draft.kv_caches, meta)
         return hidden
 
     def _run_draft(
         self,
-        step: StepInputs,
-        ids_positions: torch.Tensor,
         sequences: list[SequenceInput],
+        plan: list[tuple[int, int]],
+        fill: IdFill | None,
         sampling: list[SequenceInput],
         token_ids: torch.Tensor | list[int],
         verified: dict[int, VerifiedDraft] | None,
     ) -> tuple[torch.Tensor | list[int], dict[int, list[int]] | None]:
-        """The draft model's share of a step: its KV for every fed token, then its proposals.
+        """The draft model's share of a step: its KV for every token the target keeps, then its proposals.
 
-        First it runs over the step's tokens exactly as the target did (prefill chunks, decodes and
-        drafts alike, in the same slots), so its KV stays as complete as the target's: the same block
-        tables, preemptions and trims cover both. Then, for the sequences with ``num_propose``, it runs
-        ``num_propose`` single-token passes from the token the step produced (each pass feeds the
-        previous pass's proposal) and proposes a token per pass (``Sampler.propose``). Those passes
-        write KV at positions the next step feeds again: scratch.
+        The first pass feeds each sequence's tokens as the target was fed them, without the draft
+        tokens it rejected (their positions are fed again later), in the same slots: the draft's KV is
+        as complete as the target's at every position the target keeps, so the same block tables,
+        prefix-cache hits, preemptions and trims cover both. A sequence with ``num_propose`` also feeds
+        the token the step produced, whose logits give the first proposed token; ``num_propose - 1``
+        more single-token passes each feed the previous proposal (``Sampler.propose`` picks each).
+        What those passes write lies at positions the next step feeds again: scratch.
 
         Returns:
-            The step's sampled ids (brought to the host when a sequence proposes: the passes feed them)
-            and the proposals by request id (None when no sequence proposes).
+            The step's sampled ids (brought to the host when a sequence proposes: the passes feed
+            them) and the proposals by request id (None when no sequence proposes).
         """
         draft = self.draft
         assert draft is not None and self.sampler is not None
-        self._draft_forward(step, ids_positions)
-        proposing = [(row, seq) for row, seq in enumerate(sampling) if seq.num_propose > 0]
+        proposing = [row for row, seq in enumerate(sampling) if seq.num_propose > 0]
+        host: list[int] = []
+        if proposing:
+            host = self.ops.tolist(token_ids) if isinstance(token_ids, torch.Tensor) else list(token_ids)
+        new_token = {sampling[row].request_id: int(host[row]) for row in proposing}
+        first: list[SequenceInput] = []
+        own_lengths: list[int] = []
+        for seq in sequences:
+            own = len(seq.token_ids) - seq.num_draft
+            result = None if verified is None or not seq.num_draft else verified.get(seq.request_id)
+            kept = list(seq.token_ids[: own + (0 if result is None else len(result.token_ids) - 1)])
+            proposes = seq.request_id in new_token and seq.sample
+            if proposes:
+                kept.append(new_token[seq.request_id])
+            own_lengths.append(own)
+            first.append(dataclasses.replace(seq, token_ids=kept, num_draft=0, sample=proposes, pooling=None))
+        step = draft.batch.prepare(first)
+        draft_fill = None
+        if plan and fill is not None:  # the placeholder is each such sequence's last own token
+            rows = step.query_start_loc[np.array([index for index, _ in plan])] + np.array(
+                [own_lengths[index] - 1 for index, _ in plan]
+            )
+            draft_fill = (self.ops.to_device(rows), fill[1])
+        hidden = self._draft_forward(step, draft_fill)
         if not proposing:
             return token_ids, None
-        host = self.ops.tolist(token_ids) if isinstance(token_ids, torch.Tensor) else list(token_ids)
-        tokens: dict[int, int] = {}
-        positions: dict[int, int] = {}
-        for row, seq in proposing:
-            result = None if verified is None else verified.get(seq.request_id)
-            fed = len(seq.token_ids) - seq.num_draft
-            accepted = 0 if result is None else len(result.token_ids) - 1
-            tokens[seq.request_id] = int(host[row])
-            positions[seq.request_id] = seq.start_position + fed + accepted
-        proposals: dict[int, list[int]] = {seq.request_id: [] for _, seq in proposing}
-        probs: dict[int, list[torch.Tensor]] = {seq.request_id: [] for _, seq in proposing}
-        for depth in range(max(seq.num_propose for _, seq in proposing)):
-            active = [seq for _, seq in proposing if seq.num_propose > depth]
-            passes = [
-                dataclasses.replace(
-                    seq,
-                    token_ids=[tokens[seq.request_id]],
-                    start_position=positions[seq.request_id] + depth,
-                    sample=True,
-                    num_draft=0,
-                    pooling=None,
-                )
-                for seq in active
-            ]
-            assert draft.batch is not None
-            pass_step = draft.batch.prepare(passes)
-            pass_ids = self.ops.to_device(np.concatenate((pass_step.input_ids, pass_step.positions)))
-            hidden = self._draft_forward(pass_step, pass_ids)
-            logits = draft.model.logits(hidden[self.ops.to_device(pass_step.sample_index)])
+        active = [seq for seq in first if seq.sample]
+        proposals: dict[int, list[int]] = {seq.request_id: [] for seq in active}
+        probs: dict[int, list[torch.Tensor]] = {seq.request_id: [] for seq in active}
+        positions = {seq.request_id: seq.start_position + len(seq.token_ids) - 1 for seq in active}
+        depth = 0
+        while True:
+            logits = draft.model.logits(hidden[self.ops.to_device(step.sample_index)])
             chosen, qs = self.sampler.propose(logits, active)
             for seq, token, q in zip(active, chosen, qs):
                 proposals[seq.request_id].append(token)
-                tokens[seq.request_id] = token
                 if q is not None:
                     probs[seq.request_id].append(q)
-        for _, seq in proposing:
-            rid = seq.request_id
-            q_rows = torch.stack(probs[rid]) if probs[rid] else None
-            draft.pending[rid] = (positions[rid] + 1, proposals[rid], q_rows)
+            depth += 1
+            active = [seq for seq in active if seq.num_propose > depth]
+            if not active:
+                break
+            passes = [
+                dataclasses.replace(
+                    seq,
+                    token_ids=[proposals[seq.request_id][-1]],
+                    start_position=positions[seq.request_id] + depth,
+                )
+                for seq in active
+            ]
+            step = draft.pass_batch.prepare(passes)
+            hidden = self._draft_forward(step)
+        for rid, tokens in proposals.items():
+            draft.pending[rid] = (positions[rid] + 1, tokens, torch.stack(probs[rid]) if probs[rid] else None)
         return host, proposals
 
     def _sample(
@@ -1078,19 +1088,23 @@ class TorchModelRunner:
 class DraftModel:
     """A draft model beside the target (``speculative_method="draft_model"``), on the device thread.
 
-    Its KV tensors are indexed by the target's slots (the same block tables); its proposal passes
-    have their own ``InputBatch`` rows.
+    Its KV tensors are indexed by the target's slots (the same block tables); its passes have their
+    own ``InputBatch`` rows.
 
     Args:
         model: The loaded draft model.
         backend: Its attention backend (its own heads).
+        batch: Rows for its passes until the cache is sized (the activation probe's step).
     """
 
-    def __init__(self, model: DecoderForCausalLM, backend: AttentionBackend[Any]) -> None:
+    def __init__(self, model: DecoderForCausalLM, backend: AttentionBackend[Any], batch: InputBatch) -> None:
         self.model = model
         self.backend = backend
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.batch: InputBatch | None = None
+        self.batch = batch
+        """The rows of each step's first draft pass (every sequence of the step)."""
+        self.pass_batch = batch
+        """The rows of the later proposal passes (replaced by a batch of its own after the KV sizing)."""
         self.pending: dict[int, tuple[int, list[int], torch.Tensor | None]] = {}
         """Per request, its latest proposal: the position of its first token, the tokens, and the
         [tokens, vocab] distributions they were drawn from (None when greedy)."""
@@ -1099,8 +1113,9 @@ class DraftModel:
         """Drop finished requests' proposals and proposal rows."""
         for request_id in request_ids:
             self.pending.pop(request_id, None)
-        if self.batch is not None:
-            self.batch.remove(request_ids)
+        self.batch.remove(request_ids)
+        if self.pass_batch is not self.batch:
+            self.pass_batch.remove(request_ids)
 
     def probs_of(self, seq: SequenceInput) -> torch.Tensor | None:
         """The distributions ``seq``'s draft was drawn from, when it is this model's latest sampled proposal.
