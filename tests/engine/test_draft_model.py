@@ -18,11 +18,14 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from asyncllm import Engine, SamplingParams
 from asyncllm.outputs import EngineStatistics
 from asyncllm.testing import ByteTokenizer, ScriptedRunner
 from asyncllm.testing.tiny_models import tiny_model_path
+from asyncllm.worker._device_ops import CpuOps
+from asyncllm.worker._model_runner import TorchModelRunner
 
 pytestmark = pytest.mark.anyio
 
@@ -92,7 +95,7 @@ async def run(
 
 async def test_greedy_outputs_are_identical_with_any_draft(target: Path, other_draft: Path, small_draft: Path) -> None:
     # n=2 with logprobs, two rounds (the second hits the prefix cache), chunked prefill (budget 8).
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, n=2, logprobs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, n=2, logprobs=1)
     options: dict[str, Any] = {"max_num_batched_tokens": 8, "repeat": 2}
     plain, plain_stats = await run(target, params, **options)
     same, same_stats = await run(
@@ -205,3 +208,40 @@ async def test_refusals_at_open(target: Path, tmp_path: Path, tiny_cache: Path) 
     with pytest.raises(ValueError, match="needs a model runner that runs a draft model"):
         async with engine:
             pass
+
+
+class _AsynchronousCpuOps(CpuOps):
+    """The CPU's ops claiming to be asynchronous: the engine takes the lookahead path (launch, then collect)."""
+
+    asynchronous = True
+
+
+async def test_the_lookahead_pipeline(target: Path) -> None:
+    # One request never drafts (it runs overlapped, its placeholders filled on the device in the
+    # draft's pass too); the others draft from the target's own weights.
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, num_speculative_tokens=0),
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0.7, max_tokens=16, ignore_eos=True, seed=5),
+    ]
+    tokenizer = AutoTokenizer.from_pretrained(target)
+
+    async def generate(**options: Any) -> tuple[list[tuple[int, ...]], EngineStatistics]:
+        runner = TorchModelRunner(target, device="cpu", kv_cache_blocks=64, block_size=4, **options)
+        runner.ops = _AsynchronousCpuOps()
+        async with Engine.open(runner=runner, tokenizer=tokenizer, **options) as engine:
+            results: list[tuple[int, ...]] = [() for _ in PROMPTS]
+
+            async def one(index: int) -> None:
+                results[index] = (await engine.generate(PROMPTS[index], params[index])).token_ids
+
+            async with anyio.create_task_group() as group:
+                for index in range(len(PROMPTS)):
+                    group.start_soon(one, index)
+            return results, engine.statistics()
+
+    plain, _ = await generate()
+    fast, stats = await generate(speculative_method="draft_model", speculative_model=str(target))
+    assert fast[:2] == plain[:2] and len(fast[2]) == 16
+    assert stats.spec_acceptance_rate > 0.95
+    check_counters(stats)
