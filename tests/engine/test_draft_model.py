@@ -148,6 +148,17 @@ async def test_preemption_stop_strings_max_tokens(target: Path, other_draft: Pat
         stats = engine.statistics()
     assert stats.spec_acceptance_rate > 0.95
     check_counters(stats)
+    # max_model_len within reach: proposals (and their scratch positions) stop short of it.
+    prompt_length = len(AutoTokenizer.from_pretrained(target)(PROMPTS[2])["input_ids"])
+    options = {"speculative_method": "draft_model", "speculative_model": str(target), "num_speculative_tokens": 5}
+    async with Engine.open(
+        target, device="cpu", kv_cache_blocks=64, max_model_len=prompt_length + 11, **options
+    ) as engine:
+        done = await engine.generate(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True))
+        stats = engine.statistics()
+    assert done.token_ids == reference.token_ids[:11] and done.finish_reason == "length"
+    assert stats.spec_accepted_tokens > 0
+    check_counters(stats)
 
 
 async def test_a_grammar_checks_the_proposals(target: Path) -> None:

@@ -231,9 +231,12 @@ class Speculator:
     def num_propose(self, request: Request, num_running: int = 1) -> int:
         """``"draft_model"``: how many tokens the runner's draft model proposes after this step's token.
 
-        The count the request may draft in its next step, as far as it is known now: 0 when it does not
-        draft (another method, drafts off for it or for the batch, a pause after failing drafts,
-        ``max_tokens`` or ``max_model_len`` within reach, a prefill-only request).
+        Called once the step is scheduled (its token pending, its tokens counted as computed). The count
+        the request may draft in its next step, as far as it is known now: 0 when it does not draft
+        (another method, drafts off for it or for the batch, a pause after failing drafts,
+        ``max_tokens`` or ``max_model_len`` within reach, a prefill-only request). The proposal passes
+        write positions up to ``count`` past the step's last fed token, which stay within
+        ``max_model_len``; the next step's ``draft`` cuts the proposal to what fits then.
         """
         if self.config.method != "draft_model" or request.prefill_only:
             return 0
@@ -241,12 +244,12 @@ class Speculator:
         own = request.params.num_speculative_tokens
         if own is not None:
             limit = min(limit, own)
-        # After this step's token, one more token beyond a draft must still fit.
-        in_hand = len(request.output_token_ids) + request.num_pending_tokens + 1
+        # After this step at least one more token is in hand; one token beyond a draft must still fit.
+        in_hand = len(request.output_token_ids) + request.num_pending_tokens
         limit = min(
             limit,
             request.params.max_tokens - in_hand - 1,
-            request.max_total_tokens - request.num_tokens - request.num_pending_tokens - 2,
+            request.max_total_tokens - request.num_computed_tokens - 1,
         )
         busy = self.config.disable_by_batch_size is not None and num_running > self.config.disable_by_batch_size
         state = request.drafting
