@@ -11,16 +11,19 @@ tested in ``tests/worker/test_draft_sampling.py``.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx
 import pytest
 import torch
 from transformers import AutoTokenizer
 
 from asyncllm import Engine, SamplingParams
+from asyncllm.http import create_app
 from asyncllm.outputs import EngineStatistics
 from asyncllm.testing import ByteTokenizer, ScriptedRunner
 from asyncllm.testing.tiny_models import tiny_model_path
@@ -256,3 +259,26 @@ async def test_the_lookahead_pipeline(target: Path) -> None:
     assert fast[:2] == plain[:2] and len(fast[2]) == 16
     assert stats.spec_acceptance_rate > 0.95
     check_counters(stats)
+
+
+async def test_metrics_count_the_proposals(target: Path) -> None:
+    options: dict[str, Any] = {"speculative_method": "draft_model", "speculative_model": str(target)}
+    async with Engine.open(target, device="cpu", kv_cache_blocks=32, num_speculative_tokens=3, **options) as engine:
+        transport = httpx.ASGITransport(app=create_app(engine))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            body = {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+            assert (await http.post("/v1/completions", json=body)).status_code == 200
+            text = (await http.get("/metrics")).text
+        stats = engine.statistics()
+    samples = {m[0]: float(m[1]) for m in re.findall(r"^(asyncllm_spec_decode\S*) (\S+)$", text, re.MULTILINE)}
+    assert samples["asyncllm_spec_decode_num_draft_tokens_total"] == stats.spec_draft_tokens > 0
+    assert samples["asyncllm_spec_decode_num_accepted_tokens_total"] == stats.spec_accepted_tokens > 0
+    for position in range(3):
+        label = f'{{position="{position}"}}'
+        assert (
+            samples[f"asyncllm_spec_decode_num_draft_tokens_per_pos_total{label}"]
+            == (stats.spec_draft_tokens_per_position[position])
+        )
+        assert samples[f"asyncllm_spec_decode_acceptance_rate_per_pos{label}"] == pytest.approx(
+            stats.spec_acceptance_rate_per_position[position]
+        )
