@@ -1,7 +1,8 @@
-"""Speculative decoding (n-gram prompt lookup) on and off: single-stream speed and batch throughput.
+"""Speculative decoding (n-gram prompt lookup, a draft model) on and off: single-stream speed and batch throughput.
 
     python benchmarks/speculative.py [--quick] [--model default|synthetic|PATH] [--repeats 3]
                                      [--output-len 192] [--batch 64] [--batch-output-len 48] [--json PATH]
+                                     [--draft-model] [--draft-layers 4]
 
 Two engines on the same model, one with ``speculative_method="ngram"`` (``num_speculative_tokens``
 4, n-grams of 2-4 tokens unless ``--engine-opt`` says otherwise) and one without, run the same
@@ -15,6 +16,13 @@ requests, greedy unless said otherwise (so both produce the same tokens):
   per-request back-off is for;
 - throughput at ``--batch`` concurrent requests (the rewrite requests, all at once): where the device is
   busy with the batch anyway and drafts add compute.
+
+With ``--draft-model``, two more engines run the single-stream requests (not the batch) with
+``speculative_method="draft_model"``: one whose draft is the model cut to its first ``--draft-layers``
+layers (the embedding, those layers, the final norm and the LM head, written to a temporary folder:
+a draft of the same tokenizer where no smaller model of it is at hand), and one whose draft is the
+model itself (every greedy proposal is accepted: the upper bound of acceptance, at the cost of running
+the model twice).
 
 Per request: TTFT, mean ITL as the consumer sees it (a chunk of several tokens counts as several
 inter-token gaps), decode tokens/s (the tokens after the first over the time from the first to the
@@ -86,6 +94,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=None, help="most output tokens per request (default 192)")
     parser.add_argument("--batch", type=int, default=None, help="concurrent requests of the throughput run (64)")
     parser.add_argument("--batch-output-len", type=int, default=None, help="output tokens per batch request (48)")
+    parser.add_argument("--draft-model", action="store_true", help="also run draft-model speculation (single stream)")
+    parser.add_argument("--draft-layers", type=int, default=4, help="layers of the truncated draft model (4)")
     args = parser.parse_args(argv)
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
@@ -93,6 +103,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.output_len < 2:
         parser.error("--output-len must be at least 2 (an inter-token latency needs two tokens)")
     return args
+
+
+def truncated_model(model_path: Path, num_layers: int, folder: Path) -> Path:
+    """Write ``model_path`` cut to its first ``num_layers`` layers into ``folder`` (with the embedding, the
+    final norm, the LM head and the tokenizer files): a draft model of the same tokenizer."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((model_path / "config.json").read_text())
+    if not 1 <= num_layers <= int(config["num_hidden_layers"]):
+        raise ValueError(f"--draft-layers must be in [1, {config['num_hidden_layers']}], got {num_layers}")
+    config["num_hidden_layers"] = num_layers
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+        if (model_path / name).is_file():
+            shutil.copy(model_path / name, folder / name)
+    tensors: dict[str, Any] = {}
+    for file in sorted(model_path.glob("*.safetensors")):
+        for name, tensor in load_file(file).items():
+            parts = name.split(".")
+            if "layers" in parts and int(parts[parts.index("layers") + 1]) >= num_layers:
+                continue
+            tensors[name] = tensor
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
 
 
 async def _one(engine: Any, prompt: str, params: Any) -> dict[str, Any]:
@@ -154,29 +192,38 @@ async def _measure(args: argparse.Namespace, model_path: Path) -> dict[str, Any]
     single = _chat_params(args, args.output_len)
     batch_params = _chat_params(args, args.batch_output_len)
     workloads = {"repetitive": REPETITIVE, "free": FREE, "sampled": FREE}
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
-        name: {"plain": [], "ngram": []} for name in [*workloads, "batch"]
-    }
+    singles = ["plain", "ngram", *(["draft", "self_draft"] if args.draft_model else [])]
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {name: {s: [] for s in singles} for name in workloads}
+    runs["batch"] = {"plain": [], "ngram": []}
     counters: dict[str, Any] = {}
-    common.log(f"loading two engines on {model_path} (plain and n-gram speculative)")
+    common.log(f"loading {len(singles)} engines on {model_path} ({', '.join(singles)})")
     async with contextlib.AsyncExitStack() as stack:
         engines = {
             "plain": await stack.enter_async_context(Engine.open(model_path, **options)),
             "ngram": await stack.enter_async_context(Engine.open(model_path, **speculative)),
         }
+        if args.draft_model:
+            import tempfile
+
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="draft-")))
+            draft_path = truncated_model(model_path, args.draft_layers, folder / "draft")
+            for system, draft in (("draft", draft_path), ("self_draft", model_path)):
+                draft_options = {"speculative_method": "draft_model", "speculative_model": str(draft), **options}
+                engines[system] = await stack.enter_async_context(Engine.open(model_path, **draft_options))
         for engine in engines.values():  # warm-up
             await engine.chat([{"role": "user", "content": "Hi"}], _chat_params(args, 4))
-        total = args.repeats * (2 * sum(len(p) for p in workloads.values()) + 2)
+        total = args.repeats * (len(singles) * sum(len(p) for p in workloads.values()) + 2)
         with common.Progress("speculative runs", total) as progress:
             for repeat in range(args.repeats):
                 order = ["plain", "ngram"] if repeat % 2 == 0 else ["ngram", "plain"]
+                single_order = singles[repeat % len(singles) :] + singles[: repeat % len(singles)]
                 for name, prompts in workloads.items():
                     for index, prompt in enumerate(prompts):
                         params = single
                         if name == "sampled":
                             params = _chat_params(args, args.output_len, sampled=True, seed=100 * repeat + index)
                         pair = {}
-                        for system in order:
+                        for system in single_order:
                             before = engines[system].statistics()
                             result = await _one(engines[system], prompt, params)
                             result.update(common.statistics_delta(before, engines[system].statistics()))
@@ -187,13 +234,14 @@ async def _measure(args: argparse.Namespace, model_path: Path) -> dict[str, Any]
                                 f"{result['tokens_per_s']:.1f} tok/s, ITL {result['itl'] * 1e3:.1f} ms, "
                                 f"{result.get('num_steps')} steps"
                             )
-                        same = pair["plain"]["token_ids"] == pair["ngram"]["token_ids"]
-                        if not same and name != "sampled":
-                            common.log(f"note: greedy outputs differ on a {name} request (numerics of the batch)")
                         for system, result in pair.items():
+                            same = result["token_ids"] == pair["plain"]["token_ids"]
+                            if not same and name != "sampled":
+                                common.log(f"note: greedy outputs differ on a {name} request ({system})")
                             result["same_tokens"] = same
-                            del result["token_ids"]
                             runs[name][system].append(result)
+                        for result in pair.values():
+                            del result["token_ids"]
                 prompts = [REPETITIVE[i % len(REPETITIVE)] for i in range(args.batch)]
                 for system in order:
                     before = engines[system].statistics()
@@ -202,15 +250,21 @@ async def _measure(args: argparse.Namespace, model_path: Path) -> dict[str, Any]
                     runs["batch"][system].append(result)
                     progress.update()
                     common.log(f"  batch {system}: {result['tokens_per_s']:.1f} tok/s")
-        stats = engines["ngram"].statistics()
-        counters = {
-            "drafts": stats.spec_num_drafts,
-            "draft_tokens": stats.spec_draft_tokens,
-            "accepted_tokens": stats.spec_accepted_tokens,
-            "acceptance_rate": stats.spec_acceptance_rate,
-            "acceptance_rate_per_position": list(stats.spec_acceptance_rate_per_position),
-        }
-    return {"runs": runs, "counters": counters}
+        for system in singles[1:]:
+            stats = engines[system].statistics()
+            counters[system] = {
+                "drafts": stats.spec_num_drafts,
+                "draft_tokens": stats.spec_draft_tokens,
+                "accepted_tokens": stats.spec_accepted_tokens,
+                "acceptance_rate": stats.spec_acceptance_rate,
+                "acceptance_rate_per_position": list(stats.spec_acceptance_rate_per_position),
+            }
+    # "counters": the n-gram engine's (as before draft models); the draft-model engines' beside it.
+    return {
+        "runs": runs,
+        "counters": counters["ngram"],
+        "draft_counters": {k: v for k, v in counters.items() if k != "ngram"},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,14 +275,20 @@ def main(argv: list[str] | None = None) -> int:
     info = common.machine_info()
     model_path = common.resolve_model(args.model)
     measured = anyio.run(_measure, args, model_path, backend=args.backend)
-    runs, counters = measured["runs"], measured["counters"]
+    runs, counters = measured["runs"], {"ngram": measured["counters"], **measured["draft_counters"]}
 
     rows = []
     ratios: dict[str, dict[str, float | None]] = {}
     notes: list[str] = []
+    labels = {
+        "plain": "plain",
+        "ngram": "n-gram",
+        "draft": f"draft ({args.draft_layers} layers)",
+        "self_draft": "self-draft",
+    }
     for name in ("repetitive", "free", "sampled"):
         plain, fast = runs[name]["plain"], runs[name]["ngram"]
-        for system, system_runs in (("plain", plain), ("n-gram", fast)):
+        for system, system_runs in ((labels[s], runs[name][s]) for s in runs[name]):
             accepted = sum(r.get("spec_accepted_tokens", 0) for r in system_runs)
             drafted = sum(r.get("spec_draft_tokens", 0) for r in system_runs)
             rows.append(
@@ -253,10 +313,20 @@ def main(argv: list[str] | None = None) -> int:
         }
         notes.append(common.per_round_note(name, "decode tokens/s n-gram / plain", decode))
         notes.append(common.per_round_note(name, "end-to-end tokens/s n-gram / plain", speed))
+        for system in [s for s in runs[name] if s not in ("plain", "ngram")]:
+            decode_ratio = common.per_round_ratios(runs[name][system], plain, "decode_tokens_per_s")
+            speed_ratio = common.per_round_ratios(runs[name][system], plain, "tokens_per_s")
+            ratios[f"{name} {system}"] = {
+                "decode_tokens_per_s": common.median(decode_ratio),
+                "tokens_per_s": common.median(speed_ratio),
+                "itl": common.median(common.per_round_ratios(runs[name][system], plain, "itl", ours_first=False)),
+            }
+            notes.append(common.per_round_note(name, f"decode tokens/s {labels[system]} / plain", decode_ratio))
         if name != "sampled":
-            same = all(r["same_tokens"] for r in fast)
-            verdict = "identical" if same else "NOT identical"
-            notes.append(f"{name}: greedy outputs {verdict} with and without speculation")
+            for system in [s for s in runs[name] if s != "plain"]:
+                same = all(r["same_tokens"] for r in runs[name][system])
+                verdict = "identical" if same else "NOT identical"
+                notes.append(f"{name}: greedy outputs {verdict} with and without speculation ({labels[system]})")
     batch_plain, batch_fast = runs["batch"]["plain"], runs["batch"]["ngram"]
     batch_rows = [
         [system, common.median_of_runs(system_runs, "tokens_per_s"), common.median_of_runs(system_runs, "seconds")]
@@ -265,11 +335,13 @@ def main(argv: list[str] | None = None) -> int:
     batch_ratios = common.per_round_ratios(batch_fast, batch_plain, "tokens_per_s")
     ratios["batch"] = {"tokens_per_s": common.median(batch_ratios)}
     notes.append(common.per_round_note(f"batch {args.batch}", "throughput n-gram / plain", batch_ratios))
-    per_position = ", ".join(f"{rate:.2f}" for rate in counters["acceptance_rate_per_position"])
-    notes.append(
-        f"n-gram engine over the whole run: {counters['drafts']} drafts, {counters['draft_tokens']} draft tokens, "
-        f"{counters['accepted_tokens']} accepted ({counters['acceptance_rate']:.2f}); per position: {per_position}"
-    )
+    for system, count in counters.items():
+        per_position = ", ".join(f"{rate:.2f}" for rate in count["acceptance_rate_per_position"])
+        notes.append(
+            f"{labels[system]} engine over the whole run: {count['drafts']} drafts, {count['draft_tokens']} draft "
+            f"tokens, {count['accepted_tokens']} accepted ({count['acceptance_rate']:.2f}); "
+            f"per position: {per_position}"
+        )
     notes.append("figures from a machine shared with other work: noisy; the per-round ratios show the spread")
 
     common.print_header(
@@ -298,6 +370,11 @@ def main(argv: list[str] | None = None) -> int:
                 [name, ratios[name]["decode_tokens_per_s"], ratios[name]["tokens_per_s"], ratios[name]["itl"]]
                 for name in ("repetitive", "free", "sampled")
             ]
+            + [
+                [f"{name.split()[0]}: {labels[name.split()[1]]} / plain", *ratios[name].values()]
+                for name in ratios
+                if " " in name and not name.startswith("batch")
+            ]
             + [[f"batch {args.batch} (throughput)", None, ratios["batch"]["tokens_per_s"], None]],
         )
     )
@@ -319,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
             },
             "results": runs,
             "ratios": ratios,
-            "counters": counters,
+            "counters": counters["ngram"],
+            "draft_counters": {k: v for k, v in counters.items() if k != "ngram"},
             "notes": notes,
         },
     )

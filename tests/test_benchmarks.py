@@ -579,9 +579,16 @@ def test_tensor_parallel_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.
 
 
 def test_speculative_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out, result = run("speculative", ["--model", str(tiny_llama)], tmp_path, capsys)
-    for row in ("| repetitive ", "| free ", "| sampled ", "| batch 4 ", "| n-gram "):
+    argv = ["--model", str(tiny_llama), "--draft-model", "--draft-layers", "1"]
+    out, result = run("speculative", argv, tmp_path, capsys)
+    rows = ("| repetitive ", "| free ", "| sampled ", "| batch 4 ", " n-gram |", " draft (1 layers) |", " self-draft |")
+    for row in rows:
         assert row in out
+    for system in ("draft", "self_draft"):
+        assert all(len(result["results"][w][system]) == 2 for w in ("repetitive", "free", "sampled"))
+        counters = result["draft_counters"][system]
+        assert counters["draft_tokens"] >= counters["accepted_tokens"] > 0
+    assert result["draft_counters"]["self_draft"]["acceptance_rate"] > 0.9
     assert "decode tokens/s n-gram / plain per round" in out and "noisy" in out
     for workload in ("repetitive", "free", "sampled"):
         assert workload == "sampled" or f"{workload}: greedy outputs identical" in out

@@ -144,7 +144,7 @@ async def test_a_runner_that_cannot_verify_drafts_is_refused_at_start() -> None:
 
 
 async def test_bad_speculative_options_are_refused_at_open() -> None:
-    with pytest.raises(ValueError, match="speculative_method must be 'ngram' or None"):
+    with pytest.raises(ValueError, match="speculative_method must be 'ngram', 'draft_model' or None"):
         Engine.open(runner=ScriptedRunner(SCRIPT), tokenizer=ByteTokenizer(), speculative_method="eagle")
     with pytest.raises(ValueError, match="num_speculative_tokens must be <= 16"):
         Engine.open(runner=ScriptedRunner(SCRIPT), tokenizer=ByteTokenizer(), num_speculative_tokens=17)

@@ -355,6 +355,7 @@ class EngineCore:
                 grammar=s.request.grammar,
                 pooling=s.request.pooling,
                 num_draft=len(s.draft),
+                num_propose=s.num_propose,
             )
             for s in step.scheduled
         ]

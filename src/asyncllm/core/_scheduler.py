@@ -50,6 +50,9 @@ class ScheduledRequest:
     draft: list[int] = field(default_factory=list)
     """Speculative decoding: the draft fed after the request's newest token (the last ``len(draft)`` of
     the ``num_new_tokens``); the step verifies it."""
+    num_propose: int = 0
+    """``speculative_method="draft_model"``: how many tokens the runner's draft model proposes after the
+    token this step samples (``SequenceInput.num_propose``); their slots are allocated."""
 
 
 @dataclass(slots=True)
@@ -175,7 +178,9 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break
-            scheduled.append(self._scheduled(request, num_new, draft))
+            item = self._scheduled(request, num_new, draft)
+            self._reserve_proposal(item, len(self.running))
+            scheduled.append(item)
             budget -= num_new
             index += 1
         # Admitting new work right after a preemption would only thrash the cache. (Preempting
@@ -216,12 +221,32 @@ class Scheduler:
                 self.running.append(request)
             else:
                 bisect.insort(self.running, request, key=rank)
-            scheduled.append(self._scheduled(request, num_new))
+            item = self._scheduled(request, num_new)
+            self._reserve_proposal(item, len(self.running))
+            scheduled.append(item)
             budget -= num_new
         if not scheduled:  # no step to carry them: they go with the next one that runs
             return SchedulerOutput([])
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(scheduled, finished)
+
+    def _reserve_proposal(self, item: ScheduledRequest, num_running: int) -> None:
+        """``"draft_model"``: give a sampling step the slots its draft model's proposal passes write.
+
+        The draft model runs ``k`` single-token passes after the step's token, at the positions of that
+        token and of the first ``k - 1`` proposed ones: slots up to ``k`` past the step's last fed token
+        (a verified draft's token lands at most there). Those KV entries are scratch: the next step
+        feeds the same positions and writes them again. Slots that are not free mean no proposal:
+        a proposal never preempts anyone.
+        """
+        speculator = self.speculator
+        if speculator is None or not item.sample:
+            return
+        request = item.request
+        count = speculator.num_propose(request, num_running)
+        if count and self.kv_cache.allocate_slots(request, request.num_computed_tokens + count) is not None:
+            item.num_propose = count
+            speculator.awaiting(request)
 
     def _preempt_outranked(self, request: Request, scheduled: list[ScheduledRequest], evicted: list[Request]) -> bool:
         """Priority policy: preempt the worst-ranked running request if ``request`` outranks it.
@@ -241,6 +266,8 @@ class Scheduler:
                 del scheduled[index]
                 if item.sample:  # the token it would have sampled is not coming after all
                     victim.num_pending_tokens -= 1
+                if item.num_propose and victim.drafting is not None:  # nor the proposal
+                    victim.drafting.awaiting_proposal = False
                 break
         self._preempt(victim)
         evicted.append(victim)
@@ -285,6 +312,7 @@ class Scheduler:
             if item.draft:
                 verified = (step_output.verified or {}).get(request.request_id)
                 events.append(self._verified(item, verified))
+                self._take_proposal(item, step_output)
                 continue
             if item.epoch == request.epoch:  # not preempted since: its KV really is there
                 request.num_confirmed_tokens = max(request.num_confirmed_tokens, item.start + item.num_new_tokens)
@@ -307,6 +335,7 @@ class Scheduler:
             finish_reason = request.append_token(token_id)
             if finish_reason is not None:
                 self.finish(request, finish_reason)
+            self._take_proposal(item, step_output)
             events.append(
                 TokenEvent(
                     request,
@@ -317,6 +346,16 @@ class Scheduler:
                 )
             )
         return events
+
+    def _take_proposal(self, item: ScheduledRequest, step_output: StepOutput) -> None:
+        """Hand the draft model's proposal for ``item`` (made after its step's last token) to the speculator."""
+        if not item.num_propose or self.speculator is None:
+            return
+        request = item.request
+        proposal = (step_output.proposals or {}).get(request.request_id)
+        # Preempted since (its KV is gone, the proposal with it) or ended: no proposal.
+        usable = item.epoch == request.epoch and not request.finished
+        self.speculator.proposed(request, proposal[: item.num_propose] if proposal and usable else None)
 
     def _verified(self, item: ScheduledRequest, verified: VerifiedDraft | None) -> TokenEvent:
         """Take a drafted step's tokens: the accepted draft, then the one sampled after it.

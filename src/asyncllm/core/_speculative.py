@@ -32,8 +32,11 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     from asyncllm.core._request import Request
 
-SpeculativeMethod = Literal["ngram"]
-"""The proposers: ``"ngram"`` (prompt lookup, no extra model)."""
+SpeculativeMethod = Literal["ngram", "draft_model"]
+"""The proposers: ``"ngram"`` (prompt lookup, no extra model) and ``"draft_model"`` (a small model of the
+same vocabulary, run by the model runner beside the target: ``SequenceInput.num_propose``)."""
+
+SPECULATIVE_METHODS: tuple[SpeculativeMethod, ...] = ("ngram", "draft_model")
 
 MAX_SPECULATIVE_TOKENS = 16
 """The most draft tokens one step may carry for one request."""
@@ -73,8 +76,8 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
-            raise ValueError(f"speculative_method must be 'ngram' or None, got {self.method!r}")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be 'ngram', 'draft_model' or None, got {self.method!r}")
         for name in ("num_tokens", "ngram_min", "ngram_max"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -110,6 +113,12 @@ class DraftState:
     resume_at: int = 0
     """No draft before the request has this many output tokens (a pause after failing drafts)."""
     backoff: int = INITIAL_BACKOFF
+    proposal: list[int] = field(default_factory=list)
+    """``"draft_model"``: the draft model's latest proposal, made after the request's first
+    ``proposal_base`` tokens (valid only while the request still has exactly that many)."""
+    proposal_base: int = -1
+    awaiting_proposal: bool = False
+    """``"draft_model"``: a step in flight proposes for the request (it waits for that proposal)."""
 
 
 def propose_ngram(tokens: bytearray, ngram_min: int, ngram_max: int, num_tokens: int) -> list[int]:
@@ -204,14 +213,65 @@ class Speculator:
             state = request.drafting = DraftState(gain=float(self.config.num_tokens))
         if len(request.output_token_ids) < state.resume_at:
             return []
-        self._buffer(request, state)
         config = self.config
+        if config.method == "draft_model":
+            if request.num_pending_tokens:  # the step in flight proposes from its token: wait for it
+                return None if state.awaiting_proposal else []
+            if request.num_computed_tokens != request.num_tokens - 1 or state.proposal_base != request.num_tokens:
+                return []
+            return state.proposal[:limit]
+        self._buffer(request, state)
         if request.num_pending_tokens:
             found = propose_ngram(state.buffer, config.ngram_min, config.ngram_max, 1)
             return None if found else []
         if request.num_computed_tokens != request.num_tokens - 1:  # not decoding (a recompute): no draft
             return []
         return propose_ngram(state.buffer, config.ngram_min, config.ngram_max, limit)
+
+    def num_propose(self, request: Request, num_running: int = 1) -> int:
+        """``"draft_model"``: how many tokens the runner's draft model proposes after this step's token.
+
+        Called once the step is scheduled (its token pending, its tokens counted as computed). The count
+        the request may draft in its next step, as far as it is known now: 0 when it does not draft
+        (another method, drafts off for it or for the batch, a pause after failing drafts,
+        ``max_tokens`` or ``max_model_len`` within reach, a prefill-only request). The proposal passes
+        write positions up to ``count`` past the step's last fed token, which stay within
+        ``max_model_len``; the next step's ``draft`` cuts the proposal to what fits then.
+        """
+        if self.config.method != "draft_model" or request.prefill_only:
+            return 0
+        limit = self.config.num_tokens
+        own = request.params.num_speculative_tokens
+        if own is not None:
+            limit = min(limit, own)
+        # After this step at least one more token is in hand; one token beyond a draft must still fit.
+        in_hand = len(request.output_token_ids) + request.num_pending_tokens
+        limit = min(
+            limit,
+            request.params.max_tokens - in_hand - 1,
+            request.max_total_tokens - request.num_computed_tokens - 1,
+        )
+        busy = self.config.disable_by_batch_size is not None and num_running > self.config.disable_by_batch_size
+        state = request.drafting
+        if busy or limit < 1 or (state is not None and len(request.output_token_ids) + 1 < state.resume_at):
+            return 0
+        return limit
+
+    def proposed(self, request: Request, token_ids: list[int] | None) -> None:
+        """``"draft_model"``: take the proposal a step returned for ``request`` (None: it made none)."""
+        state = request.drafting
+        if state is None:
+            state = request.drafting = DraftState(gain=float(self.config.num_tokens))
+        state.awaiting_proposal = False
+        state.proposal = token_ids or []
+        state.proposal_base = request.num_tokens if token_ids else -1
+
+    def awaiting(self, request: Request) -> None:
+        """``"draft_model"``: the step being scheduled proposes for ``request``."""
+        state = request.drafting
+        if state is None:
+            state = request.drafting = DraftState(gain=float(self.config.num_tokens))
+        state.awaiting_proposal = True
 
     def _buffer(self, request: Request, state: DraftState) -> None:
         known = request.num_tokens

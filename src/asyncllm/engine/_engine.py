@@ -195,6 +195,11 @@ class Engine:
                 f"speculative_method={speculative.method!r} needs a model runner that verifies drafts; "
                 f"this one ({info.description or type(runner).__name__}) does not"
             )
+        if speculative is not None and speculative.method == "draft_model" and not info.draft_model:
+            raise ValueError(
+                'speculative_method="draft_model" needs a model runner that runs a draft model; '
+                f"this one ({info.description or type(runner).__name__}) does not"
+            )
         scheduler = Scheduler(
             kv_cache,
             max_num_seqs=self.options.max_num_seqs,

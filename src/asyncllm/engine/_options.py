@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncllm.core._priority import SCHEDULING_POLICIES, SchedulingPolicy
-from asyncllm.core._speculative import SpeculativeConfig
+from asyncllm.core._speculative import SPECULATIVE_METHODS, SpeculativeConfig
 from asyncllm.engine._input_processor import RequestLimits
 from asyncllm.worker._memory import check_kv_cache_memory
 
@@ -205,12 +205,20 @@ class EngineOptions:
     )
     speculative_method: str | None = field(
         default=None,
-        metadata=_doc("""Speculative decoding: None (off) or "ngram" (prompt lookup: a request in decode feeds,
+        metadata=_doc("""Speculative decoding: None (off), "ngram" (prompt lookup: a request in decode feeds,
         after its newest token, the tokens that followed the latest earlier occurrence of its last
         tokens in its prompt and output; the model verifies them in the same forward, so a step may
-        yield several tokens). Outputs keep their distribution (greedy outputs are the same
-        tokens); a request whose drafts are seldom accepted stops drafting for a while. See
+        yield several tokens) or "draft_model" (a small model of the same vocabulary,
+        speculative_model, proposes them). Outputs keep their distribution (greedy outputs are the
+        same tokens); a request whose drafts are seldom accepted stops drafting for a while. See
         docs/speculative.md."""),
+    )
+    speculative_model: str | None = field(
+        default=None,
+        metadata=_doc("""With speculative_method="draft_model", the draft model: a local HF-format folder
+        (config.json, *.safetensors, tokenizer files) of a family the engine runs, whose tokenizer is
+        the target's. It runs beside the target on the device thread, its KV cache in the same blocks
+        (a block's memory counts both). Not with tensor_parallel_size > 1."""),
     )
     num_speculative_tokens: int = field(
         default=4,
@@ -286,8 +294,23 @@ class EngineOptions:
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64
         ):
             raise ValueError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
-        if self.speculative_method is not None and self.speculative_method != "ngram":
-            raise ValueError(f"speculative_method must be 'ngram' or None, got {self.speculative_method!r}")
+        if self.speculative_method is not None and self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_method must be 'ngram', 'draft_model' or None, got {self.speculative_method!r}"
+            )
+        if self.speculative_model is not None and (
+            not isinstance(self.speculative_model, str) or not self.speculative_model.strip()
+        ):
+            raise ValueError(
+                f"speculative_model must be a local folder (a non-empty str) or None, got {self.speculative_model!r}"
+            )
+        if self.speculative_method == "draft_model" and self.speculative_model is None:
+            raise ValueError('speculative_method="draft_model" needs speculative_model (the draft model\'s folder)')
+        if self.speculative_model is not None and self.speculative_method != "draft_model":
+            raise ValueError(
+                'speculative_model is for speculative_method="draft_model", '
+                f"got speculative_method={self.speculative_method!r}"
+            )
         SpeculativeConfig(
             num_tokens=self.num_speculative_tokens,
             ngram_min=self.speculative_ngram_min,
@@ -300,7 +323,7 @@ class EngineOptions:
         if self.speculative_method is None:
             return None
         return SpeculativeConfig(
-            method="ngram",
+            method="draft_model" if self.speculative_method == "draft_model" else "ngram",
             num_tokens=self.num_speculative_tokens,
             ngram_min=self.speculative_ngram_min,
             ngram_max=self.speculative_ngram_max,

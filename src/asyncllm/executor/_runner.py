@@ -53,6 +53,10 @@ class RunnerInfo:
     speculative: bool = False
     """The runner verifies drafts (``SequenceInput.num_draft``, ``StepOutput.verified``); without it an
     engine with ``speculative_method`` refuses to start."""
+    draft_model: bool = False
+    """The runner runs a draft model beside the target (``SequenceInput.num_propose``,
+    ``StepOutput.proposals``); without it an engine with ``speculative_method="draft_model"`` refuses
+    to start."""
     sliding_group: tuple[int, int] | None = None
     """A hybrid model (sliding and global layers) whose sliding layers free the blocks that leave their
     window: ``(window, blocks of the sliding layers' pool)``. ``num_kv_blocks`` is then the global
@@ -110,6 +114,10 @@ class SequenceInput:
     sequence then samples, and every token before the draft is known: no ``PLACEHOLDER``). The runner
     verifies them against the distribution at each position and returns what it accepted, then one
     token of its own, in ``StepOutput.verified``."""
+    num_propose: int = 0
+    """Speculative decoding with a draft model (``RunnerInfo.draft_model``): after the step's token, the
+    runner's draft model proposes this many tokens (``StepOutput.proposals``), running at the positions
+    of that token and of the first ``num_propose - 1`` proposed ones; ``block_table`` has their slots."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +165,9 @@ class StepOutput:
     verified: dict[int, VerifiedDraft] | None = None
     """Per request id that fed a draft (``SequenceInput.num_draft``), what verifying it produced; its
     entry in ``sampled_token_ids`` (and ``logprobs``) is the last of those tokens."""
+    proposals: dict[int, list[int]] | None = None
+    """Per request id with ``SequenceInput.num_propose``, the draft model's proposal: the tokens it
+    guesses follow the last token this step produced for the request."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -202,6 +202,8 @@ class TorchModelRunner:
         """This rank's place in the model (``models._parallel``), once loaded."""
         self.collectives: ProcessGroupCollectives | None = None
         """The ranks' collectives (with the time spent in them), once loaded; None with one rank."""
+        self.draft: DraftModel | None = None
+        """``speculative_method="draft_model"``: the draft model beside the target, once loaded."""
         self._tables: TableSync | None = None  # rank 0: what the other ranks hold of the block tables
         self._hidden: torch.Tensor | None = None  # other ranks: the last step's final hidden states
 
@@ -316,6 +318,8 @@ class TorchModelRunner:
         assert backend is not None
         eos_token_ids = load_eos_token_ids(self.model_path, config)
         self.sampler = Sampler(device, model.spec.vocab_size, eos_token_ids, self.options.seed, self.ops)
+        if self.options.speculative_method == "draft_model":
+            self.draft = self._load_draft(config, model, backend.name)
         hybrid = self._frees_hybrid(spec)
         if hybrid:  # the probe's table covers both groups
             self.sliding_batch = InputBatch(self.block_size, max_num_seqs=self.options.max_num_seqs)
@@ -354,6 +358,15 @@ class TorchModelRunner:
                 max_num_seqs=self.options.max_num_seqs,
                 max_blocks_per_seq=-(-longest // self.block_size),
             )
+        if self.draft is not None:  # fresh rows, as wide as the target's
+            self.draft.batch, self.draft.pass_batch = (
+                InputBatch(
+                    self.block_size,
+                    max_num_seqs=self.options.max_num_seqs,
+                    max_blocks_per_seq=-(-longest // self.block_size),
+                )
+                for _ in range(2)
+            )
         if device.type == "cuda" and isinstance(backend, TritonAttentionBackend):  # every kernel variant, now
             global_layers = spec.sliding_window is not None and spec.uniform_sliding_window is None
             backend.warm_up(num_heads=model.local_heads[0], head_dim=spec.head_dim, dtype=dtype,
@@ -391,7 +404,65 @@ class TorchModelRunner:
             sliding_group=self.sliding_group,
             long_rope_length=spec.rotary.long_from_position if spec.rotary and spec.rotary.long_inv_freq else None,
             speculative=True,
+            draft_model=self.draft is not None,
         )
+
+    def _load_draft(self, config: Any, model: DecoderForCausalLM, backend_name: str) -> DraftModel:
+        """Load ``speculative_model`` beside the target, after checking it can draft for it.
+
+        Raises:
+            ValueError: The folder is not a model, its family is not one the engine runs, its vocabulary
+                or tokenizer differs from the target's, either model has a sliding window or LongRoPE,
+                or the target is split over ranks.
+        """
+        path = Path(str(self.options.speculative_model))
+        if not (path / "config.json").is_file():
+            raise ValueError(f"speculative_model {str(path)!r} is not a local model folder (no config.json)")
+        if self.parallel.sharded:
+            raise ValueError('speculative_method="draft_model" does not run with tensor_parallel_size > 1')
+        draft_config = load_config(path)
+        try:
+            spec = model_spec(draft_config)
+        except (NotImplementedError, ValueError, KeyError) as exc:
+            raise ValueError(f"speculative_model {str(path)!r}: an unsupported draft model ({exc})") from exc
+        target = model.spec
+        if spec.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"speculative_model {str(path)!r} has a vocabulary of {spec.vocab_size} tokens, the target "
+                f"{target.vocab_size}: a draft model must share the target's tokenizer"
+            )
+        check_same_tokenizer(self.model_path, path)
+        for name, checked in (("the target", target), ("the draft model", spec)):
+            if checked.sliding_window is not None:
+                raise ValueError(
+                    f'speculative_method="draft_model": {name} has a sliding window (not supported: the draft '
+                    "attends to the whole context through the target's block tables)"
+                )
+            if checked.rotary is not None and checked.rotary.long_inv_freq is not None:
+                raise ValueError(f'speculative_method="draft_model": {name} uses LongRoPE (not supported)')
+        draft = load_model(
+            spec,
+            checkpoint_tensors(path),
+            device=self.device,
+            dtype=self.dtype,
+            fuse_projections=self.switches.fuse_projections,
+        )
+        draft.fused_norm = self.switches.fused_norm
+        draft.backend = backend = create_backend(
+            backend_name,
+            device=self.device,
+            dtype=self.dtype,
+            head_dim=spec.head_dim,
+            num_kv_heads=draft.local_heads[1],
+            sliding_window=None,
+            requested=True,
+            attn_softcap=spec.attn_softcap,
+        )
+        packed = self.switches.packed_gemm
+        if packed is not False and self.device.type == "cpu" and self.dtype == torch.float32:
+            draft.pack_weights(None if packed is True else packed, greedy_head=False)
+        logger.info("draft model %s: %s, %d layers", path, spec.architecture, spec.num_layers)
+        return DraftModel(draft, backend, InputBatch(self.block_size, max_num_seqs=self.options.max_num_seqs))
 
     def _capture_graphs(self, model: DecoderForCausalLM, max_seq_len: int) -> DecodeGraphs:
         assert self.backend is not None
@@ -413,9 +484,12 @@ class TorchModelRunner:
         return graphs
 
     def _kv_bytes_per_block(self, model: DecoderForCausalLM, dtype: torch.dtype) -> int:
-        spec = model.spec
         element = torch.tensor([], dtype=dtype).element_size()
-        return 2 * spec.num_layers * self.block_size * model.local_heads[1] * spec.head_dim * element
+        # A draft model's KV lives in the same blocks: a block costs both.
+        models = [model] if self.draft is None else [model, self.draft.model]
+        return sum(
+            2 * m.spec.num_layers * self.block_size * m.local_heads[1] * m.spec.head_dim * element for m in models
+        )
 
     def _frees_hybrid(self, spec: DecoderSpec) -> bool:
         """Whether the sliding layers of a hybrid model get a pool of their own that frees: always, for a
@@ -445,6 +519,10 @@ class TorchModelRunner:
             blocks = sliding_blocks if sliding_blocks is not None and spec.layer_is_sliding(index) else num_blocks
             shape = (blocks * self.block_size, *heads)
             caches.append((self._zeros(shape), self._zeros(shape)))
+        if self.draft is not None:  # the draft's KV, indexed by the same slots
+            draft, self.draft.kv_caches = self.draft.model, []
+            shape = (num_blocks * self.block_size, draft.local_heads[1], draft.spec.head_dim)
+            self.draft.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in range(draft.spec.num_layers)]
         return caches
 
     def _zeros(self, shape: tuple[int, int, int]) -> torch.Tensor:
@@ -571,6 +649,8 @@ class TorchModelRunner:
             self.sliding_batch.remove(batch.finished_request_ids)
         for request_id in batch.finished_request_ids:
             self._pool_sums.pop(request_id, None)
+        if self.draft is not None:
+            self.draft.forget(batch.finished_request_ids)
         if not batch.sequences:
             return PendingStep.done(StepOutput([]))
         try:
@@ -660,6 +740,9 @@ class TorchModelRunner:
             token_ids, logprobs, verified = self._sample_and_verify(model, hidden, step.sample_index, sampling)
         elif rows is not None:
             token_ids, logprobs = self._sample(model, rows, sampling, sample_logits)
+        proposals = None
+        if self.draft is not None:
+            token_ids, proposals = self._run_draft(sequences, plan, fill, sampling, token_ids, verified)
         host_ids = ops.to_host(token_ids) if isinstance(token_ids, torch.Tensor) else token_ids
         clock.mark()
         event = ops.record()  # after the clock's last mark: once it is complete, so are the clock's events
@@ -673,7 +756,7 @@ class TorchModelRunner:
             host_ids=host_ids,
             event=event,
             clock=clock,
-            rest=(logprobs, prompt_logprobs, failed or None, pooled, verified),
+            rest=(logprobs, prompt_logprobs, failed or None, pooled, verified, proposals),
         )
 
     def _pool(
@@ -760,7 +843,9 @@ class TorchModelRunner:
         flat = np.concatenate(
             [np.arange(sample_index[row] - sampling[row].num_draft, sample_index[row] + 1) for row in drafted]
         )
-        results = self.sampler.verify(model.logits(hidden[ops.to_device(flat)]), [sampling[row] for row in drafted])
+        drafted_seqs = [sampling[row] for row in drafted]
+        draft_probs = None if self.draft is None else [self.draft.probs_of(seq) for seq in drafted_seqs]
+        results = self.sampler.verify(model.logits(hidden[ops.to_device(flat)]), drafted_seqs, draft_probs)
         verified: dict[int, VerifiedDraft] = {}
         for row, result in zip(drafted, results):
             verified[sampling[row].request_id] = result
@@ -768,6 +853,98 @@ class TorchModelRunner:
             if result.logprobs is not None:
                 logprobs[row] = result.logprobs[-1]
         return token_ids, logprobs if any(entry is not None for entry in logprobs) else None, verified
+
+    def _draft_forward(self, step: StepInputs, fill: IdFill | None = None) -> torch.Tensor:
+        draft = self.draft
+        assert draft is not None
+        n = step.num_tokens
+        ids_positions = self.ops.to_device(np.concatenate((step.input_ids, step.positions)))
+        if fill is not None:  # placeholders: the previous step's samples, gathered on the device
+            ids_positions[fill[0]] = fill[1]
+        meta = draft.backend.build_metadata(step)
+        hidden: torch.Tensor = draft.model(ids_positions[:n], ids_positions[n : 2 * n], draft.kv_caches, meta)
+        return hidden
+
+    def _run_draft(
+        self,
+        sequences: list[SequenceInput],
+        plan: list[tuple[int, int]],
+        fill: IdFill | None,
+        sampling: list[SequenceInput],
+        token_ids: torch.Tensor | list[int],
+        verified: dict[int, VerifiedDraft] | None,
+    ) -> tuple[torch.Tensor | list[int], dict[int, list[int]] | None]:
+        """The draft model's share of a step: its KV for every token the target keeps, then its proposals.
+
+        The first pass feeds each sequence's tokens as the target was fed them, without the draft
+        tokens it rejected (their positions are fed again later), in the same slots: the draft's KV is
+        as complete as the target's at every position the target keeps, so the same block tables,
+        prefix-cache hits, preemptions and trims cover both. A sequence with ``num_propose`` also feeds
+        the token the step produced, whose logits give the first proposed token; ``num_propose - 1``
+        more single-token passes each feed the previous proposal (``Sampler.propose`` picks each).
+        What those passes write lies at positions the next step feeds again: scratch.
+
+        Returns:
+            The step's sampled ids (brought to the host when a sequence proposes: the passes feed
+            them) and the proposals by request id (None when no sequence proposes).
+        """
+        draft = self.draft
+        assert draft is not None and self.sampler is not None
+        proposing = [row for row, seq in enumerate(sampling) if seq.num_propose > 0]
+        host: list[int] = []
+        if proposing:
+            host = self.ops.tolist(token_ids) if isinstance(token_ids, torch.Tensor) else list(token_ids)
+        new_token = {sampling[row].request_id: int(host[row]) for row in proposing}
+        first: list[SequenceInput] = []
+        own_lengths: list[int] = []
+        for seq in sequences:
+            own = len(seq.token_ids) - seq.num_draft
+            result = None if verified is None or not seq.num_draft else verified.get(seq.request_id)
+            kept = list(seq.token_ids[: own + (0 if result is None else len(result.token_ids) - 1)])
+            proposes = seq.request_id in new_token and seq.sample
+            if proposes:
+                kept.append(new_token[seq.request_id])
+            own_lengths.append(own)
+            first.append(dataclasses.replace(seq, token_ids=kept, num_draft=0, sample=proposes, pooling=None))
+        step = draft.batch.prepare(first)
+        draft_fill = None
+        if plan and fill is not None:  # the placeholder is each such sequence's last own token
+            rows = step.query_start_loc[np.array([index for index, _ in plan])] + np.array(
+                [own_lengths[index] - 1 for index, _ in plan]
+            )
+            draft_fill = (self.ops.to_device(rows), fill[1])
+        hidden = self._draft_forward(step, draft_fill)
+        if not proposing:
+            return token_ids, None
+        active = [seq for seq in first if seq.sample]
+        proposals: dict[int, list[int]] = {seq.request_id: [] for seq in active}
+        probs: dict[int, list[torch.Tensor]] = {seq.request_id: [] for seq in active}
+        positions = {seq.request_id: seq.start_position + len(seq.token_ids) - 1 for seq in active}
+        depth = 0
+        while True:
+            logits = draft.model.logits(hidden[self.ops.to_device(step.sample_index)])
+            chosen, qs = self.sampler.propose(logits, active)
+            for seq, token, q in zip(active, chosen, qs):
+                proposals[seq.request_id].append(token)
+                if q is not None:
+                    probs[seq.request_id].append(q)
+            depth += 1
+            active = [seq for seq in active if seq.num_propose > depth]
+            if not active:
+                break
+            passes = [
+                dataclasses.replace(
+                    seq,
+                    token_ids=[proposals[seq.request_id][-1]],
+                    start_position=positions[seq.request_id] + depth,
+                )
+                for seq in active
+            ]
+            step = draft.pass_batch.prepare(passes)
+            hidden = self._draft_forward(step)
+        for rid, tokens in proposals.items():
+            draft.pending[rid] = (positions[rid] + 1, tokens, torch.stack(probs[rid]) if probs[rid] else None)
+        return host, proposals
 
     def _sample(
         self,
@@ -916,6 +1093,83 @@ class TorchModelRunner:
             torch.cuda.empty_cache()
 
 
+class DraftModel:
+    """A draft model beside the target (``speculative_method="draft_model"``), on the device thread.
+
+    Its KV tensors are indexed by the target's slots (the same block tables); its passes have their
+    own ``InputBatch`` rows.
+
+    Args:
+        model: The loaded draft model.
+        backend: Its attention backend (its own heads).
+        batch: Rows for its passes until the cache is sized (the activation probe's step).
+    """
+
+    def __init__(self, model: DecoderForCausalLM, backend: AttentionBackend[Any], batch: InputBatch) -> None:
+        self.model = model
+        self.backend = backend
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.batch = batch
+        """The rows of each step's first draft pass (every sequence of the step)."""
+        self.pass_batch = batch
+        """The rows of the later proposal passes (replaced by a batch of its own after the KV sizing)."""
+        self.pending: dict[int, tuple[int, list[int], torch.Tensor | None]] = {}
+        """Per request, its latest proposal: the position of its first token, the tokens, and the
+        [tokens, vocab] distributions they were drawn from (None when greedy)."""
+
+    def forget(self, request_ids: list[int]) -> None:
+        """Drop finished requests' proposals and proposal rows."""
+        for request_id in request_ids:
+            self.pending.pop(request_id, None)
+        self.batch.remove(request_ids)
+        if self.pass_batch is not self.batch:
+            self.pass_batch.remove(request_ids)
+
+    def probs_of(self, seq: SequenceInput) -> torch.Tensor | None:
+        """The distributions ``seq``'s draft was drawn from, when it is this model's latest sampled proposal.
+
+        A draft that is not (another position, other tokens: never, as the scheduler feeds the latest
+        proposal) is verified as a point mass.
+        """
+        held = self.pending.pop(seq.request_id, None)
+        if held is None:
+            return None
+        position, tokens, probs = held
+        if probs is None:
+            return None
+        draft = list(seq.token_ids[len(seq.token_ids) - seq.num_draft :])
+        start = seq.start_position + len(seq.token_ids) - seq.num_draft
+        if position != start or tokens[: len(draft)] != draft:
+            return None
+        return probs[: len(draft)]
+
+
+def check_same_tokenizer(target: Path, draft: Path) -> None:
+    """Refuse a draft model whose tokenizer is not the target's (the same token for every id).
+
+    Raises:
+        ValueError: Either folder has no ``tokenizer.json``, or their vocabularies (added tokens
+            included) differ.
+    """
+    from tokenizers import Tokenizer
+
+    vocabularies = []
+    for folder in (target, draft):
+        file = folder / "tokenizer.json"
+        if not file.is_file():
+            raise ValueError(
+                f'speculative_method="draft_model" compares the tokenizers of the target and the draft: '
+                f"{str(folder)!r} has no tokenizer.json"
+            )
+        vocabularies.append(Tokenizer.from_file(str(file)).get_vocab(with_added_tokens=True))
+    if vocabularies[0] != vocabularies[1]:
+        differing = sorted(set(vocabularies[0].items()) ^ set(vocabularies[1].items()))[:3]
+        raise ValueError(
+            f"speculative_model {str(draft)!r} has another tokenizer than the target's (e.g. {differing}): "
+            "a draft model must share the target's vocabulary"
+        )
+
+
 def _without_draft(seq: SequenceInput) -> SequenceInput:
     """``seq`` with its draft tokens left out (the tokens that are the request's own)."""
     if not seq.num_draft:
@@ -937,7 +1191,8 @@ class PendingStep:
         host_ids: Where the ids arrive on the host (a list when already there).
         event: Recorded after the step's last launch; complete once ``host_ids`` holds the ids.
         clock: The step's timings, added when the step completes.
-        rest: The logprobs, prompt logprobs, failures, pooled vectors and verified drafts of the ``StepOutput``.
+        rest: The logprobs, prompt logprobs, failures, pooled vectors, verified drafts and draft-model
+            proposals of the ``StepOutput``.
     """
 
     def __init__(
@@ -955,6 +1210,7 @@ class PendingStep:
             dict[int, str] | None,
             dict[int, PooledVector] | None,
             dict[int, VerifiedDraft] | None,
+            dict[int, list[int]] | None,
         ],
     ) -> None:
         self._runner = runner
@@ -969,7 +1225,7 @@ class PendingStep:
     @classmethod
     def done(cls, output: StepOutput) -> PendingStep:
         """A step whose output is known already (an empty batch)."""
-        pending = cls(None, sample_rows={}, device_ids=None, host_ids=[], event=None, clock=None, rest=(None,) * 5)
+        pending = cls(None, sample_rows={}, device_ids=None, host_ids=[], event=None, clock=None, rest=(None,) * 6)
         pending._output = output
         return pending
 

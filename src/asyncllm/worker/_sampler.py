@@ -650,7 +650,12 @@ class Sampler:
 
     # -- speculative decoding --------------------------------------------------------------------
 
-    def verify(self, logits: torch.Tensor, sequences: Sequence[SequenceInput]) -> list[VerifiedDraft]:
+    def verify(
+        self,
+        logits: torch.Tensor,
+        sequences: Sequence[SequenceInput],
+        draft_probs: Sequence[torch.Tensor | None] | None = None,
+    ) -> list[VerifiedDraft]:
         """Verify the drafts of a step's drafted sequences (see the module docstring).
 
         Args:
@@ -658,6 +663,11 @@ class Sampler:
                 newest token and after each of its draft tokens. Not modified.
             sequences: The sequences with ``num_draft`` > 0; ``record`` has seen their tokens up to the
                 draft (not the draft itself).
+            draft_probs: Per sequence, None for a draft that was not drawn at random (an n-gram's, a
+                greedy draft model's: a point mass, the default), or the [num_draft, vocab] distributions
+                q the draft tokens were drawn from (a draft model sampling). A token d drawn from q is
+                accepted with probability min(1, p(d) / q(d)); at a rejection the token is drawn from
+                max(0, p - q), normalised: the emitted tokens follow p either way.
 
         Returns:
             Per sequence, the accepted draft tokens and the token sampled after them, with logprobs
@@ -665,24 +675,62 @@ class Sampler:
         """
         results: list[VerifiedDraft | None] = [None] * len(sequences)
         together: list[tuple[int, int]] = []  # (sequence, first row) of those verified in one pass
+        qs: Sequence[torch.Tensor | None] = draft_probs if draft_probs is not None else [None] * len(sequences)
         offset = 0
         for index, seq in enumerate(sequences):
             state = self._state(seq)
             rows = logits[offset : offset + seq.num_draft + 1]
+            q = None if state.params.greedy else qs[index]
             if state.tokens is not None:
-                results[index] = self._verify_in_order(rows.float(), seq, state)
+                results[index] = self._verify_in_order(rows.float(), seq, state, q)
             else:
                 together.append((index, offset))
             offset += seq.num_draft + 1
         if together:
             drafted = [sequences[index] for index, _ in together]
-            verified = self._verify_together(logits, drafted, [offset for _, offset in together])
+            together_qs = [None if self._state(sequences[i]).params.greedy else qs[i] for i, _ in together]
+            verified = self._verify_together(logits, drafted, [offset for _, offset in together], together_qs)
             for (index, _), result in zip(together, verified):
                 results[index] = result
         return [result for result in results if result is not None]
 
+    def propose(
+        self, logits: torch.Tensor, sequences: Sequence[SequenceInput]
+    ) -> tuple[list[int], list[torch.Tensor | None]]:
+        """A draft model's next proposed token per row, and the distribution it was drawn from.
+
+        Greedy requests propose the argmax of the draft's logits (a point mass: ``verify``'s plain rule).
+        The others draw from q, the draft's logits with the request's temperature, ``min_p`` and
+        ``top_k``/``top_p``; masks, biases, penalties and grammars are left to verification (q may be
+        any distribution: the target's rules reject what they forbid), so q is cheap to compute.
+
+        Args:
+            logits: [rows, vocab] the draft model's logits.
+            sequences: The sequence of each row (requests the sampler knows: they sampled this step).
+
+        Returns:
+            The proposed ids, and per row q as a [vocab] probability tensor (None for greedy rows).
+        """
+        states = [self._state(seq) for seq in sequences]
+        scores = self._target_scores(logits.float(), states)
+        token_ids = self.ops.tolist(row_argmax(scores))
+        qs: list[torch.Tensor | None] = [None] * len(states)
+        random_rows = [row for row, state in enumerate(states) if not state.params.greedy]
+        if random_rows:
+            rows = self._rows(scores, random_rows)
+            drawn = self.ops.tolist(self._race(rows, [states[row] for row in random_rows], None))
+            probs = torch.softmax(rows, dim=-1)
+            for index, row in enumerate(random_rows):
+                token_ids[row] = int(drawn[index])
+                qs[row] = probs[index]
+        return [int(token) for token in token_ids], qs
+
     def _verify_together(
-        self, logits: torch.Tensor, sequences: list[SequenceInput], offsets: list[int]
+        self,
+        logits: torch.Tensor,
+        sequences: list[SequenceInput],
+        offsets: list[int],
+        qs: list[torch.Tensor | None],
     ) -> list[VerifiedDraft]:
         """Verify drafts whose stages do not read the history: every position of every draft in one pass."""
         # One row per position: the sequence as plain decoding would have fed it up to that position.
@@ -710,17 +758,24 @@ class Sampler:
             p_draft = self.ops.tolist(probs[torch.arange(len(draft_rows), device=self.device), self._index(draft_ids)])
         results: list[VerifiedDraft] = []
         finals: list[tuple[int, int | None]] = []  # per sequence: the row it samples at, the id it excludes
+        residuals: dict[int, torch.Tensor] = {}  # per sequence rejecting a drawn draft: q at the rejection
         cursor = 0
-        for first, draft in zip(firsts, drafts):
+        for index, (first, draft, q) in enumerate(zip(firsts, drafts, qs)):
             state = states[first]
             if state.params.greedy:
                 accepted = _greedy_run(draft, argmax[first : first + len(draft)])
             else:
                 uniform = self.ops.tolist(self._uniform(state, len(draft)))
-                accepted = _accepted_run(uniform, p_draft[cursor : cursor + len(draft)])
+                ratios = p_draft[cursor : cursor + len(draft)]
+                if q is not None:  # accepted with probability min(1, p(d) / q(d))
+                    q_draft = self.ops.tolist(q[torch.arange(len(draft), device=q.device), self._index(draft)])
+                    ratios = [p / qd if qd > 0 else (1.0 if p > 0 else 0.0) for p, qd in zip(ratios, q_draft)]
+                accepted = _accepted_run(uniform, ratios)
+                if q is not None and accepted < len(draft):
+                    residuals[index] = q[accepted]
             cursor += len(draft)
             finals.append((first + accepted, draft[accepted] if accepted < len(draft) else None))
-        drawn = self._draw_excluding(scores, states, finals, argmax)
+        drawn = self._draw_excluding(scores, states, finals, argmax, residuals)
         for seq, first, draft, (row, _), token in zip(sequences, firsts, drafts, finals, drawn):
             tokens = [*draft[: row - first], token]
             logprobs = None
@@ -742,9 +797,12 @@ class Sampler:
             row += seq.num_draft + 1
         return firsts
 
-    def _verify_in_order(self, logits: torch.Tensor, seq: SequenceInput, state: _RequestState) -> VerifiedDraft:
+    def _verify_in_order(
+        self, logits: torch.Tensor, seq: SequenceInput, state: _RequestState, q: torch.Tensor | None = None
+    ) -> VerifiedDraft:
         """Verify one draft position by position, recording each accepted token before the next position's
-        stages run (penalties count it, a grammar consumes it; a token the grammar refuses has p = 0)."""
+        stages run (penalties count it, a grammar consumes it; a token the grammar refuses has p = 0).
+        ``q``: the distributions the draft was drawn from (see ``verify``), or None."""
         fed = len(seq.token_ids) - seq.num_draft
         draft = list(seq.token_ids[fed:])
         tokens: list[int] = []
@@ -765,10 +823,17 @@ class Sampler:
                 scores = self._target_scores(processed, [state])
                 if not last:
                     p_draft = float(torch.softmax(scores, dim=-1)[0, draft[position]])
-                    if uniform[position] < p_draft:
+                    ratio = p_draft
+                    if q is not None:
+                        q_draft = float(q[position, draft[position]])
+                        ratio = p_draft / q_draft if q_draft > 0 else (1.0 if p_draft > 0 else 0.0)
+                    if uniform[position] < ratio:
                         tokens.append(draft[position])
                         continue
-                    scores[0, draft[position]] = _NEG_INF
+                    if q is not None:
+                        scores = _residual(scores, q[position : position + 1], draft[position])
+                    else:
+                        scores[0, draft[position]] = _NEG_INF
                 tokens.append(int(self.ops.tolist(self._race(scores, [state], None))[0]))
                 break
             tokens.append(draft[position])
@@ -828,9 +893,11 @@ class Sampler:
         states: list[_RequestState],
         finals: list[tuple[int, int | None]],
         argmax: list[int],
+        residuals: dict[int, torch.Tensor] | None = None,
     ) -> list[int]:
         """Each sequence's token after its accepted run: the argmax (greedy), else a draw from its row of
-        ``scores`` without the rejected draft token, if any."""
+        ``scores`` without the rejected draft token, if any; for a sequence in ``residuals`` (its draft
+        was drawn from q, given at the rejected position), from max(0, p - q) normalised."""
         tokens = [0] * len(finals)
         draws: list[tuple[int, int, int | None]] = []  # position in finals, row, excluded id
         for position, (row, excluded) in enumerate(finals):
@@ -840,8 +907,11 @@ class Sampler:
                 draws.append((position, row, excluded))
         if draws:
             rows = scores[self._index([row for _, row, _ in draws])]
-            for index, (_, _, excluded) in enumerate(draws):
-                if excluded is not None:
+            for index, (position, _, excluded) in enumerate(draws):
+                residual = None if residuals is None else residuals.get(position)
+                if residual is not None and excluded is not None:
+                    rows[index : index + 1] = _residual(rows[index : index + 1], residual[None, :], excluded)
+                elif excluded is not None:
                     rows[index, excluded] = _NEG_INF
             drawn = self.ops.tolist(self._race(rows, [states[row] for _, row, _ in draws], None))
             for (position, _, _), token in zip(draws, drawn):
@@ -938,6 +1008,18 @@ def compute_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, nums: Sequ
             token_ids.tolist(), chosen[:, 0].tolist(), ranks.tolist(), top_ids, top_values, nums
         )
     ]
+
+
+def _residual(scores: torch.Tensor, q: torch.Tensor, excluded: int) -> torch.Tensor:
+    """[1, vocab] log-scores of max(0, p - q), p = softmax(scores): what a rejected draft token drawn from
+    q is replaced from. Where rounding leaves nothing (p == q, so a rejection was all but impossible),
+    p without the rejected token."""
+    residual = (torch.softmax(scores, dim=-1) - q.to(scores.dtype)).clamp_(min=0.0)
+    if float(residual.sum()) <= 0.0:
+        fallback = scores.clone()
+        fallback[0, excluded] = _NEG_INF
+        return fallback
+    return residual.log()
 
 
 def _greedy_run(draft: Sequence[int], argmax: Sequence[int]) -> int:
