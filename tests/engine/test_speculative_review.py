@@ -8,11 +8,13 @@ depends on the model's logits.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from asyncllm import Engine, SamplingParams
 from asyncllm.engine._stream import RequestStream
+from asyncllm.testing import ByteTokenizer, ScriptedRunner
 
 pytestmark = pytest.mark.anyio
 
@@ -39,3 +41,25 @@ async def test_a_seeded_sampled_request_does_not_depend_on_what_else_runs(tiny_l
     assert together == alone
     async with Engine.open(tiny_llama, device="cpu", kv_cache_blocks=64, max_num_batched_tokens=4) as plain:
         assert await _token_ids(plain.stream(PROMPT, seeded)) == alone  # as without speculation
+
+
+SCRIPT = b"the cat sat on the mat. the cat sat on the hat. a dog sat on the cat. "
+SCRIPTED_PROMPT = "the cat sat on the mat. the cat sat on the hat. a dog"
+
+
+async def _scripted_run(params: SamplingParams, **options: Any) -> tuple[list[int], int]:
+    runner = ScriptedRunner(SCRIPT)
+    async with Engine.open(runner=runner, tokenizer=ByteTokenizer(), **options) as engine:
+        token_ids = await _token_ids(engine.stream(SCRIPTED_PROMPT, params))
+        stats = engine.statistics()
+    return token_ids, stats.num_generated_tokens
+
+
+async def test_tokens_dropped_after_a_stop_string_are_not_counted_as_generated() -> None:
+    # A verified draft that runs past a stop string: the tokens after it never reach the stream, as
+    # plain decoding never generates them; statistics() counted them all the same.
+    params = SamplingParams(max_tokens=200, ignore_eos=True, stop=("the ha",))  # completed inside a draft
+    plain, plain_count = await _scripted_run(params)
+    fast, fast_count = await _scripted_run(params, speculative_method="ngram", num_speculative_tokens=8)
+    assert fast == plain
+    assert fast_count == plain_count == len(plain)
