@@ -11,9 +11,9 @@ requests, greedy unless said otherwise (so both produce the same tokens):
 - single stream, repetitive: chat requests asking to rewrite a given passage (Python code, then prose)
   with a small edit, so the answer mostly repeats the prompt: the workload prompt lookup is for;
 - single stream, free: chat requests for a story, where little of the output repeats the prompt;
-- single stream, sampled: the same at temperature 1 (seeded, ``ignore_eos``, so both engines generate
-  ``--output-len`` tokens, though not the same ones): drafts are seldom accepted, the case the
-  per-request back-off is for;
+- single stream, sampled: the same at temperature 1 (unseeded: a seeded request does not draft;
+  ``ignore_eos``, so both engines generate ``--output-len`` tokens, though not the same ones): drafts
+  are seldom accepted, the case the per-request back-off is for;
 - throughput at ``--batch`` concurrent requests (the rewrite requests, all at once): where the device is
   busy with the batch anyway and drafts add compute.
 
@@ -174,11 +174,11 @@ async def _batch(engine: Any, prompts: list[str], params: Any) -> dict[str, Any]
     return {"tokens_per_s": sum(counts) / elapsed, "output_tokens": sum(counts), "seconds": elapsed}
 
 
-def _chat_params(args: argparse.Namespace, max_tokens: int, *, sampled: bool = False, seed: int = 0) -> Any:
+def _chat_params(args: argparse.Namespace, max_tokens: int, *, sampled: bool = False) -> Any:
     from asyncllm import SamplingParams
 
     if sampled:
-        return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, ignore_eos=True)
+        return SamplingParams(max_tokens=max_tokens, temperature=1.0, ignore_eos=True)
     # --quick runs a tiny random model, which may end at once: it generates its tokens regardless.
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=args.quick)
 
@@ -218,10 +218,10 @@ async def _measure(args: argparse.Namespace, model_path: Path) -> dict[str, Any]
                 order = ["plain", "ngram"] if repeat % 2 == 0 else ["ngram", "plain"]
                 single_order = singles[repeat % len(singles) :] + singles[: repeat % len(singles)]
                 for name, prompts in workloads.items():
-                    for index, prompt in enumerate(prompts):
+                    for prompt in prompts:
                         params = single
                         if name == "sampled":
-                            params = _chat_params(args, args.output_len, sampled=True, seed=100 * repeat + index)
+                            params = _chat_params(args, args.output_len, sampled=True)
                         pair = {}
                         for system in single_order:
                             before = engines[system].statistics()
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         [
             f"model: {common.model_summary(model_path)} ({args.dtype}, {args.device})",
             f"single stream: {len(REPETITIVE)} rewrite and {len(FREE)} free chat requests, greedy, at most "
-            f"{args.output_len} tokens, and the free ones sampled (temperature 1, seeded); "
+            f"{args.output_len} tokens, and the free ones sampled (temperature 1, unseeded); "
             f"batch: {args.batch} rewrite requests at once, {args.batch_output_len} "
             f"tokens each; median of {args.repeats} repeats",
         ],

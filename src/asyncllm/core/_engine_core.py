@@ -403,6 +403,7 @@ class EngineCore:
         Requests a stop string ended are finished at once. Their blocks may still be written by a
         step in flight, but any new owner's steps run after it on the same device thread.
         """
+        self.num_generated_tokens -= delivery.num_dropped_tokens  # counted when their step ended
         for failed in delivery.failed:
             for request in failed.group or [failed]:
                 self.outputs.discard(request.request_id)

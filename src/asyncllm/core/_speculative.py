@@ -191,8 +191,9 @@ class Speculator:
 
         Returns:
             The draft (capped so that ``max_tokens`` and ``max_model_len`` hold even if all of it is
-            accepted); ``[]`` to decode one token plainly; None to leave the request out of this step:
-            its newest token is being sampled and its tokens so far find a match, so it drafts next step.
+            accepted); ``[]`` to decode one token plainly (always for a seeded sampled request); None
+            to leave the request out of this step: its newest token is being sampled and its tokens
+            so far find a match, so it drafts next step.
         """
         limit = self.config.num_tokens
         own = request.params.num_speculative_tokens
@@ -207,6 +208,10 @@ class Speculator:
         )
         busy = self.config.disable_by_batch_size is not None and num_running > self.config.disable_by_batch_size
         if busy or limit < 1 or request.prefill_only or request.num_computed_tokens < len(request.prompt_token_ids):
+            return []
+        if request.params.seed is not None and not request.params.greedy:
+            # A seeded draw must not depend on what else runs; a draft's length does (the budget and the
+            # blocks left), and verifying it draws other random numbers. Plainly, it gets plain decoding's.
             return []
         state = request.drafting
         if state is None:

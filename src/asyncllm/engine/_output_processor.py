@@ -38,6 +38,9 @@ class Delivery:
     failed: list[Request] = field(default_factory=list)
     """Requests whose output processing failed (their stream already ended with the error): end
     them and the rest of their group with "abort"."""
+    num_dropped_tokens: int = 0
+    """Tokens of verified drafts after the one that completed a stop string: never delivered, and not
+    generated as plain decoding goes (it stops at the match), so not counted as generated."""
 
 
 @dataclass(slots=True)
@@ -90,7 +93,7 @@ class OutputProcessor:
         delivery = Delivery()
         for event in events:
             try:
-                self._deliver(event, now, delivery.stopped)
+                self._deliver(event, now, delivery)
             except Exception as exc:
                 logger.exception("asyncllm: request %d failed in output processing", event.request.request_id)
                 error = RequestFailedError(f"request failed while its output was processed: {exc!r}")
@@ -110,7 +113,7 @@ class OutputProcessor:
         """Stop routing a request's output (its stream has already ended)."""
         self._outputs.pop(request_id, None)
 
-    def _deliver(self, event: TokenEvent, now: float, stopped: list[Request]) -> None:
+    def _deliver(self, event: TokenEvent, now: float, delivery: Delivery) -> None:
         request = event.request
         output = self._outputs.get(request.request_id)
         if output is None:
@@ -133,6 +136,7 @@ class OutputProcessor:
             # Several tokens at once (a verified draft): looked at one by one, so that the tokens after
             # the one that completes a stop string are dropped, as one token per step would have.
             text, matched, kept = _stop_token_by_token(output, params, token_ids, finished=finish_reason is not None)
+            delivery.num_dropped_tokens += len(token_ids) - kept
             token_ids = token_ids[:kept]
         else:
             output.num_tokens += len(token_ids)
@@ -151,7 +155,7 @@ class OutputProcessor:
             self._record_tokens(request, output, len(token_ids), now)
         if matched is not None:
             if finish_reason is None:
-                stopped.append(request)
+                delivery.stopped.append(request)
             finish_reason, stop_reason = "stop", matched
             request.stop_reason = matched
         logprobs = None
