@@ -176,11 +176,24 @@ async def test_a_grammar_checks_the_proposals(target: Path) -> None:
 
 async def test_sampled_requests_run_and_return_every_block(target: Path, other_draft: Path) -> None:
     # Without async scheduling: each step's result is in before the next is scheduled.
-    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, ignore_eos=True, n=2, seed=3)
+    # Unseeded: a seeded sampled request never drafts (its draws must not depend on the batch).
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, ignore_eos=True, n=2)
     options: dict[str, Any] = {"speculative_method": "draft_model", "async_scheduling": False}
     outputs, stats = await run(target, params, speculative_model=str(other_draft), **options)
     assert all(len(tokens) == 16 for sample in outputs for tokens in sample)
     check_counters(stats)
+
+
+async def test_a_seeded_sampled_request_gets_plain_decodings_tokens_and_no_proposal_passes(
+    target: Path, other_draft: Path
+) -> None:
+    params = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, seed=5)
+    plain, _ = await run(target, params)
+    drafted, stats = await run(target, params, speculative_method="draft_model", speculative_model=str(other_draft))
+    assert drafted == plain
+    # Not even proposed: the draft's passes would be compute spent on a draft never verified.
+    assert stats.spec_draft_tokens == 0 and stats.spec_num_drafts == 0
+    assert stats.kv_blocks_free == stats.kv_blocks_total
 
 
 def _copy(source: Path, destination: Path) -> Path:

@@ -238,13 +238,15 @@ class Speculator:
 
         Called once the step is scheduled (its token pending, its tokens counted as computed). The count
         the request may draft in its next step, as far as it is known now: 0 when it does not draft
-        (another method, drafts off for it or for the batch, a pause after failing drafts,
+        (another method, drafts off for it or for the batch, a seeded sampled request, a pause after failing drafts,
         ``max_tokens`` or ``max_model_len`` within reach, a prefill-only request). The proposal passes
         write positions up to ``count`` past the step's last fed token, which stay within
         ``max_model_len``; the next step's ``draft`` cuts the proposal to what fits then.
         """
         if self.config.method != "draft_model" or request.prefill_only:
             return 0
+        if request.params.seed is not None and not request.params.greedy:
+            return 0  # never drafts (see ``draft``); sampling a proposal would draw from its generator too
         limit = self.config.num_tokens
         own = request.params.num_speculative_tokens
         if own is not None:
