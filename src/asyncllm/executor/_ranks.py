@@ -105,6 +105,9 @@ class SequenceDelta(msgspec.Struct, frozen=True, array_like=True):
     kept_blocks: int
     """Blocks of the table the rank holds from earlier steps that stay; 0: the table is ``new_blocks``."""
     new_blocks: list[int]
+    num_draft: int = 0
+    """``SequenceInput.num_draft``: every rank gathers the logits of the draft's rows too (verification
+    reads them on rank 0, and the vocabulary-parallel head's gather takes every rank)."""
 
 
 class StepMessage(msgspec.Struct, frozen=True, array_like=True, tag="step"):
@@ -154,11 +157,18 @@ class TableSync:
     """Rank 0's record of the block tables the other ranks hold, so that a step sends only new blocks.
 
     Both sides forget a request absent from a step, as ``InputBatch`` does: a request that comes back
-    (after a preemption, in a new epoch) is sent whole.
+    (after a preemption, in a new epoch) is sent whole. After a step that fed a draft, the blocks past
+    the draft's newest real token may have been trimmed (``KVCacheManager.trim``: rejected tokens) and
+    others allocated in their place before the next step, so those are sent again.
+
+    Args:
+        block_size: Tokens per KV block (to tell the blocks a rejected draft cannot have trimmed).
     """
 
-    def __init__(self) -> None:
-        self._known: dict[int, tuple[int, int, int, int]] = {}  # request -> (epoch, blocks, first, last)
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        # request -> (epoch, blocks that stay until the next step, its first block, its last of those)
+        self._known: dict[int, tuple[int, int, int, int]] = {}
 
     def deltas(self, sequences: Sequence[SequenceInput]) -> list[SequenceDelta]:
         """The step's sequences for the other ranks; records what they will hold afterwards."""
@@ -168,18 +178,23 @@ class TableSync:
             table = seq.block_table
             held = known.get(seq.request_id)
             kept = 0
-            # Kept only when the table grew in the same epoch: the rank's copy is a prefix of it.
+            # Kept only when the table grew in the same epoch: the rank's copy (or, after a draft, the
+            # part of it no rejection trims) is a prefix of it.
             grown = held is not None and held[0] == seq.epoch and len(table) >= held[1] > 0
             if held is not None and grown and table[0] == held[2] and table[held[1] - 1] == held[3]:
                 kept = held[1]
             out.append(
                 SequenceDelta(
                     seq.request_id, seq.epoch, seq.start_position, list(seq.token_ids), seq.sample, kept,
-                    list(table[kept:]),
+                    list(table[kept:]), seq.num_draft,
                 )
             )  # fmt: skip
-            if table:
-                now[seq.request_id] = (seq.epoch, len(table), table[0], table[-1])
+            stable = len(table)
+            if seq.num_draft:  # the blocks of the tokens before the draft stay; those past them may not
+                real = seq.start_position + len(seq.token_ids) - seq.num_draft
+                stable = min(stable, -(-real // self.block_size) - seq.block_offset)
+            if stable > 0:
+                now[seq.request_id] = (seq.epoch, stable, table[0], table[stable - 1])
         self._known = now
         return out
 
@@ -200,10 +215,11 @@ class TableMirror:
         out = []
         for delta in deltas:
             table = self._tables.get(delta.request_id, []) if delta.kept_blocks else []
-            if len(table) != delta.kept_blocks:
+            if len(table) < delta.kept_blocks:
                 raise RuntimeError(
                     f"request {delta.request_id} keeps {delta.kept_blocks} blocks, this rank holds {len(table)}"
                 )
+            del table[delta.kept_blocks :]  # after a draft: the blocks past its real tokens come again
             table.extend(delta.new_blocks)
             tables[delta.request_id] = table
             out.append(
@@ -215,6 +231,7 @@ class TableMirror:
                     sample=delta.sample,
                     params=_PARAMS,
                     epoch=delta.epoch,
+                    num_draft=delta.num_draft,
                 )
             )
         self._tables = tables
