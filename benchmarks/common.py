@@ -624,7 +624,13 @@ def statistics_delta(before: Any, after: Any) -> dict[str, Any]:
 
 def format_statistics(delta: dict[str, Any]) -> str:
     """The statistics delta on one line."""
-    return ", ".join(f"{k}={_cell(float(v)) if isinstance(v, float) else v}" for k, v in delta.items()) or "-"
+
+    def cell(value: Any) -> Any:
+        if isinstance(value, list):  # per-request results: too long for a log line
+            return f"[{len(value)} entries]"
+        return _cell(float(value)) if isinstance(value, float) else value
+
+    return ", ".join(f"{k}={cell(v)}" for k, v in delta.items()) or "-"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -925,7 +931,7 @@ class VLLMWorker:
 
     Args:
         python: The interpreter, or None (the peer is skipped).
-        mode: ``"throughput"`` or ``"latency"`` (what one repeat measures; see ``_vllm_worker.py``).
+        mode: ``"throughput"``, ``"latency"`` or ``"single"`` (what one repeat measures; see ``_vllm_worker.py``).
         model: The model folder.
         workload: The requests (latency: the first one).
         dtype: The weights' dtype.
@@ -1036,7 +1042,11 @@ class VLLMWorker:
             os.close(write_fd)  # the worker holds its own copy; end of file then means it is gone
         start = time.perf_counter()
         hello = self._reply("while loading the model")
-        if hello is not None:
+        if hello is not None and "error" in hello:  # vllm.LLM refused the options: its own words
+            self._stop()
+            self.skipped = f"vLLM refused the options {self.spec['options']}: {hello['error']}"
+            log(f"  {self.skipped}")
+        elif hello is not None:
             self.version = hello.get("version")
             log(f"vLLM worker ready (model loaded, warmed up) in {time.perf_counter() - start:.1f}s; {self._settle()}")
 
