@@ -163,6 +163,10 @@ VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max
 
 VLLM_WORKLOADS = ("repetitive", "free")
 
+VLLM_KV_BYTES = 256 << 20
+"""vLLM's KV cache per peer: one stream of at most 1,024 tokens needs about 50 MB (SmolLM2-135M), and
+two peers of the worker's default 2 GiB each do not fit beside asyncllm's engines on a small shared host."""
+
 
 def _vllm_request(result: dict[str, Any]) -> dict[str, Any]:
     """One request of vLLM's ``single`` mode as the asyncllm rows measure it."""
@@ -190,7 +194,8 @@ async def _start_vllm(
             ids = await engine.encode_chat([{"role": "user", "content": prompt}])
             workload.append(common.RequestSpec(tuple(ids), args.output_len))
     workers = {}
-    for system, options in (("plain", {}), ("ngram", {"speculative_config": VLLM_NGRAM})):
+    for system, extra in (("plain", {}), ("ngram", {"speculative_config": VLLM_NGRAM})):
+        options = {"kv_cache_memory_bytes": VLLM_KV_BYTES, **extra}
         worker = common.VLLMWorker(args.vllm_python, "single", model_path, workload, args.dtype, options)
         await common.run_blocking(worker.__enter__)  # loads the model (minutes on a busy CPU)
         stack.push(worker.__exit__)
