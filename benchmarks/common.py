@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -886,8 +887,11 @@ class VLLMResult:
     """LD_PRELOAD and the VLLM_CPU_* environment variables the worker ran with."""
 
 
+@functools.cache
 def _preload_libraries(python: str) -> list[str]:
-    """tcmalloc and Intel OpenMP, as vLLM's CPU docs advise, where they are found."""
+    """tcmalloc and Intel OpenMP, as vLLM's CPU docs advise, where they are found (looked for once per
+    interpreter: a recursive search of its site-packages takes seconds, and a benchmark may start
+    several workers)."""
     import glob
     import subprocess
 
@@ -1044,7 +1048,11 @@ class VLLMWorker:
         hello = self._reply("while loading the model")
         if hello is not None and "error" in hello:  # vllm.LLM refused the options: its own words
             self._stop()
-            self.skipped = f"vLLM refused the options {self.spec['options']}: {hello['error']}"
+            status = self._process.returncode
+            self.skipped = (
+                f"the vLLM worker failed while loading the model (exit status {status}): vllm.LLM with the "
+                f"options {self.spec['options']} raised {hello['error']}"
+            )
             log(f"  {self.skipped}")
         elif hello is not None:
             self.version = hello.get("version")

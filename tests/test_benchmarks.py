@@ -611,7 +611,8 @@ def test_speculative_quick(
     workers = result["vllm"]["workers"]
     assert workers["plain"]["version"] == "0.0.0+fake" and workers["plain"]["skipped"] is None
     assert "NotImplementedError: fake vLLM: speculative decoding is not supported" in workers["ngram"]["skipped"]
-    assert "vLLM n-gram speculation: not run: vLLM refused the options" in out
+    assert "vLLM n-gram speculation: not run: the vLLM worker failed while loading the model" in out
+    assert "speculative_config" in workers["ngram"]["skipped"]
     for workload in ("repetitive", "free"):
         plain = result["vllm"]["results"][workload]["plain"]
         assert len(plain) == 2 and all(r["output_tokens"] == 12 and positive(r["tokens_per_s"]) for r in plain)
