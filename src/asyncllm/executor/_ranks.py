@@ -122,6 +122,9 @@ class SequenceDelta(msgspec.Struct, frozen=True, array_like=True):
     """The sequence index of the table's first block (``SequenceInput.block_offset``)."""
     sliding: TableDelta | None = None
     """The sliding layers' table (``SequenceInput.sliding_block_table``); None without one."""
+    num_draft: int = 0
+    """``SequenceInput.num_draft``: every rank gathers the logits of the draft's rows too (verification
+    reads them on rank 0, and the vocabulary-parallel head's gather takes every rank)."""
 
 
 class StepMessage(msgspec.Struct, frozen=True, array_like=True, tag="step"):
@@ -191,15 +194,30 @@ def _kept(held: _Held | None, epoch: int, offset: int, table: Sequence[int]) -> 
     return held_end - offset
 
 
+def _held(epoch: int, offset: int, table: Sequence[int], stable_end: int | None) -> _Held | None:
+    """What a rank holds of ``table`` after the step, as far as rank 0 may count on it: up to the sequence
+    index ``stable_end`` when the step fed a draft (None: all of it); None when nothing is."""
+    end = offset + len(table) if stable_end is None else min(offset + len(table), stable_end)
+    if end <= offset:
+        return None
+    return (epoch, offset, end, table[0], table[end - offset - 1])
+
+
 class TableSync:
     """Rank 0's record of the block tables the other ranks hold, so that a step sends only new blocks.
 
     Both sides forget a request absent from a step, as ``InputBatch`` does: a request that comes back
     (after a preemption, in a new epoch) is sent whole. A hybrid model's sliding tables are recorded
-    the same way, apart.
+    the same way, apart. After a step that fed a draft, the blocks past the draft's newest real token
+    may have been trimmed (``KVCacheManager.trim``: rejected tokens) and others allocated in their place
+    before the next step, so only the blocks before them are recorded: the others are sent again.
+
+    Args:
+        block_size: Tokens per KV block (to tell the blocks a rejected draft cannot have trimmed).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
         self._known: dict[int, _Held] = {}
         self._sliding: dict[int, _Held] = {}
 
@@ -211,20 +229,27 @@ class TableSync:
         out = []
         for seq in sequences:
             rid, epoch, table, offset = seq.request_id, seq.epoch, seq.block_table, seq.block_offset
+            # The sequence index past the last block that stays until the next step (see above).
+            stable_end = None
+            if seq.num_draft:
+                real = seq.start_position + len(seq.token_ids) - seq.num_draft
+                stable_end = -(-real // self.block_size)
             kept = _kept(known.get(rid), epoch, offset, table)
-            if table:
-                now[rid] = (epoch, offset, offset + len(table), table[0], table[-1])
+            held = _held(epoch, offset, table, stable_end)
+            if held is not None:
+                now[rid] = held
             sliding = None
             if seq.sliding_block_table is not None:
                 s_table, s_offset = seq.sliding_block_table, seq.sliding_block_offset
                 s_kept = _kept(sliding_known.get(rid), epoch, s_offset, s_table)
                 sliding = TableDelta(s_offset, s_kept, list(s_table[s_kept:]))
-                if s_table:
-                    sliding_now[rid] = (epoch, s_offset, s_offset + len(s_table), s_table[0], s_table[-1])
+                s_held = _held(epoch, s_offset, s_table, stable_end)
+                if s_held is not None:
+                    sliding_now[rid] = s_held
             out.append(
                 SequenceDelta(
                     rid, epoch, seq.start_position, list(seq.token_ids), seq.sample, kept, list(table[kept:]),
-                    offset, sliding,
+                    offset, sliding, seq.num_draft,
                 )
             )  # fmt: skip
         self._known, self._sliding = now, sliding_now
@@ -243,8 +268,9 @@ def _mirror(
     if kept and held is not None and offset >= held[0]:
         table = held[1]
         del table[: offset - held[0]]
-    if len(table) != kept:
+    if len(table) < kept:
         raise RuntimeError(f"request {request_id} keeps {kept} blocks, this rank holds {len(table)}")
+    del table[kept:]  # after a draft: the blocks past its real tokens come again
     table.extend(new_blocks)
     return table
 
@@ -287,6 +313,7 @@ class TableMirror:
                     block_offset=delta.block_offset,
                     sliding_block_table=sliding_table,
                     sliding_block_offset=0 if sliding is None else sliding.block_offset,
+                    num_draft=delta.num_draft,
                 )
             )
         self._tables, self._sliding = tables, sliding_tables

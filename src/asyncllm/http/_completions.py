@@ -134,6 +134,7 @@ def sampling_params(body: SamplingRequest, *, max_tokens: int, **extra: Any) -> 
         "stop": (body.stop,) if isinstance(body.stop, str) else tuple(body.stop) if body.stop is not None else None,
         "stop_token_ids": tuple(body.stop_token_ids) if body.stop_token_ids is not None else None,
         "logit_bias": _logit_bias(body.logit_bias),
+        "num_speculative_tokens": body.num_speculative_tokens,
         **extra,
     }
     fields = SamplingParams.__struct_fields__

@@ -61,6 +61,9 @@ class SamplingRequest(msgspec.Struct, frozen=True, kw_only=True):
     """vLLM's: under ``--scheduling-policy priority`` lower values go first; elsewhere only 0."""
     prompt_logprobs: int | None = None
     """vLLM's: the log-probabilities of each prompt token and of this many alternatives."""
+    num_speculative_tokens: int | None = None
+    """The most draft tokens this request carries per step on an engine with speculative decoding
+    (``SamplingParams.num_speculative_tokens``): fewer than the engine's, or 0 for none."""
     response_format: Any = None
     """``{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}``, checked by hand
     (``structured_output``) so that each mistake is a 400 naming it."""

@@ -56,6 +56,8 @@ class ResponsesRequest(msgspec.Struct, frozen=True, kw_only=True):
     stream: bool = False
     priority: int = 0
     """vLLM's extension, as on completions."""
+    num_speculative_tokens: int | None = None
+    """The per-request draft length on an engine with speculative decoding, as on completions."""
     # Accepted and ignored: nothing is stored (``store: true`` keeps nothing).
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -330,6 +332,8 @@ class ResponsesHandler:
             sampling["temperature"] = body.temperature
         if body.top_p is not None:
             sampling["top_p"] = body.top_p
+        if body.num_speculative_tokens is not None:
+            sampling["num_speculative_tokens"] = body.num_speculative_tokens
         params = SamplingParams(**sampling)
         try:
             stream = await self.engine.open_stream(prompt_ids, params, priority=body.priority)

@@ -252,7 +252,7 @@ class TorchModelRunner:
                 abandon=None if ranks is None else ranks.failure,
             )
             self.parallel = TensorParallel(self.rank, size, self.collectives)
-            self._tables = TableSync()
+            self._tables = TableSync(self.block_size)
         # Weights are allocated once, in their dtype and fused layout, and filled a slice at a time: the
         # load's peak is the weights' size (see ``_weights.load_model``). A rank loads its shard alone.
         model = load_model(
@@ -720,11 +720,15 @@ class TorchModelRunner:
         clock.mark()
         model = self.model
         rows = hidden[ops.to_device(step.sample_index)] if len(step.sample_index) else None
-        # Split over ranks, every rank gathers the sampled rows' logits right after the forward (the other
-        # ranks know the rows from the step); prompt logprobs' rows are sent after it, one message each.
-        sample_logits = model.logits(rows) if rows is not None and self.parallel.sharded else None
         pooling = any(s.pooling is not None for s in sequences)
         drafting = any(s.num_draft for s in sequences)
+        # Split over ranks, every rank gathers the sampled rows' logits right after the forward, a draft's
+        # rows included (the other ranks know the rows from the step); prompt logprobs' rows are sent
+        # after it, one message each.
+        sample_logits = None
+        if rows is not None and self.parallel.sharded:
+            gathered = hidden[ops.to_device(logit_rows(step.sample_index, sequences))] if drafting else rows
+            sample_logits = model.logits(gathered)
         # Pooling sequences never sample: the sampler keeps no state for them. A draft is not history
         # (yet): verification records the tokens it accepts.
         fed = [_without_draft(s) for s in sequences] if drafting else sequences
@@ -737,7 +741,9 @@ class TorchModelRunner:
         logprobs = None
         verified = None
         if drafting:
-            token_ids, logprobs, verified = self._sample_and_verify(model, hidden, step.sample_index, sampling)
+            token_ids, logprobs, verified = self._sample_and_verify(
+                model, hidden, step.sample_index, sampling, sample_logits
+            )
         elif rows is not None:
             token_ids, logprobs = self._sample(model, rows, sampling, sample_logits)
         proposals = None
@@ -816,10 +822,12 @@ class TorchModelRunner:
         hidden: torch.Tensor,
         sample_index: np.ndarray[Any, Any],
         sampling: list[SequenceInput],
+        logits: torch.Tensor | None = None,
     ) -> tuple[list[int], list[PositionLogprobs | None] | None, dict[int, VerifiedDraft]]:
         """A step with drafts: plain sampling rows as usual, and each drafted sequence's draft verified
         from the logits of its last ``num_draft + 1`` positions (``Sampler.verify``). The ids come back
-        to the host here: a drafted sequence's tokens are known only after verification.
+        to the host here: a drafted sequence's tokens are known only after verification. ``logits``:
+        those of every row of ``logit_rows``, computed already (tensor parallelism).
 
         Returns:
             One id per sampling sequence (a drafted one's last token), their logprobs if asked, and
@@ -831,21 +839,29 @@ class TorchModelRunner:
         logprobs: list[PositionLogprobs | None] = [None] * len(sampling)
         plain = [row for row, seq in enumerate(sampling) if not seq.num_draft]
         drafted = [row for row, seq in enumerate(sampling) if seq.num_draft]
+        # Where each sampling sequence's rows start among ``logit_rows``' (its draft's, then its newest token's).
+        starts = np.cumsum([0] + [seq.num_draft + 1 for seq in sampling])
         if plain:
             rows = hidden[ops.to_device(sample_index[plain])]
-            sampled, plain_logprobs = self._sample(model, rows, [sampling[row] for row in plain])
+            plain_logits = None if logits is None else logits[ops.to_device(starts[plain])]
+            sampled, plain_logprobs = self._sample(model, rows, [sampling[row] for row in plain], plain_logits)
             ids = ops.tolist(sampled) if isinstance(sampled, torch.Tensor) else sampled
             for index, row in enumerate(plain):
                 token_ids[row] = int(ids[index])
                 if plain_logprobs is not None:
                     logprobs[row] = plain_logprobs[index]
         # The rows of the newest token and of each draft token: the last num_draft + 1 of the sequence.
-        flat = np.concatenate(
-            [np.arange(sample_index[row] - sampling[row].num_draft, sample_index[row] + 1) for row in drafted]
-        )
+        if logits is None:
+            flat = np.concatenate(
+                [np.arange(sample_index[row] - sampling[row].num_draft, sample_index[row] + 1) for row in drafted]
+            )
+            draft_logits = model.logits(hidden[ops.to_device(flat)])
+        else:
+            own = np.concatenate([np.arange(starts[row], starts[row + 1]) for row in drafted])
+            draft_logits = logits[ops.to_device(own)]
         drafted_seqs = [sampling[row] for row in drafted]
         draft_probs = None if self.draft is None else [self.draft.probs_of(seq) for seq in drafted_seqs]
-        results = self.sampler.verify(model.logits(hidden[ops.to_device(flat)]), drafted_seqs, draft_probs)
+        results = self.sampler.verify(draft_logits, drafted_seqs, draft_probs)
         verified: dict[int, VerifiedDraft] = {}
         for row, result in zip(drafted, results):
             verified[sampling[row].request_id] = result
@@ -1065,7 +1081,7 @@ class TorchModelRunner:
             sliding_meta = None if self.sliding_batch is None else self._metadata(self._sliding_step(sequences))
             self._hidden = hidden = self._forward(step, sliding_meta=sliding_meta)
             if len(step.sample_index):
-                self.model.logits(hidden[self.ops.to_device(step.sample_index)])
+                self.model.logits(hidden[self.ops.to_device(logit_rows(step.sample_index, sequences))])
 
     def gather_logits(self, rows: list[int]) -> None:
         """Contribute this rank's slice of the logits of ``rows`` of the last step's hidden states."""
@@ -1168,6 +1184,16 @@ def check_same_tokenizer(target: Path, draft: Path) -> None:
             f"speculative_model {str(draft)!r} has another tokenizer than the target's (e.g. {differing}): "
             "a draft model must share the target's vocabulary"
         )
+
+
+def logit_rows(sample_index: np.ndarray[Any, Any], sequences: list[SequenceInput]) -> np.ndarray[Any, Any]:
+    """The rows of a step's hidden states whose logits its sampling needs: each sampling sequence's
+    newest token's row (``sample_index``), preceded by its draft's rows where it fed one. Every rank of
+    a tensor-parallel model gathers these same rows, in this order, after the forward."""
+    drafts = [seq.num_draft for seq in sequences if seq.sample]
+    if not any(drafts):
+        return sample_index
+    return np.concatenate([np.arange(index - draft, index + 1) for index, draft in zip(sample_index, drafts)])
 
 
 def _without_draft(seq: SequenceInput) -> SequenceInput:
