@@ -285,6 +285,11 @@ class EngineOptions:
             raise ValueError(
                 "compile=True does not run with tensor_parallel_size > 1 (the collectives are not compiled)"
             )
+        if self.tensor_parallel_size > 1 and self.speculative_method == "draft_model":
+            raise ValueError(
+                'speculative_method="draft_model" does not run with tensor_parallel_size > 1 yet (the draft '
+                'model is not sharded over the ranks); "ngram" does'
+            )
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64
         ):
