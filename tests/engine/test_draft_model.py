@@ -295,3 +295,28 @@ async def test_metrics_count_the_proposals(target: Path) -> None:
         assert samples[f"asyncllm_spec_decode_acceptance_rate_per_pos{label}"] == pytest.approx(
             stats.spec_acceptance_rate_per_position[position]
         )
+
+
+async def test_a_table_cut_by_rejected_tokens_then_regrown_is_rewritten_in_the_runner(
+    target: Path, other_draft: Path
+) -> None:
+    # Rejected proposals give back several blocks at a table's end (block_size 2, 4 draft tokens plus
+    # the proposal's slots); with few free blocks the pool hands some of them back to the same table
+    # at other indices, its old last block at its old place. The runner's rows, which take a table of
+    # the same epoch for a grown one when its first and last known blocks stay, then kept stale
+    # blocks: tokens were written to and read from blocks of other positions (and other requests).
+    prompts = [
+        "def add(a, b): return",
+        "one two three four five",
+        "The quick brown fox jumps over the lazy dog",
+        "hello world and more",
+        "a b c",
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    options: dict[str, Any] = {"block_size": 2, "kv_cache_blocks": 58}
+    plain, _ = await run(target, params, prompts, **options)
+    fast, stats = await run(
+        target, params, prompts, speculative_method="draft_model", speculative_model=str(other_draft), **options
+    )
+    assert fast == plain
+    check_counters(stats)

@@ -268,3 +268,32 @@ async def test_structured_output_checks_drafts_on_the_real_model(tiny_llama: Pat
     assert fast.token_ids == plain.token_ids and fast.text == plain.text
     assert re.fullmatch("( ?one two three)+", fast.text)
     assert stats.spec_num_drafts > 0
+
+
+@pytest.mark.parametrize("block_size", [1, 2])
+async def test_a_table_keeps_its_epoch_only_while_it_grows(block_size: int) -> None:
+    # The runner's rows (InputBatch, and the ranks' table sync) take a table of the epoch they hold for
+    # a grown one after O(1) checks. A rejected draft's blocks leave the end of the table, and a tight
+    # pool hands some back to it at other indices: such a table must come in a new epoch.
+    runner = ScriptedRunner(SCRIPT, num_kv_blocks=48 // block_size, block_size=block_size)
+    options: dict[str, Any] = {"speculative_method": "ngram", "max_model_len": 48}
+    async with Engine.open(runner=runner, tokenizer=ByteTokenizer(), **options) as engine:
+
+        async def one(index: int) -> None:
+            await engine.generate(PROMPT[index * 4 : index * 4 + 6], SamplingParams(max_tokens=40, ignore_eos=True))
+
+        async with anyio.create_task_group() as group:
+            for index in range(6):
+                group.start_soon(one, index)
+        stats = engine.statistics()
+    assert stats.spec_draft_tokens > stats.spec_accepted_tokens > 0
+    held: dict[int, tuple[int, int, list[int]]] = {}
+    for step in runner.steps:
+        now = {}
+        for seq in step.sequences:
+            table = list(seq.block_table)
+            before = held.get(seq.request_id)
+            if before is not None and before[:2] == (seq.epoch, seq.block_offset):
+                assert table[: len(before[2])] == before[2], f"request {seq.request_id}'s table changed in its epoch"
+            now[seq.request_id] = (seq.epoch, seq.block_offset, table)
+        held = now

@@ -351,7 +351,8 @@ class EngineCore:
                 num_generated=len(s.request.output_token_ids) + s.request.num_pending_tokens - s.sample,
                 prompt_token_ids=s.request.prompt_token_ids,
                 bad_words_token_ids=s.request.bad_words_token_ids,
-                epoch=s.epoch,
+                # A trim cut the table: to the runner a new table, as after a preemption (both only grow).
+                epoch=s.epoch + s.request.num_table_cuts,
                 grammar=s.request.grammar,
                 pooling=s.request.pooling,
                 num_draft=len(s.draft),

@@ -69,6 +69,10 @@ class Request:
     """Tokens whose KV finished steps have written (``num_computed_tokens`` counts scheduled ones)."""
     epoch: int = 0
     """Bumped by each preemption, so results of steps scheduled before it are recognised."""
+    num_table_cuts: int = 0
+    """Times a speculative trim took blocks off the end of its table. The runner's rows take a table
+    of the same epoch for a grown one (the pool may hand a cut block back at another index), so the
+    step's ``SequenceInput.epoch`` counts these too."""
     sample_index: int = 0
     """Which of its group's ``n`` samples this request is."""
     group: list[Request] = field(default_factory=list)

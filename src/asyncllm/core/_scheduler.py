@@ -388,7 +388,8 @@ class Scheduler:
             confirmed = item.start + 1 + min(len(kept), accepted)
             request.num_confirmed_tokens = max(request.num_confirmed_tokens, confirmed)
             self.kv_cache.cache_computed_blocks(request)
-            self.kv_cache.trim(request, request.num_computed_tokens)
+            if self.kv_cache.trim(request, request.num_computed_tokens):
+                request.num_table_cuts += 1
         if finish_reason is not None:
             self.finish(request, finish_reason)
         logprobs: list[PositionLogprobs | None] | None = None

@@ -87,9 +87,10 @@ class SequenceInput:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     """``params.bad_words`` tokenized (each word alone and after a space)."""
     epoch: int = 0
-    """The request's preemption epoch. Within one epoch its ``block_table`` only grows from step to
+    """The request's table epoch. Within one epoch its ``block_table`` only grows from step to
     step (and, with a sliding window, loses leading blocks as ``block_offset`` grows); a preempted
-    request starts over, with new blocks, in a later epoch."""
+    request starts over, with new blocks, in a later epoch, and a table that a speculative trim cut
+    at its end is in a later epoch too (the engine sends the preemption epoch plus the cuts)."""
     long_rope: bool = False
     """The request is longer than ``RunnerInfo.long_rope_length``: every position of it, earlier ones
     included, rotates by LongRoPE's long frequencies (its KV was computed, or recomputed, that way)."""

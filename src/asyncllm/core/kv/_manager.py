@@ -291,22 +291,27 @@ class KVCacheManager:
                 request.block_hashes, tokens, self.block_size, request.cache_salt, long_rope=request.long_rope
             )
 
-    def trim(self, request: Request, num_tokens: int) -> None:
+    def trim(self, request: Request, num_tokens: int) -> bool:
         """Give back the blocks of the request's table past its first ``num_tokens`` tokens.
 
         Speculative decoding allocates slots for a whole draft; the blocks that only rejected draft
         tokens used return to the pool (unlisted in the prefix cache: they were never confirmed).
+
+        Returns:
+            Whether a table (either group's) lost blocks: the caller must tell the runner, whose rows
+            take a table of the same epoch for a grown one (``SequenceInput.epoch``).
         """
-        if self.sliding is not None:
-            self.sliding.trim(request, num_tokens)
+        cut = self.sliding is not None and self.sliding.trim(request, num_tokens)
         table = self._tables.get(request.request_id)
         if table is None:
-            return
+            return cut
         # The table starts at block_offset: the blocks before it left the sliding window.
         keep = max(0, blocks_needed(num_tokens, self.block_size) - self.block_offset(request.request_id))
         if len(table) > keep:
             self.pool.release(table[keep:])
             del table[keep:]
+            return True
+        return cut
 
     def block_table(self, request_id: int) -> list[int]:
         """The request's blocks in sequence order from ``block_offset`` on (empty if it holds none)."""
