@@ -16,8 +16,9 @@ Rows are claimed on a request's first step and freed when it finishes (``remove`
 from a step. A table that was rebuilt rather than grown is rewritten whole. The engine rebuilds a
 table only after a preemption, which leaves the request out of the step that preempted it (its row
 is freed) and bumps its epoch (``SequenceInput.epoch``: a new epoch rewrites the row); either is
-enough. A speculative trim that cuts a table's end bumps the epoch too. Sequences fed by hand get O(1) checks besides: a table shorter than its row, or whose first
-or last known block changed, is rewritten too. With a sliding window a table also loses leading
+enough. A speculative trim that cuts a table's end bumps the epoch too. Sequences fed by hand get
+O(1) checks besides: a table shorter than its row, or whose first or last known block changed, is
+rewritten too. With a sliding window a table also loses leading
 blocks (``SequenceInput.block_offset`` grows, once every ``block_size`` tokens at most): the row is
 then rewritten too, zeros before the offset, which costs the blocks within the window.
 """
