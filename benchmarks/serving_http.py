@@ -4,7 +4,7 @@ beside other CPU load, against vLLM's OpenAI server on the same machine.
     python benchmarks/serving_http.py [--model default] [--concurrency 32,64] [--background 0,2]
         [--requests-per-stream 2] [--max-tokens 64] [--repeats 2] [--vllm-python PATH] [--quick] [--json PATH]
 
-Servers, each a real process on a loopback port, started once and kept up (idle) while the others run:
+Servers, each a real process on a loopback port, started together once and kept up (idle) while the others run:
 - ``asyncllm``: ``asyncllm serve`` with its defaults (thread count from the usable CPUs, short OpenMP
   spin-wait).
 - ``asyncllm-spin``: the same server with ``GOMP_SPINCOUNT=300000``, GNU OpenMP's own default and what
@@ -98,11 +98,15 @@ class Server:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
-    def start(self, timeout: float = 900.0) -> None:
+    def launch(self) -> None:
+        """Start the process; :meth:`wait_ready` waits for it (the servers load at once, not one by one)."""
         with open(self.log_path, "wb") as log_file:
             self.process = subprocess.Popen(
                 self.command, env=self.env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
             )
+
+    def wait_ready(self, timeout: float = 900.0) -> None:
+        assert self.process is not None, "launch() first"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -113,6 +117,11 @@ class Server:
             except OSError:
                 time.sleep(0.5)
         raise RuntimeError(f"{self.name} did not answer within {timeout:.0f} s; see {self.log_path}")
+
+    def terminate(self) -> None:
+        """Ask the server to stop (SIGTERM to its group); :meth:`stop` waits for it."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
 
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:
@@ -275,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for server in servers:
             common.log(f"starting {server.name} ...")
-            server.start()
+            server.launch()
+        for server in servers:
+            server.wait_ready()
             asyncio.run(load_run(server.base_url, 2, 1, 8, seed=12345))  # warm-up
         for background in backgrounds:
             for concurrency in concurrencies:
@@ -296,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                         )
                         results["runs"].append(run)
     finally:
+        for server in servers:
+            server.terminate()
         for server in servers:
             server.stop()
     results["table"] = report(results["runs"], [s.name for s in servers], backgrounds, concurrencies)

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -387,15 +388,36 @@ def _orphan_script(model_dir: Path, fork: bool) -> str:
     """)
 
 
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGINT", "SIGKILL, a forked child alive"])
-def test_no_rank_outlives_its_engines_process(tiny_cache: Path, tmp_path: Path, how: str) -> None:
+ORPHAN_CASES = ("SIGKILL", "SIGINT", "SIGKILL, a forked child alive")
+
+
+@pytest.fixture(scope="module")
+def orphan_engines(tiny_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """One engine process per case of the test below, all started at once: each imports torch and starts
+    its rank (seconds), and they load side by side rather than one after the other."""
+    model_dir = _model_dir(tiny_cache, "llama-one-kv-head")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    processes: dict[str, subprocess.Popen[str]] = {}
+    try:
+        for how in ORPHAN_CASES:
+            script = tmp_path_factory.mktemp("orphan") / "engine.py"
+            script.write_text(_orphan_script(model_dir, fork="forked" in how))
+            processes[how] = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, env=env, text=True)
+        yield processes
+    finally:
+        for process in processes.values():
+            process.kill()
+            process.wait()
+            if process.stdout is not None:
+                process.stdout.close()
+
+
+@pytest.mark.parametrize("how", ORPHAN_CASES)
+def test_no_rank_outlives_its_engines_process(orphan_engines: dict[str, Any], how: str) -> None:
     # SIGKILL: the engine's process cannot clean up; its ranks read end-of-file on their lifeline and
     # exit, also when a child the application forked (inheriting every descriptor) outlives it.
     # SIGINT (Ctrl-C): the engine closes as it leaves `async with` and stops its ranks.
-    script = tmp_path / "engine.py"
-    script.write_text(_orphan_script(_model_dir(tiny_cache, "llama-one-kv-head"), fork="forked" in how))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, env=env, text=True)
+    process: subprocess.Popen[str] = orphan_engines[how]
     forked: list[int] = []
     try:
         assert process.stdout is not None
