@@ -24,7 +24,8 @@ binary search over ``query_start_loc``, so the grid (``num_tokens // BLOCK_Q + n
 keeps the launch capturable in a CUDA graph. Keys are visited in tiles of ``TILE_N`` positions that
 need not line up with the cache's blocks (each key's slot is looked up through the block table),
 with an online softmax in base 2. Head sizes that are not powers of two (80, 96) are padded to the
-next one and masked.
+next one and masked. A model that soft-caps its scores (gemma2) runs the ``SOFTCAP`` variant, the cap a
+runtime argument; the others run kernels compiled without it.
 """
 
 from __future__ import annotations
@@ -277,7 +278,6 @@ def _paged_attention_kernel(
     num_seqs,
     scale_log2e,
     sliding_window,
-    softcap,
     stride_o_tok,
     stride_o_head,
     stride_q_tok,
@@ -287,6 +287,7 @@ def _paged_attention_kernel(
     stride_v_slot,
     stride_v_head,
     stride_bt_seq,
+    softcap,  # last: amid the others, ptxas gave a variant without the cap 3 more registers
     QUERIES_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -463,9 +464,10 @@ def paged_attention(
     grid = (num_tokens // config.block_q + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-        num_seqs, scale * _LOG2E, sliding_window or 0, softcap or 0.0,
+        num_seqs, scale * _LOG2E, sliding_window or 0,
         out.stride(0), out.stride(1), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
+        softcap or 0.0,
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=config.block_m, BLOCK_Q=config.block_q, TILE_N=config.tile_n,
         SLIDING=sliding_window is not None, SOFTCAP=softcap is not None, DOT_DTYPE=dot_dtype(k_cache.dtype),

@@ -50,7 +50,6 @@ def _split_kv_kernel(
     num_seqs,
     scale_log2e,
     sliding_window,
-    softcap,
     stride_acc_split,
     stride_acc_tok,
     stride_acc_head,
@@ -64,6 +63,7 @@ def _split_kv_kernel(
     stride_v_head,
     stride_bt_seq,
     num_splits,
+    softcap,  # last: amid the others, ptxas gave a variant without the cap 3 more registers
     QUERIES_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -211,11 +211,11 @@ def split_kv_attention(
     grid = (num_tokens // config.block_q + num_seqs, num_kv_heads, num_splits)
     _split_kv_kernel[grid](
         acc, maxes, sums, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-        num_seqs, scale * _LOG2E, sliding_window or 0, softcap or 0.0,
+        num_seqs, scale * _LOG2E, sliding_window or 0,
         acc.stride(0), acc.stride(1), acc.stride(2), maxes.stride(0), maxes.stride(1),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0),
-        num_splits, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        num_splits, softcap or 0.0, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_M=config.block_m, BLOCK_Q=config.block_q, TILE_N=config.tile_n,
         SLIDING=sliding_window is not None, SOFTCAP=softcap is not None, DOT_DTYPE=dot_dtype(k_cache.dtype),
         DOT_PRECISION=dot_precision(k_cache.dtype), num_warps=config.num_warps,
