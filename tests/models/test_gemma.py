@@ -4,7 +4,8 @@ The tiny configs carry every quirk (``asyncllm.testing.tiny_models``): sliding a
 (a window of 8, shorter than most prompts), attention (gemma2) and final logit soft-caps, scaled
 embeddings, GeGLU, four offset RMSNorms per layer, ``query_pre_attn_scalar``, and (gemma3) q/k norms
 and a rope per layer type. Each runs one batch, chunked prefill, recompute preemption and prefix-cache
-hits, on the torch and cpu attention backends.
+hits, on the torch and cpu attention backends; gemma3 also on triton here, and both on triton (their
+sliding pool, gemma2's soft-capped kernels) in tests/models/test_hybrid_kv.py.
 """
 
 from __future__ import annotations
@@ -109,19 +110,4 @@ async def test_gemma3_triton_interpreter_matches_transformers(tiny_cache: Path) 
         assert engine._info is not None
         prompts = _prompts(engine._info.vocab_size, (5, 20))
         got = await stream_all(engine, prompts, GREEDY)
-    assert got == transformers_greedy(model_dir, tuple(map(tuple, prompts)), MAX_NEW_TOKENS)
-
-
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_gemma2_on_triton_gets_torch_attention(tiny_cache: Path, caplog: pytest.LogCaptureFixture) -> None:
-    # The Triton kernels have no attention soft-cap: a gemma2 model runs torch attention, and says so.
-    pytest.importorskip("triton")
-    model_dir = _model_dir(str(tiny_cache), "gemma2")
-    with caplog.at_level("INFO", logger="asyncllm"):
-        async with Engine.open(model_dir, device="cpu", attention_backend="triton") as engine:
-            assert engine._info is not None
-            assert engine._info.sliding_group is not None  # torch attention: its sliding pool frees
-            prompts = _prompts(engine._info.vocab_size, (20,))
-            got = await stream_all(engine, prompts, GREEDY)
-    assert "no attention soft-cap" in caplog.text
     assert got == transformers_greedy(model_dir, tuple(map(tuple, prompts)), MAX_NEW_TOKENS)

@@ -5,8 +5,9 @@ A hybrid model's sliding layers keep their KV in a pool of their own
 as positions leave the window; the global layers keep every block. The tests run requests longer
 than the whole sliding pool holds, so they complete only if its blocks are freed and reused, and
 compare every token with transformers (greedy, float32), with chunked prefill, prefix-cache hits and
-preemption, on the torch and cpu backends, and on triton (in the interpreter: a narrower gemma3, fewer
-tokens) with its decode steps run from the CUDA graphs' static buffers of both tables.
+preemption, on the torch and cpu backends, and on triton (in the interpreter: a narrower gemma2, its
+attention soft-capped in the kernels, fewer tokens) with its decode steps run from the CUDA graphs'
+static buffers of both tables.
 """
 
 from __future__ import annotations
@@ -119,21 +120,39 @@ async def test_preemption_with_a_sliding_group_is_token_exact(tiny_cache: Path, 
     assert got == transformers_greedy(model_dir, tuple(map(tuple, prompts)), MAX_NEW_TOKENS)
 
 
-# The triton test runs in the interpreter (seconds a step): a narrower gemma3, and few steps.
-NARROW = {"num_layers": 6, "hidden_size": 32, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 64}
+# The triton test runs in the interpreter (seconds a step): a narrower gemma2, and few steps. gemma2, not
+# gemma3: the same sliding pool and tables, and its soft-capped kernels besides (gemma3 runs on triton,
+# with its pool, in tests/models/test_gemma.py).
+NARROW = {"num_layers": 4, "hidden_size": 32, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 64}
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_triton_frees_the_sliding_group_token_exact_eagerly_and_from_graph_buffers(tiny_cache: Path) -> None:
+async def test_triton_frees_the_sliding_group_token_exact_eagerly_and_from_graph_buffers(
+    tiny_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Its kernels take each group's table (the sliding layers' metadata is the sliding pool's); decode
     # steps run from the CUDA graphs' static buffers (both tables), eagerly here, as without CUDA they can.
+    # gemma2 soft-caps its attention scores: every layer runs the kernels' soft-capped variants.
     pytest.importorskip("triton")
+    from asyncllm.backends.triton._kernels import paged_attention as paged_module
+    from asyncllm.backends.triton._kernels import split_kv_decode as split_module
     from asyncllm.worker._graphs import DecodeGraphs
     from asyncllm.worker._model_runner import TorchModelRunner
 
-    model_dir = tiny_model_path(tiny_cache, "gemma3", **NARROW)
-    # 12 whole-model blocks: the sliding pool gets 12 (2 * 4 + 2 * 2), the global one 12 * 6 - 12 * 5 = 12,
-    # 48 tokens, fewer than the two requests' 30 + 22: one is preempted and recomputed.
+    softcaps: list[float | None] = []  # the soft-cap of every attention-kernel launch
+
+    def recording(kernel: Any) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> Any:
+            softcaps.append(kwargs.get("softcap"))
+            return kernel(*args, **kwargs)
+
+        return launch
+
+    for module, name in ((paged_module, "paged_attention"), (split_module, "split_kv_attention")):
+        monkeypatch.setattr(module, name, recording(getattr(module, name)))
+    model_dir = tiny_model_path(tiny_cache, "gemma2", **NARROW)
+    # 12 whole-model blocks: the sliding pool gets 12 (2 * 4 + 2 * 2), the global one (12 * 4 - 12 * 2) / 2
+    # = 12, 48 tokens, fewer than the two requests' 30 + 22: one is preempted and recomputed.
     options = {**OPTIONS, "kv_cache_blocks": 12}
     held: list[tuple[int, int, int]] = []  # (tokens fed, sliding blocks held, global blocks) of every sequence fed
     async with Engine.open(model_dir, device="cpu", attention_backend="triton", **options) as engine:
@@ -141,6 +160,7 @@ async def test_triton_frees_the_sliding_group_token_exact_eagerly_and_from_graph
         info, runner = engine._info, engine._core.runner
         assert info is not None and info.sliding_group == (8, 12) and info.num_kv_blocks == 12
         assert isinstance(runner, TorchModelRunner) and runner.model is not None
+        assert runner.attention_backend == "triton"
         runner.graphs = DecodeGraphs(
             runner.model, runner.kv_caches, block_size=4, max_seq_len=64, max_batch=2, device=runner.device,
             use_graphs=False, sliding_group=True,
@@ -173,6 +193,7 @@ async def test_triton_frees_the_sliding_group_token_exact_eagerly_and_from_graph
         assert engine._core.scheduler.kv_cache.sliding is not None
         freed = engine._core.scheduler.kv_cache.sliding.num_window_freed_blocks
     assert preemptions > 0 and stats.prefix_cache_hits > 0 and freed > 0 and 2 in replays
+    assert softcaps and set(softcaps) == {1.5}
     # A decoding sequence holds window / block_size + 1 sliding blocks at most, mostly, while its global
     # table grows to 8; a chunk's step holds the chunk's blocks besides, and the window's edge moves only
     # with confirmed tokens (the engine schedules a step while the one before runs): at most the 4 a

@@ -72,8 +72,8 @@ def create_backend(
         num_kv_heads: The model's KV heads (the triton split-KV decision).
         sliding_window: The model's sliding window, or None.
         requested: The backend was asked for by name: a fallback is logged as a warning, not a note.
-        attn_softcap: The model soft-caps its attention scores (gemma2): triton has no kernel for it and
-            falls back to torch (logged); torch and cpu apply it.
+        attn_softcap: The model soft-caps its attention scores (gemma2): every backend applies it (triton
+            compiles its soft-capped kernel variants at warm-up).
 
     Raises:
         ValueError: ``name`` is not a backend.
@@ -89,10 +89,8 @@ def create_backend(
         name = "torch"
     if name == "torch":
         return TorchAttentionBackend(device=device, sliding_window=sliding_window)
-    if name == "triton" and attn_softcap is not None:
-        report = logger.warning if requested else logger.info
-        report("the triton attention kernels have no attention soft-cap (gemma2); using torch attention")
-        return TorchAttentionBackend(device=device, sliding_window=sliding_window)
     if name == "triton":
-        return TritonAttentionBackend(device=device, num_kv_heads=num_kv_heads, sliding_window=sliding_window)
+        return TritonAttentionBackend(
+            device=device, num_kv_heads=num_kv_heads, sliding_window=sliding_window, softcap=attn_softcap
+        )
     raise ValueError(f"no attention backend is called {name!r}; resolve the option first")

@@ -31,6 +31,10 @@ ARCHS = (90, 80)
 FP32_ARCHS = (90,)
 # (label, max_query_len, num_splits): the launch kinds; the reduce is compiled at its widest (64 splits).
 KINDS = (("decode", 1, 1), ("prefill", 2, 1), ("split-KV", 1, 64))
+# The soft-capped variants (gemma2) at its head sizes, with the window (its sliding layers: the window's
+# masks besides the cap, the most registers of its variants), in fp16 only, to keep the test within
+# CI's minutes: bf16 compiled to the same registers, no spills (docs/gpu.md).
+SOFTCAP_HEAD_SIZES = (128, 256)
 
 
 def _ptxas_available() -> bool:
@@ -44,16 +48,22 @@ def _ptxas_available() -> bool:
 
 def _configurations() -> list[tuple[str, str, CompileKey, int]]:
     """(label, dtype name, key, arch) for every configuration: 4 query heads per KV head (GQA, the usual
-    ratio; BLOCK_M is the same for 1 to 16), and a sliding window at head size 128 (Mistral, Qwen2)."""
+    ratio; BLOCK_M is the same for 1 to 16), a sliding window at head size 128 (Mistral, Qwen2), and the
+    soft-capped variants (``SOFTCAP_HEAD_SIZES``)."""
     configs = []
     for head_dim in HEAD_SIZES:
         for name, dtype in DTYPES.items():
-            windows: tuple[int | None, ...] = (None, 4096) if head_dim == 128 and name != "fp32" else (None,)
-            for window in windows:
-                shape = AttentionShape(32, 8, head_dim, dtype, 16, window)
+            variants: list[tuple[int | None, float | None]] = [(None, None)]
+            if head_dim == 128 and name != "fp32":
+                variants.append((4096, None))
+            if head_dim in SOFTCAP_HEAD_SIZES and name == "fp16":
+                variants.append((4096, 50.0))
+            for window, softcap in variants:
+                shape = AttentionShape(32, 8, head_dim, dtype, 16, window, softcap)
                 for kind, max_query_len, splits in KINDS:
                     for key in step_keys(shape, max_query_len=max_query_len, num_splits=splits):
                         label = f"{kind}{' reduce' if key.kernel == 'reduce' else ''}{' window' if window else ''}"
+                        label += " softcap" if softcap and key.kernel != "reduce" else ""
                         archs = FP32_ARCHS if name == "fp32" else ARCHS
                         configs.extend((label, name, key, arch) for arch in archs)
     # The reduce does not depend on the window: compile it once per head size and dtype.

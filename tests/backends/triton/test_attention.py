@@ -81,7 +81,7 @@ class Batch:
     def slots(table: list[int], positions: torch.Tensor) -> torch.Tensor:
         return torch.tensor(table)[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
 
-    def reference(self, sliding_window: int | None = None) -> torch.Tensor:
+    def reference(self, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """The torch backend's output (on a NaN-free copy of the cache: SDPA multiplies masked NaN by 0)."""
         decode_rows, decode_slots, decode_masks, prefills = [], [], [], []
         max_len = max((s for q, s in self.case if q == 1), default=0)
@@ -109,7 +109,7 @@ class Batch:
             prefills=tuple(prefills),
         )
         k, v = self.k_cache.nan_to_num(0.0).float(), self.v_cache.nan_to_num(0.0).float()
-        return torch_paged_attention(self.q.float(), k, v, meta, self.scale)
+        return torch_paged_attention(self.q.float(), k, v, meta, self.scale, softcap=softcap)
 
     def device_args(self) -> tuple[torch.Tensor, ...]:
         as_int = [self.query_start_loc, self.seq_lens, self.block_tables]
@@ -124,19 +124,22 @@ class Batch:
         return torch.full(self.q.shape, float("nan"), dtype=self.q.dtype, device=DEVICE)
 
 
-def _check(out: torch.Tensor, batch: Batch, sliding_window: int | None = None) -> None:
-    expected = batch.reference(sliding_window)
+def _check(out: torch.Tensor, batch: Batch, sliding_window: int | None = None, softcap: float | None = None) -> None:
+    expected = batch.reference(sliding_window, softcap)
     assert not out.isnan().any(), "the kernel left rows unwritten or read a slot it does not own"
     torch.testing.assert_close(out.float().cpu(), expected, **TOLERANCE[batch.q.dtype])
 
 
-def _run(batch: Batch, sliding_window: int | None = None, **tiles: int | None) -> torch.Tensor:
+def _run(
+    batch: Batch, sliding_window: int | None = None, softcap: float | None = None, **tiles: int | None
+) -> torch.Tensor:
     return paged_attention(
         *batch.device_args(),
         block_size=BLOCK_SIZE,
         max_query_len=batch.max_query_len,
         scale=batch.scale,
         sliding_window=sliding_window,
+        softcap=softcap,
         out=batch.poisoned_out(),
         **(tiles or TILES),
     )
@@ -210,3 +213,48 @@ def test_num_kv_splits_policy() -> None:
     assert num_kv_splits(num_seqs=1, num_kv_heads=8, max_seq_len=300, num_sms=132) == 1  # short context
     splits = num_kv_splits(num_seqs=1, num_kv_heads=8, max_seq_len=4096, num_sms=132)
     assert 1 < splits <= 4096 // 256
+
+
+# Soft-capping (gemma2): caps of the order of the scores (randn q and k of head size 64 scaled by 1/8
+# give scores of about 1, up to 4), so tanh bends most of them and saturates the largest; 50 is
+# gemma2's own cap (nearly linear here), and 0.5 saturates nearly every score.
+@pytest.mark.parametrize("softcap", [0.5, 1.5, 50.0])
+def test_paged_attention_softcap(softcap: float) -> None:
+    batch = Batch(CASES["mixed"], 4, 2, 64, torch.float32, seed=21)
+    out = _run(batch, softcap=softcap)
+    _check(out, batch, softcap=softcap)
+    # The cap is applied: even gemma2's nearly linear 50 moves the result far more than the tolerance.
+    assert (out.float().cpu() - batch.reference()).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_paged_attention_softcap_half_precision_with_a_window(dtype: torch.dtype) -> None:
+    batch = Batch(CASES["mixed"], 4, 2, 64, dtype, seed=22)
+    _check(_run(batch, sliding_window=7, softcap=1.5), batch, sliding_window=7, softcap=1.5)
+
+
+@pytest.mark.parametrize(("dtype", "window"), [(torch.float32, None), (torch.float16, 20)], ids=["fp32", "fp16-window"])
+def test_split_kv_softcap(dtype: torch.dtype, window: int | None) -> None:
+    batch = Batch(CASES["decode"], 4, 1, 64, dtype, seed=23)
+    out = split_kv_attention(
+        *batch.device_args(),
+        block_size=BLOCK_SIZE,
+        max_query_len=1,
+        scale=batch.scale,
+        num_splits=3,
+        sliding_window=window,
+        softcap=1.5,
+        out=batch.poisoned_out(),
+        **TILES,
+    )
+    _check(out, batch, sliding_window=window, softcap=1.5)
+
+
+@pytest.mark.parametrize("softcap", [0.0, -1.0, float("inf"), float("nan")])
+def test_softcap_must_be_positive_and_finite(softcap: float) -> None:
+    batch = Batch(CASES["decode"][:1], 4, 2, 64, torch.float32)
+    with pytest.raises(ValueError, match="softcap"):
+        _run(batch, softcap=softcap)
+    with pytest.raises(ValueError, match="softcap"):
+        split_kv_attention(*batch.device_args(), block_size=BLOCK_SIZE, max_query_len=1, scale=batch.scale,
+                           num_splits=2, softcap=softcap)  # fmt: skip

@@ -10,6 +10,7 @@ backend's warm-up launches exactly those keys.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -133,5 +134,38 @@ def test_warm_up_launches_every_reachable_key(monkeypatch: pytest.MonkeyPatch) -
     unwindowed = set(reachable_keys(AttentionShape(8, 2, 64, torch.float16, 16), max_model_len=4096, max_num_seqs=8,
                                     num_sms=132))  # fmt: skip
     assert {key for key, _, _ in launches} == wanted | unwindowed and unwindowed - wanted
+    for key, signature, launch_dtype in launches:
+        assert signature == expected_signature(key.kernel, launch_dtype), key
+
+
+def test_soft_capped_variants_are_their_own_and_warmed_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gemma2: a soft-capped model's backend warms up (and its layers launch) the SOFTCAP variants only,
+    with the cap a float argument never specialised on: the same keys as without, but for SOFTCAP."""
+    launches: list[tuple[CompileKey, tuple[Any, ...], torch.dtype]] = []
+    for name, (module, attr) in KERNELS.items():
+        monkeypatch.setattr(module, attr, Recorder(name, getattr(module, attr), launches))
+    backend = TritonAttentionBackend(device=torch.device("cpu"), num_kv_heads=2, sliding_window=32, softcap=50.0)
+    count = backend.warm_up(num_heads=8, head_dim=64, dtype=torch.float16, block_size=16, max_model_len=4096,
+                            max_num_seqs=8, num_sms=132, global_layers=True)  # fmt: skip
+    capped = AttentionShape(8, 2, 64, torch.float16, 16, 32, 50.0)
+    per_shape = [reachable_keys(shape, max_model_len=4096, max_num_seqs=8, num_sms=132)
+                 for shape in (capped, dataclasses.replace(capped, sliding_window=None))]  # fmt: skip
+    wanted = {key for keys in per_shape for key in keys}
+    assert {key for key, _, _ in launches} == wanted and count == sum(map(len, per_shape))
+    plain = set(reachable_keys(dataclasses.replace(capped, softcap=None), max_model_len=4096, max_num_seqs=8,
+                               num_sms=132))  # fmt: skip
+    # The attention keys differ in SOFTCAP; the reduce has no soft-cap and is shared.
+    assert wanted & plain and all(key.kernel == "reduce" for key in wanted & plain)
+    assert all(dict(key.constexprs).get("SOFTCAP", True) for key in wanted)
+    # A step of the model, decode and prefill, split or not: the keys and specialisation warm-up compiled.
+    launches.clear()
+    for tokens, splits in ((1, 1), (1, 4), (5, 1)):
+        step = step_inputs([_seq(i, tokens, 300) for i in range(3)], 16)
+        meta = build_metadata(step, num_kv_heads=2, device=torch.device("cpu"), num_kv_splits=splits,
+                              sliding_window=32)  # fmt: skip
+        q = torch.zeros(step.num_tokens, 8, 64, dtype=torch.float16)
+        k_cache = torch.zeros(40 * 64 * 16, 2, 64, dtype=torch.float16)
+        backend.attend(q, q, q, (k_cache, k_cache), meta, 0.125, softcap=50.0)
+    assert {key for key, _, _ in launches} <= wanted
     for key, signature, launch_dtype in launches:
         assert signature == expected_signature(key.kernel, launch_dtype), key

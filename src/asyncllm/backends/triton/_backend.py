@@ -30,6 +30,8 @@ class TritonAttentionBackend(AttentionBackend[TritonAttentionMetadata]):
         device: Where the kernels run (CUDA; the CPU only in triton's interpreter).
         num_kv_heads: The model's KV heads (the split-KV decision).
         sliding_window: The model's sliding window, or None.
+        softcap: The model's attention soft-cap (gemma2), or None: its kernel variants are the ones
+            ``warm_up`` compiles (each ``attend`` still takes the layer's own).
     """
 
     name = "triton"
@@ -38,10 +40,18 @@ class TritonAttentionBackend(AttentionBackend[TritonAttentionMetadata]):
     captures_graphs = True
     runs_fused_moe = True
 
-    def __init__(self, *, device: torch.device, num_kv_heads: int, sliding_window: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        device: torch.device,
+        num_kv_heads: int,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> None:
         self.device = device
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
+        self.softcap = softcap
 
     def build_metadata(self, step: StepInputs) -> TritonAttentionMetadata:
         """The step's metadata, copied to the device without waiting (``backends.triton._launchers.build_metadata``)."""
@@ -65,17 +75,15 @@ class TritonAttentionBackend(AttentionBackend[TritonAttentionMetadata]):
         sliding: bool = True,
         softcap: float | None = None,
     ) -> Tensor:
-        """The paged-attention kernel, or the split-KV kernels where the metadata asks for splits.
+        """The paged-attention kernel, or the split-KV kernels where the metadata asks for splits; with
+        ``softcap``, their soft-capped variants (a constexpr: models without one run kernels without it).
 
         Raises:
-            NotImplementedError: ``softcap`` is set: the kernels have none (``create_backend`` picks the
-                torch backend for soft-capped models instead).
+            ValueError: ``softcap`` is not a positive finite number.
         """
-        if softcap is not None:
-            raise NotImplementedError("the triton attention kernels have no attention soft-cap")
         if not sliding and meta.sliding_window is not None:
             meta = dataclasses.replace(meta, sliding_window=None)  # the kernels derive the window from it
-        return attention_triton.paged_attention(q, *kv_cache, meta, scale)
+        return attention_triton.paged_attention(q, *kv_cache, meta, scale, softcap)
 
     def rotary_(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> None:
         """The rotary kernel, in place."""
@@ -124,7 +132,9 @@ class TritonAttentionBackend(AttentionBackend[TritonAttentionMetadata]):
 
         if num_sms is None and self.device.type == "cuda":
             num_sms = attention_triton._num_sms(self.device)
-        shape = variants.AttentionShape(num_heads, self.num_kv_heads, head_dim, dtype, block_size, self.sliding_window)
+        shape = variants.AttentionShape(
+            num_heads, self.num_kv_heads, head_dim, dtype, block_size, self.sliding_window, self.softcap
+        )
         shapes = [shape]
         if global_layers and self.sliding_window is not None:
             shapes.append(dataclasses.replace(shape, sliding_window=None))

@@ -301,7 +301,12 @@ def apply_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TritonAttentionMetadata, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: TritonAttentionMetadata,
+    scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of every query in the flat batch against its sequence's cached K/V.
 
@@ -311,6 +316,7 @@ def paged_attention(
         v_cache: Like ``k_cache``, for values.
         meta: The step's metadata.
         scale: Softmax scale.
+        softcap: Soft-cap the scores before the softmax (gemma2); None: not.
 
     Returns:
         [tokens, heads, head_dim] attention outputs.
@@ -325,6 +331,7 @@ def paged_attention(
             scale=scale,
             num_splits=meta.num_kv_splits,
             sliding_window=meta.sliding_window,
+            softcap=softcap,
         )
     from asyncllm.backends.triton._kernels.paged_attention import paged_attention as kernel
     return kernel(
@@ -333,4 +340,5 @@ def paged_attention(
         max_query_len=meta.max_query_len,
         scale=scale,
         sliding_window=meta.sliding_window,
+        softcap=softcap,
     )

@@ -24,7 +24,8 @@ binary search over ``query_start_loc``, so the grid (``num_tokens // BLOCK_Q + n
 keeps the launch capturable in a CUDA graph. Keys are visited in tiles of ``TILE_N`` positions that
 need not line up with the cache's blocks (each key's slot is looked up through the block table),
 with an online softmax in base 2. Head sizes that are not powers of two (80, 96) are padded to the
-next one and masked.
+next one and masked. A model that soft-caps its scores (gemma2) runs the ``SOFTCAP`` variant, the cap a
+runtime argument; the others run kernels compiled without it.
 """
 
 from __future__ import annotations
@@ -37,7 +38,15 @@ import triton.language as tl
 
 from asyncllm.backends.triton._kernels import interpreting
 
-__all__ = ["SUPPORTED_HEAD_SIZES", "LaunchConfig", "dot_dtype", "dot_precision", "launch_config", "paged_attention"]
+__all__ = [
+    "SUPPORTED_HEAD_SIZES",
+    "LaunchConfig",
+    "check_softcap",
+    "dot_dtype",
+    "dot_precision",
+    "launch_config",
+    "paged_attention",
+]
 
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 128, 256)
 _LOG2E = 1.4426950408889634
@@ -80,19 +89,28 @@ def attend_tiles(
     kv_end,
     scale_log2e,
     sliding_window,
+    softcap,
     offs_d,
     d_mask,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Fold the key tiles ``tile_lo .. tile_hi`` into the running softmax state (m_i, l_i, acc).
 
     Positions before ``kv_begin`` (a sliding window's start, in the first tile) are not loaded: their
-    blocks may have gone back to the pool, their block-table entries zeroed."""
+    blocks may have gone back to the pool, their block-table entries zeroed. With ``SOFTCAP`` every
+    score ``x`` becomes ``softcap * tanh(x / softcap)`` before the mask (gemma2)."""
     offs_n = tl.arange(0, TILE_N)
+    # The scores are in base 2 (x * log2e): capped, they are cap_log2e * tanh(x / cap), and triton has no
+    # tanh: tanh(y) = 1 - 2 / (e^(2y) + 1), where e^(2 x / cap) = 2^(s * 2 / cap) for s = x * log2e. An
+    # overflowing power gives 1 (the cap), an underflowing one -1: no NaN.
+    if SOFTCAP:
+        cap_log2e = softcap * 1.4426950408889634
+        two_over_cap = 2.0 / softcap
     for tile in range(tile_lo, tile_hi):
         kv_pos = tile * TILE_N + offs_n
         kv_valid = kv_pos < kv_end
@@ -106,6 +124,8 @@ def attend_tiles(
             other=0.0,
         )
         s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * scale_log2e
+        if SOFTCAP:
+            s = cap_log2e * (1.0 - 2.0 / (tl.exp2(s * two_over_cap) + 1.0))
         allowed = row_valid[:, None] & kv_valid[None, :] & (kv_pos[None, :] <= q_pos[:, None])
         if SLIDING:
             allowed = allowed & (kv_pos[None, :] > q_pos[:, None] - sliding_window)
@@ -195,6 +215,7 @@ def attend_query_block(
     split,
     scale_log2e,
     sliding_window,
+    softcap,
     stride_q_tok,
     stride_q_head,
     stride_k_slot,
@@ -211,6 +232,7 @@ def attend_query_block(
     BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr,
     SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -236,7 +258,8 @@ def attend_query_block(
     m_i, l_i, acc = attend_tiles(
         q, q_pos, row_valid, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt_seq,
         kv_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, my_lo, my_hi, kv_begin, kv_end,
-        scale_log2e, sliding_window, offs_d, d_mask, BLOCK_SIZE, TILE_N, SLIDING, DOT_DTYPE, DOT_PRECISION,
+        scale_log2e, sliding_window, softcap, offs_d, d_mask, BLOCK_SIZE, TILE_N, SLIDING, SOFTCAP, DOT_DTYPE,
+        DOT_PRECISION,
     )  # fmt: skip
     return m_i, l_i, acc, token, head, row_valid, offs_d, d_mask
 
@@ -264,6 +287,7 @@ def _paged_attention_kernel(
     stride_v_slot,
     stride_v_head,
     stride_bt_seq,
+    softcap,  # last: amid the others, ptxas gave a variant without the cap 3 more registers
     QUERIES_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -272,6 +296,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr,
     SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -280,10 +305,10 @@ def _paged_attention_kernel(
         return
     _m_i, l_i, acc, token, head, row_valid, offs_d, d_mask = attend_query_block(
         q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-        seq, q_block_local, tl.program_id(1), 0, scale_log2e, sliding_window,
+        seq, q_block_local, tl.program_id(1), 0, scale_log2e, sliding_window, softcap,
         stride_q_tok, stride_q_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_bt_seq,
-        1, QUERIES_PER_KV, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_Q, TILE_N, SLIDING, DOT_DTYPE,
-        DOT_PRECISION,
+        1, QUERIES_PER_KV, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_Q, TILE_N, SLIDING, SOFTCAP,
+        DOT_DTYPE, DOT_PRECISION,
     )  # fmt: skip
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
@@ -368,6 +393,12 @@ def launch_config(
     return LaunchConfig(block_m, max(1, block_m // queries_per_kv), tile_n, num_warps)
 
 
+def check_softcap(softcap: float | None) -> None:
+    """Raise ``ValueError`` unless ``softcap`` is None or a positive finite float (the kernels divide by it)."""
+    if softcap is not None and not (0.0 < softcap < float("inf")):
+        raise ValueError(f"softcap must be a positive finite number or None, got {softcap}")
+
+
 def check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
     """(num_heads, num_kv_heads, head_dim, queries_per_kv), after checking q and the caches agree."""
     if q.dim() != 3 or k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
@@ -395,6 +426,7 @@ def paged_attention(
     max_query_len: int,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     tile_n: int | None = None,
@@ -412,6 +444,8 @@ def paged_attention(
         max_query_len: The longest query of the batch (host int; picks the tile shape only).
         scale: Softmax scale.
         sliding_window: Attend to at most this many most recent positions (None: all).
+        softcap: Soft-cap the scores, ``softcap * tanh(scores / softcap)`` before the mask and softmax
+            (gemma2); None: not (a variant compiled without it, so other models pay nothing).
         out: Where to write the result (same shape as ``q``); allocated when None.
         block_m: Override of the query tile height (tests).
         tile_n: Override of the key tile width (tests).
@@ -420,6 +454,7 @@ def paged_attention(
         [tokens, heads, head_dim] attention outputs.
     """
     _num_heads, num_kv_heads, head_dim, queries_per_kv = check_shapes(q, k_cache, v_cache)
+    check_softcap(softcap)
     if out is None:
         out = torch.empty_like(q)
     num_tokens, num_seqs = q.shape[0], seq_lens.shape[0]
@@ -432,9 +467,10 @@ def paged_attention(
         num_seqs, scale * _LOG2E, sliding_window or 0,
         out.stride(0), out.stride(1), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
+        softcap or 0.0,
         QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=config.block_m, BLOCK_Q=config.block_q, TILE_N=config.tile_n,
-        SLIDING=sliding_window is not None, DOT_DTYPE=dot_dtype(k_cache.dtype),
+        SLIDING=sliding_window is not None, SOFTCAP=softcap is not None, DOT_DTYPE=dot_dtype(k_cache.dtype),
         DOT_PRECISION=dot_precision(k_cache.dtype), num_warps=config.num_warps,
     )  # fmt: skip
     return out

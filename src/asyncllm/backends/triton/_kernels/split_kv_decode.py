@@ -24,6 +24,7 @@ from asyncllm.backends.triton._kernels.paged_attention import (
     _LOG2E,
     attend_query_block,
     check_shapes,
+    check_softcap,
     dot_dtype,
     dot_precision,
     launch_config,
@@ -62,6 +63,7 @@ def _split_kv_kernel(
     stride_v_head,
     stride_bt_seq,
     num_splits,
+    softcap,  # last: amid the others, ptxas gave a variant without the cap 3 more registers
     QUERIES_PER_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -70,6 +72,7 @@ def _split_kv_kernel(
     BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr,
     SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -80,10 +83,10 @@ def _split_kv_kernel(
     # An empty split (trailing, of a short sequence) records max -inf and sum 0: the reduce weighs it by zero.
     m_i, l_i, acc, token, head, row_valid, offs_d, _d_mask = attend_query_block(
         q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-        seq, q_block_local, tl.program_id(1), split, scale_log2e, sliding_window,
+        seq, q_block_local, tl.program_id(1), split, scale_log2e, sliding_window, softcap,
         stride_q_tok, stride_q_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_bt_seq,
         num_splits, QUERIES_PER_KV, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_Q, TILE_N, SLIDING,
-        DOT_DTYPE, DOT_PRECISION,
+        SOFTCAP, DOT_DTYPE, DOT_PRECISION,
     )  # fmt: skip
     token64 = token.to(tl.int64)
     tl.store(
@@ -177,6 +180,7 @@ def split_kv_attention(
     scale: float,
     num_splits: int,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     tile_n: int | None = None,
@@ -189,6 +193,7 @@ def split_kv_attention(
         num_splits: Parts each sequence's key range is cut into (see ``num_kv_splits``).
     """
     num_heads, num_kv_heads, head_dim, queries_per_kv = check_shapes(q, k_cache, v_cache)
+    check_softcap(softcap)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if out is None:
@@ -210,9 +215,9 @@ def split_kv_attention(
         acc.stride(0), acc.stride(1), acc.stride(2), maxes.stride(0), maxes.stride(1),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0),
-        num_splits, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        num_splits, softcap or 0.0, QUERIES_PER_KV=queries_per_kv, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_M=config.block_m, BLOCK_Q=config.block_q, TILE_N=config.tile_n,
-        SLIDING=sliding_window is not None, DOT_DTYPE=dot_dtype(k_cache.dtype),
+        SLIDING=sliding_window is not None, SOFTCAP=softcap is not None, DOT_DTYPE=dot_dtype(k_cache.dtype),
         DOT_PRECISION=dot_precision(k_cache.dtype), num_warps=config.num_warps,
     )  # fmt: skip
     _reduce_kernel[(num_tokens, num_heads)](

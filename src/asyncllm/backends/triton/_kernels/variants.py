@@ -55,6 +55,7 @@ _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "b
 _METADATA = ("query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr")
 _SCRATCH = ("acc_ptr", "max_ptr", "sum_ptr")
 _UNSPECIALISED = ("num_seqs", "sliding_window", "num_splits")
+_FLOATS = ("scale_log2e", "softcap")
 
 
 class CompileKey(NamedTuple):
@@ -76,6 +77,8 @@ class AttentionShape:
     dtype: torch.dtype
     block_size: int
     sliding_window: int | None = None
+    softcap: float | None = None
+    """The attention soft-cap (gemma2): its value is a runtime argument, only whether there is one a constexpr."""
 
 
 def _attention_key(kernel: str, shape: AttentionShape, max_query_len: int) -> CompileKey:
@@ -90,6 +93,7 @@ def _attention_key(kernel: str, shape: AttentionShape, max_query_len: int) -> Co
         "BLOCK_Q": config.block_q,
         "TILE_N": config.tile_n,
         "SLIDING": shape.sliding_window is not None,
+        "SOFTCAP": shape.softcap is not None,
         "DOT_DTYPE": _DTYPE_NAMES[shape.dtype],
         "DOT_PRECISION": dot_precision(shape.dtype),
     }
@@ -170,14 +174,14 @@ def expected_signature(kernel: str, dtype: torch.dtype) -> tuple[tuple[str, str 
     """The (type, specialisation) of each runtime argument in every launch of ``kernel``, in order.
 
     Pointers are 16-byte aligned (``"D"``), strides multiples of 16 (``"D"``), per-step sizes not
-    specialised (None), the softmax scale a float (None): triton's own spelling
+    specialised (None), the softmax scale and the soft-cap floats (None): triton's own spelling
     (``triton.runtime.jit.native_specialize_impl``).
     """
     signature: list[tuple[str, str | None]] = []
     for name in _runtime_params(kernel):
         if name.endswith("_ptr"):
             signature.append((_pointer_type(kernel, name, dtype), "D"))
-        elif name == "scale_log2e":
+        elif name in _FLOATS:
             signature.append(("fp32", None))
         else:
             signature.append(("i32", None if name in _UNSPECIALISED else "D"))
@@ -349,7 +353,8 @@ def warm_up(shape: AttentionShape, cases: list[tuple[int, int]], device: torch.d
         if splits > 1:
             from asyncllm.backends.triton._kernels.split_kv_decode import split_kv_attention
             split_kv_attention(*args, block_size=shape.block_size, max_query_len=max_query_len, scale=1.0,
-                               num_splits=splits, sliding_window=shape.sliding_window)  # fmt: skip
+                               num_splits=splits, sliding_window=shape.sliding_window,
+                               softcap=shape.softcap)  # fmt: skip
         else:
             paged_attention(*args, block_size=shape.block_size, max_query_len=max_query_len, scale=1.0,
-                            sliding_window=shape.sliding_window)  # fmt: skip
+                            sliding_window=shape.sliding_window, softcap=shape.softcap)  # fmt: skip
