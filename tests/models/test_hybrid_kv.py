@@ -120,15 +120,15 @@ async def test_preemption_with_a_sliding_group_is_token_exact(tiny_cache: Path, 
     assert got == transformers_greedy(model_dir, tuple(map(tuple, prompts)), MAX_NEW_TOKENS)
 
 
-# The triton test runs in the interpreter (seconds a step): a narrower gemma2, and few steps. gemma2, not
-# gemma3: the same sliding pool and tables, and its soft-capped kernels besides (gemma3 runs on triton,
-# with its pool, in tests/models/test_gemma.py).
-NARROW = {"num_layers": 4, "hidden_size": 32, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 64}
+# The triton test runs in the interpreter (seconds a step): narrower models, and few steps. gemma2 (2 of 4
+# layers sliding) soft-caps its scores in the kernels; gemma3 (5 of 6 sliding) does not.
+NARROW = {"hidden_size": 32, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 64}
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize(("family", "num_layers", "softcap"), [("gemma2", 4, 1.5), ("gemma3", 6, None)])
 async def test_triton_frees_the_sliding_group_token_exact_eagerly_and_from_graph_buffers(
-    tiny_cache: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_cache: Path, monkeypatch: pytest.MonkeyPatch, family: str, num_layers: int, softcap: float | None
 ) -> None:
     # Its kernels take each group's table (the sliding layers' metadata is the sliding pool's); decode
     # steps run from the CUDA graphs' static buffers (both tables), eagerly here, as without CUDA they can.
@@ -150,9 +150,10 @@ async def test_triton_frees_the_sliding_group_token_exact_eagerly_and_from_graph
 
     for module, name in ((paged_module, "paged_attention"), (split_module, "split_kv_attention")):
         monkeypatch.setattr(module, name, recording(getattr(module, name)))
-    model_dir = tiny_model_path(tiny_cache, "gemma2", **NARROW)
-    # 12 whole-model blocks: the sliding pool gets 12 (2 * 4 + 2 * 2), the global one (12 * 4 - 12 * 2) / 2
-    # = 12, 48 tokens, fewer than the two requests' 30 + 22: one is preempted and recomputed.
+    model_dir = tiny_model_path(tiny_cache, family, num_layers=num_layers, **NARROW)
+    # 12 whole-model blocks: the sliding pool gets 12 (2 * 4 + 2 * 2), the global one 12 too (gemma2:
+    # (12 * 4 - 12 * 2) / 2; gemma3: 12 * 6 - 12 * 5), 48 tokens, fewer than the two requests' 30 + 22: one
+    # is preempted and recomputed.
     options = {**OPTIONS, "kv_cache_blocks": 12}
     held: list[tuple[int, int, int]] = []  # (tokens fed, sliding blocks held, global blocks) of every sequence fed
     async with Engine.open(model_dir, device="cpu", attention_backend="triton", **options) as engine:
@@ -193,7 +194,7 @@ async def test_triton_frees_the_sliding_group_token_exact_eagerly_and_from_graph
         assert engine._core.scheduler.kv_cache.sliding is not None
         freed = engine._core.scheduler.kv_cache.sliding.num_window_freed_blocks
     assert preemptions > 0 and stats.prefix_cache_hits > 0 and freed > 0 and 2 in replays
-    assert softcaps and set(softcaps) == {1.5}
+    assert softcaps and (set(softcaps) == {softcap} if softcap else not any(softcaps))
     # A decoding sequence holds window / block_size + 1 sliding blocks at most, mostly, while its global
     # table grows to 8; a chunk's step holds the chunk's blocks besides, and the window's edge moves only
     # with confirmed tokens (the engine schedules a step while the one before runs): at most the 4 a
