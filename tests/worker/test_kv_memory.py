@@ -159,20 +159,24 @@ def _drafting_step(runner: TorchModelRunner) -> int:
 
 
 def test_speculation_sizes_the_cache_for_its_verification_rows(tiny_cache: Path) -> None:
-    """The sizing probe runs the busiest drafting step: its peak covers a real one, and the same memory
-    holds fewer KV blocks with speculation on, by at least one [rows, vocab] float32 copy."""
+    """The sizing probe runs the busiest drafting step: its peak covers a real one, the same memory holds
+    fewer KV blocks with speculation on (by at least one [rows, vocab] float32 copy), and a draft model's
+    probe counts the distributions it keeps between steps."""
     if not reset_peak_rss():
         pytest.skip("the kernel does not let this process reset its resident high-water mark")
     model = tiny_model_path(tiny_cache, "llama", vocab_size=BIG_VOCAB)
     options = {"max_num_seqs": SEQS, "max_num_batched_tokens": STEP_TOKENS, "num_speculative_tokens": DRAFT}
     peaks: dict[str | None, int] = {}
-    for method in (None, "ngram"):
-        runner = TorchModelRunner(model, device="cpu", kv_cache_memory=64 << 20, speculative_method=method, **options)
+    for method in (None, "ngram", "draft_model"):
+        draft = {"speculative_model": str(model)} if method == "draft_model" else {}
+        runner = TorchModelRunner(
+            model, device="cpu", kv_cache_memory=64 << 20, speculative_method=method, **options, **draft
+        )
         try:
             runner.load()
             assert runner.kv_sizing is not None
             peaks[method] = runner.kv_sizing.activation_peak_bytes
-            if method is not None:
+            if method == "ngram":
                 step_peak = _drafting_step(runner)
         finally:
             runner.close()
@@ -180,6 +184,8 @@ def test_speculation_sizes_the_cache_for_its_verification_rows(tiny_cache: Path)
     assert step_peak <= 1.25 * peaks["ngram"] + (8 << 20)
     assert peaks["ngram"] - peaks[None] >= ROWS_BYTES
     assert peaks["ngram"] < 20 * ROWS_BYTES  # a handful of copies, not a runaway reservation
+    # A draft model's proposals keep q, [draft, vocab] float32 per request, while the next step verifies.
+    assert peaks["draft_model"] - peaks["ngram"] >= SEQS * DRAFT * BIG_VOCAB * 4
     block = TINY_BYTES_PER_BLOCK
     common = {"device_type": "cpu", "available_bytes": 4 << 30, "bytes_per_block": block}
     plain = size_kv_cache(0.5, activation_peak_bytes=peaks[None], **common).num_blocks
