@@ -9,6 +9,9 @@ import pytest
 import torch
 
 from asyncllm import Engine, ModelLoadError
+from asyncllm.executor._runner import SequenceInput
+from asyncllm.sampling_params import SamplingParams
+from asyncllm.testing.tiny_models import tiny_model_path
 from asyncllm.worker import _memory
 from asyncllm.worker._memory import (
     DEFAULT_CPU_CAP_BYTES,
@@ -18,8 +21,10 @@ from asyncllm.worker._memory import (
     peak_resident_bytes,
     plan_kv_blocks,
     reset_peak_rss,
+    resident_bytes,
     size_kv_cache,
 )
+from asyncllm.worker._model_runner import TorchModelRunner
 
 # The tiny llama: 2 layers x (K and V) x 16 tokens x 2 KV heads x 16 dims x 4 bytes.
 TINY_BYTES_PER_BLOCK = 2 * 2 * 16 * 2 * 16 * 4
@@ -128,3 +133,61 @@ async def test_engine_sizes_its_cache_from_memory(tiny_llama: Path, caplog: pyte
     assert any("max concurrency" in record.getMessage() for record in caplog.records)
     with pytest.raises(ValueError, match="kv_cache_memory"):
         Engine.open(tiny_llama, kv_cache_memory=2.0)
+
+
+# A busy drafting step on a large vocabulary: 64 requests x (3 draft tokens + their newest) = 256 logit rows
+# (max_num_batched_tokens), each row 40,000 float32 logits: 40,960,000 bytes per [rows, vocab] copy, above
+# glibc's largest mmap threshold (32 MiB), so every copy is fresh resident memory that VmHWM sees.
+SEQS, DRAFT, STEP_TOKENS, BIG_VOCAB = 64, 3, 256, 40_000
+ROWS_BYTES = SEQS * (DRAFT + 1) * BIG_VOCAB * 4
+
+
+def _drafting_step(runner: TorchModelRunner) -> int:
+    """Run a full batch of drafting requests (random sampling with top_p); return its resident peak."""
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16)
+    sequences = [
+        SequenceInput(request_id=index, token_ids=[5] * (DRAFT + 1), start_position=1, block_table=[index],
+                      sample=True, params=params, num_generated=1, prompt_token_ids=[5], num_draft=DRAFT)
+        for index in range(SEQS)
+    ]  # fmt: skip
+    reset_peak_rss()
+    baseline = resident_bytes()
+    with torch.inference_mode():
+        verified = runner._execute(sequences).result().verified
+    assert verified is not None and len(verified) == SEQS
+    return peak_resident_bytes() - baseline
+
+
+def test_speculation_sizes_the_cache_for_its_verification_rows(tiny_cache: Path) -> None:
+    """The sizing probe runs the busiest drafting step: its peak covers a real one, the same memory holds
+    fewer KV blocks with speculation on (by at least one [rows, vocab] float32 copy), and a draft model's
+    probe counts the distributions it keeps between steps."""
+    if not reset_peak_rss():
+        pytest.skip("the kernel does not let this process reset its resident high-water mark")
+    model = tiny_model_path(tiny_cache, "llama", vocab_size=BIG_VOCAB)
+    options = {"max_num_seqs": SEQS, "max_num_batched_tokens": STEP_TOKENS, "num_speculative_tokens": DRAFT}
+    peaks: dict[str | None, int] = {}
+    for method in (None, "ngram", "draft_model"):
+        draft = {"speculative_model": str(model)} if method == "draft_model" else {}
+        runner = TorchModelRunner(
+            model, device="cpu", kv_cache_memory=64 << 20, speculative_method=method, **options, **draft
+        )
+        try:
+            runner.load()
+            assert runner.kv_sizing is not None
+            peaks[method] = runner.kv_sizing.activation_peak_bytes
+            if method == "ngram":
+                step_peak = _drafting_step(runner)
+        finally:
+            runner.close()
+    # The probe's peak covers the step's (loosely: the allocator's reuse differs from run to run).
+    assert step_peak <= 1.25 * peaks["ngram"] + (8 << 20)
+    assert peaks["ngram"] - peaks[None] >= ROWS_BYTES
+    assert peaks["ngram"] < 20 * ROWS_BYTES  # a handful of copies, not a runaway reservation
+    # A draft model's proposals keep q, [draft, vocab] float32 per request, while the next step verifies.
+    assert peaks["draft_model"] - peaks["ngram"] >= SEQS * DRAFT * BIG_VOCAB * 4
+    block = TINY_BYTES_PER_BLOCK
+    common = {"device_type": "cpu", "available_bytes": 4 << 30, "bytes_per_block": block}
+    plain = size_kv_cache(0.5, activation_peak_bytes=peaks[None], **common).num_blocks
+    drafting = size_kv_cache(0.5, activation_peak_bytes=peaks["ngram"], **common).num_blocks
+    assert plain - drafting >= 0.5 * ROWS_BYTES / block - 1

@@ -5,7 +5,8 @@ fraction is of the memory that remains once the weights are loaded and the large
 activations are accounted for. On CUDA it is the share of the whole device the engine may fill
 (weights, activations and cache; vLLM's ``gpu_memory_utilization``), and ``plan_kv_blocks`` is the
 whole plan, a pure function of the measured figures. The activation peak is measured, not guessed:
-the runner runs one forward at ``max_num_batched_tokens`` and reads the high-water mark (``VmHWM``
+the runner runs one forward at ``max_num_batched_tokens`` (with speculative decoding, also the busiest
+drafting step: its verification rows grow with the vocabulary) and reads the high-water mark (``VmHWM``
 on the CPU, after resetting it through ``/proc/self/clear_refs``; ``torch.cuda.max_memory_allocated``
 on CUDA).
 """

@@ -583,17 +583,25 @@ class TorchModelRunner:
         return sizing.num_blocks
 
     def _measure_activation_peak(self) -> int:
-        """Extra memory of one forward at ``max_num_batched_tokens`` (a throwaway request)."""
+        """Extra memory of the largest step the engine runs, measured on throwaway requests.
+
+        One forward at ``max_num_batched_tokens`` (one long prompt: the forward's activations). With
+        ``speculative_method`` also a full step of drafting requests (``_probe_drafting``): its logits
+        and verification take (``num_speculative_tokens`` + 1) rows per request, and a draft model's
+        passes and the distributions it keeps between steps, all of which grow with the vocabulary
+        and which the long prompt (one sampled row) never shows. The peak of both is the step's.
+        """
         assert self.sampler is not None
         tokens = self.options.max_num_batched_tokens
-        num_blocks = -(-tokens // self.block_size)
+        span = self._drafting_span()
+        num_blocks = -(-max(tokens, span) // self.block_size)
         self.kv_caches = self._allocate_kv_cache(num_blocks)
         probe = SequenceInput(
             request_id=-1,
             token_ids=[0] * tokens,
             start_position=0,
-            block_table=list(range(num_blocks)),
-            sliding_block_table=list(range(num_blocks)) if self.sliding_batch is not None else None,
+            block_table=list(range(-(-tokens // self.block_size))),
+            sliding_block_table=list(range(-(-tokens // self.block_size))) if self.sliding_batch is not None else None,
             sample=True,
             params=SamplingParams(temperature=0.0, max_tokens=1),
             prompt_token_ids=[0] * tokens,
@@ -608,10 +616,68 @@ class TorchModelRunner:
             baseline = resident_bytes()
         with torch.inference_mode():
             self._execute([probe]).result()
+            self.sampler.forget([-1])
+            if span:
+                self._probe_drafting(list(range(-(-span // self.block_size))))
         peak = torch.cuda.max_memory_allocated(self.device) if cuda else peak_resident_bytes()
-        self.sampler.forget([-1])
         self.kv_caches = []
         return max(0, peak - baseline)
+
+    def _drafting_span(self) -> int:
+        """Positions one request of ``_probe_drafting`` writes (0: no drafting probe). Not under tensor
+        parallelism: the other ranks would keep the probe's requests (their steps are rank 0's)."""
+        if self.options.speculative_method is None or self.ranks is not None:
+            return 0
+        num_draft = min(self.options.num_speculative_tokens, self.options.max_num_batched_tokens - 1)
+        # Two steps of a draft and a proposal each, after one prompt token, and a block's slack.
+        return 0 if num_draft < 1 else 4 * num_draft + 2 + self.block_size
+
+    def _probe_drafting(self, block_table: list[int]) -> None:
+        """Run the busiest drafting step: ``max_num_seqs`` requests (fewer if ``max_num_batched_tokens``
+        holds fewer drafts) each feeding its newest token and a draft of ``num_speculative_tokens``,
+        sampled at random with ``top_p`` (verification's heaviest path: the target's filtered
+        distributions, residuals). With a draft model each request proposes ``num_speculative_tokens``
+        tokens, and a second step verifies those proposals while their distributions (q, kept between
+        steps) are held. The requests share ``block_table``: their KV is scratch."""
+        assert self.sampler is not None
+        tokens = self.options.max_num_batched_tokens
+        num_draft = min(self.options.num_speculative_tokens, tokens - 1)
+        count = min(self.options.max_num_seqs, tokens // (num_draft + 1))
+        propose = num_draft if self.draft is not None else 0
+        params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=4 * num_draft + 2)
+        sequences = [
+            SequenceInput(
+                request_id=-2 - index,
+                token_ids=[0] * (num_draft + 1),
+                start_position=1,
+                block_table=block_table,
+                sliding_block_table=block_table if self.sliding_batch is not None else None,
+                sample=True,
+                params=params,
+                num_generated=1,
+                prompt_token_ids=[0],
+                num_draft=num_draft,
+                num_propose=propose,
+            )
+            for index in range(count)
+        ]
+        request_ids = [seq.request_id for seq in sequences]
+        self._execute(sequences).result()
+        if self.draft is not None:  # the next step: each request's proposal as its draft, q held meanwhile
+            again = []
+            for seq in sequences:
+                held = self.draft.pending.get(seq.request_id)
+                if held is not None and held[1]:
+                    position, proposed, _ = held
+                    again.append(
+                        dataclasses.replace(
+                            seq, token_ids=[0, *proposed], start_position=position - 1, num_draft=len(proposed)
+                        )
+                    )
+            if again:
+                self._execute(again).result()
+            self.draft.forget(request_ids)
+        self.sampler.forget(request_ids)
 
     @property
     def overlaps(self) -> bool:
