@@ -148,3 +148,26 @@ def test_longrope_rotates_past_the_original_context_as_transformers(tiny_cache: 
     # No flag: the short factors (a sequence within the original context), whatever the positions.
     short_cos, _ = ours.cos_sin(torch.arange(original + 5), torch.float32)
     assert torch.equal(short_cos[:original], ours.cos_sin(torch.arange(original), torch.float32)[0])
+
+
+# The families whose layers leave the llama fast paths, on the triton kernels (in the interpreter where
+# there is no GPU: tests/conftest.py sets TRITON_INTERPRET): a few short prompts through chunked prefill
+# (budget 8), recompute preemption (8 blocks of 4 for 3 requests of 11, 16 and 24 tokens) and a second pass
+# served from the prefix cache, in one engine.
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("name", ["granite", "olmo2", "phi3-longrope", "phi3-partial-rotary"])
+async def test_triton_interpreter_matches_transformers(tiny_cache: Path, name: str) -> None:
+    pytest.importorskip("triton")
+    model_dir = _model_dir(str(tiny_cache), name)
+    options: dict[str, Any] = {"block_size": 4, "kv_cache_blocks": 8, "max_num_batched_tokens": 8}
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    async with Engine.open(model_dir, device="cpu", attention_backend="triton", **options) as engine:
+        assert engine._info is not None and engine._core is not None
+        assert engine._core.runner.attention_backend == "triton"  # type: ignore[attr-defined]
+        prompts = _prompts(engine._info.vocab_size, set(engine._info.eos_token_ids))[2:5]  # 7, 12, 20 tokens
+        got = await stream_all(engine, prompts, params)
+        again = await stream_all(engine, prompts, params)
+        stats = engine.statistics()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    expected = transformers_greedy(model_dir, tuple(map(tuple, prompts)), 4)
+    assert got == expected and again == expected
