@@ -195,19 +195,9 @@ class Speculator:
             to leave the request out of this step: its newest token is being sampled and its tokens
             so far find a match, so it drafts next step.
         """
-        limit = self.config.num_tokens
-        own = request.params.num_speculative_tokens
-        if own is not None:
-            limit = min(limit, own)
-        in_hand = len(request.output_token_ids) + request.num_pending_tokens
-        # One token beyond the draft is always sampled: it must fit too.
-        limit = min(
-            limit,
-            request.params.max_tokens - in_hand - 1,
-            request.max_total_tokens - request.num_tokens - request.num_pending_tokens - 1,
-        )
-        busy = self.config.disable_by_batch_size is not None and num_running > self.config.disable_by_batch_size
-        if busy or limit < 1 or request.prefill_only or request.num_computed_tokens < len(request.prompt_token_ids):
+        limit = self._limit(request, request.num_tokens + request.num_pending_tokens)
+        prefilling = request.num_computed_tokens < len(request.prompt_token_ids)
+        if self._busy(num_running) or limit < 1 or request.prefill_only or prefilling:
             return []
         if request.params.seed is not None and not request.params.greedy:
             # A seeded draw must not depend on what else runs; a draft's length does (the budget and the
@@ -233,6 +223,21 @@ class Speculator:
             return []
         return propose_ngram(state.buffer, config.ngram_min, config.ngram_max, limit)
 
+    def _limit(self, request: Request, num_positions: int) -> int:
+        """The most draft tokens ``request`` may carry once its sequence holds ``num_positions`` positions:
+        the engine's and its own count, with room left for one sampled token beyond the draft under
+        ``max_tokens`` and ``max_model_len`` (a draft all accepted must never pass them)."""
+        limit = self.config.num_tokens
+        own = request.params.num_speculative_tokens
+        if own is not None:
+            limit = min(limit, own)
+        in_hand = len(request.output_token_ids) + request.num_pending_tokens
+        return min(limit, request.params.max_tokens - in_hand - 1, request.max_total_tokens - num_positions - 1)
+
+    def _busy(self, num_running: int) -> bool:
+        threshold = self.config.disable_by_batch_size
+        return threshold is not None and num_running > threshold
+
     def num_propose(self, request: Request, num_running: int = 1) -> int:
         """``"draft_model"``: how many tokens the runner's draft model proposes after this step's token.
 
@@ -247,20 +252,11 @@ class Speculator:
             return 0
         if request.params.seed is not None and not request.params.greedy:
             return 0  # never drafts (see ``draft``); sampling a proposal would draw from its generator too
-        limit = self.config.num_tokens
-        own = request.params.num_speculative_tokens
-        if own is not None:
-            limit = min(limit, own)
         # After this step at least one more token is in hand; one token beyond a draft must still fit.
-        in_hand = len(request.output_token_ids) + request.num_pending_tokens
-        limit = min(
-            limit,
-            request.params.max_tokens - in_hand - 1,
-            request.max_total_tokens - request.num_computed_tokens - 1,
-        )
-        busy = self.config.disable_by_batch_size is not None and num_running > self.config.disable_by_batch_size
+        limit = self._limit(request, request.num_computed_tokens)
         state = request.drafting
-        if busy or limit < 1 or (state is not None and len(request.output_token_ids) + 1 < state.resume_at):
+        paused = state is not None and len(request.output_token_ids) + 1 < state.resume_at
+        if self._busy(num_running) or limit < 1 or paused:
             return 0
         return limit
 
