@@ -12,7 +12,9 @@ Two packed layouts, used alone or together:
   MKL statically and export those symbols from ``libtorch_cpu.so``, so they are reached with
   ``ctypes``. The faster one for prefill-sized inputs, where the arithmetic decides;
 - ``"both"``: a copy in each layout, each input on the better one by its row count
-  (``PANEL_MAX_ROWS``); the default where both run and the second copy fits comfortably in memory.
+  (``PANEL_MAX_ROWS``); the default on Intel CPUs where both run and the second copy fits comfortably
+  in memory. Elsewhere (AMD) MKL runs its generic kernels, which the panels beat at every row count,
+  so the panels serve alone there (``mkl_wins_prefill``).
 
 Either call releases the GIL and runs on torch's OpenMP threads, so ``torch.set_num_threads``
 governs it like any other op. Neither layout depends on the row count: one packed copy serves
@@ -48,6 +50,7 @@ __all__ = [
     "PackedFormat",
     "PackedWeight",
     "best_packed_format",
+    "mkl_wins_prefill",
     "format_available",
     "on_panels",
     "packed_gemm_available",
@@ -193,15 +196,27 @@ BOTH_FORMATS_MEMORY_SHARE = 0.25
 memory the host has available: a large model gets the panels alone."""
 
 
+@functools.cache
+def mkl_wins_prefill() -> bool:
+    """Whether MKL's packed GEMM beats the panels on prefill-sized inputs on this CPU: on Intel's only.
+
+    MKL picks its AVX-512 kernels on Intel CPUs alone; on others (AMD's) it runs its generic ones, which
+    the panel GEMM outpaces at every row count (docs/performance-log.md, "Seventeenth session"), so a
+    second, MKL-packed copy of the weights there costs memory for nothing.
+    """
+    return native.cpu_vendor() == "GenuineIntel"
+
+
 def best_packed_format(weight_bytes: int) -> PackedFormat | None:
     """The packed format to use here for ``weight_bytes`` of float32 weights.
 
-    Both where both kernels run and a second copy of the weights fits comfortably (see
-    ``BOTH_FORMATS_MEMORY_SHARE``); else the panels (x86 with AVX-512); else MKL's; else None
-    (``F.linear``).
+    Both where both kernels run, MKL's is the faster for prefill (``mkl_wins_prefill``) and a second
+    copy of the weights fits comfortably (see ``BOTH_FORMATS_MEMORY_SHARE``); else the panels (x86 with
+    AVX-512); else MKL's; else None (``F.linear``).
     """
     panels, mkl = gemm_cpu.available(), packed_gemm_available()
-    if panels and mkl and weight_bytes <= BOTH_FORMATS_MEMORY_SHARE * host_available_bytes():
+    roomy = weight_bytes <= BOTH_FORMATS_MEMORY_SHARE * host_available_bytes()
+    if panels and mkl and mkl_wins_prefill() and roomy:
         return "both"
     if panels:
         return "panels"

@@ -43,6 +43,7 @@ __all__ = [
     "build",
     "compiler",
     "cpu_flags",
+    "cpu_vendor",
     "declare",
     "load",
     "torch_cpu_library",
@@ -142,6 +143,16 @@ def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as Linux lists them (``avx512f``, ``asimd``, ...); empty elsewhere."""
     _, _, flags = _cpu_flags_line().partition(":")
     return frozenset(flags.split())
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor as Linux's ``/proc/cpuinfo`` names it (``GenuineIntel``, ``AuthenticAMD``); "" elsewhere."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            line = next((line for line in info if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+    return line.partition(":")[2].strip()
 
 
 def _cpu_signature() -> str:
