@@ -901,7 +901,7 @@ class DecoderForCausalLM(nn.Module):
         call the packed weights); never with CUDA graphs. The unpacked weights are released
         (except the tied output embedding, which the input embedding still reads), and ``lean`` is
         built where it applies. With ``greedy_head`` and panels in the format, ``greedy_head`` is
-        built where AMX runs (``backends.cpu._greedy_head``); the output projection then keeps the
+        built where AMX or AVX512-BF16 runs (``backends.cpu._greedy_head``); the output projection then keeps the
         panels alone, so its logits come from the arithmetic the head reproduces at every row count,
         and its float32 weight, which the head reads. A rank's shard of a tensor-parallel model
         packs its linear layers but builds neither ``lean`` nor ``greedy_head``.

@@ -107,7 +107,7 @@ class ForwardSwitches:
         fused_norm: On the triton and cpu backends with eager layers, fuse each residual add into
             the RMSNorm after it and rotate q/k in place, one kernel each
             (``DecoderForCausalLM.fused_norm``). False keeps torch's element-wise ops (for comparisons).
-        greedy_head: With packed panels on a CPU with AMX, greedy rows take their token from
+        greedy_head: With packed panels on a CPU with AMX or AVX512-BF16, greedy rows take their token from
             ``backends.cpu._greedy_head`` (the argmax of the float32 logits, exactly, without computing
             them all); False computes every row's logits (for comparisons).
     """

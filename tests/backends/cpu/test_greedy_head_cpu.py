@@ -1,7 +1,7 @@
 """The greedy head (``asyncllm.backends.cpu._greedy_head``): the argmax of the float32 logits, exactly, without them.
 
-The head bounds every logit in bfloat16 on AMX and recomputes the few columns that could be the largest
-the way the panel GEMM computes them, so its token must be the first maximum of the panel GEMM's logits
+The head bounds every logit in bfloat16 (on AMX or AVX512-BF16: each unit the machine has) and recomputes
+the few columns that could be the largest the way the panel GEMM computes them, so its token must be the first maximum of the panel GEMM's logits
 on every row it decides: random shapes (partial tiles, several 64-row groups), exact and near ties that
 bfloat16 cannot separate, and rows it must leave undecided (-1). In the runner, plain greedy rows take
 its tokens and every other row goes through the sampler, and the outputs equal the runner's without it.
@@ -18,7 +18,7 @@ import torch
 
 from asyncllm.backends.cpu import _gemm as gemm_cpu
 from asyncllm.backends.cpu import _greedy_head as greedy_head_cpu
-from asyncllm.backends.cpu._greedy_head import GreedyHead, rounding_gamma
+from asyncllm.backends.cpu._greedy_head import GreedyHead, ProductUnit, rounding_gamma
 from asyncllm.executor._runner import SequenceInput, StepBatch
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.testing.tiny_models import tiny_model_path
@@ -26,12 +26,21 @@ from asyncllm.worker._model_runner import TorchModelRunner
 from asyncllm.worker._sampler import Sampler
 
 pytestmark = pytest.mark.skipif(
-    not greedy_head_cpu.available(), reason="needs x86 with AMX-BF16, Linux's permission for it and a C compiler"
+    not greedy_head_cpu.available(),
+    reason="needs x86 with AMX-BF16 (and Linux's permission for it) or AVX512-BF16, and a C compiler",
 )
 
+UNITS = [unit for unit in greedy_head_cpu.product_units() if greedy_head_cpu.available(unit)]
+"""Every product unit that runs here (a Sapphire Rapids has both): each kernel test runs on each."""
 
-def _head(weight: torch.Tensor) -> tuple[GreedyHead, gemm_cpu.PanelWeight]:
-    return GreedyHead(weight), gemm_cpu.PanelWeight(weight)
+
+@pytest.fixture(params=UNITS or ["none"])
+def unit(request: pytest.FixtureRequest) -> ProductUnit:
+    return request.param  # type: ignore[no-any-return]
+
+
+def _head(weight: torch.Tensor, unit: ProductUnit) -> tuple[GreedyHead, gemm_cpu.PanelWeight]:
+    return GreedyHead(weight, unit), gemm_cpu.PanelWeight(weight)
 
 
 @pytest.mark.parametrize(
@@ -44,10 +53,12 @@ def _head(weight: torch.Tensor) -> tuple[GreedyHead, gemm_cpu.PanelWeight]:
         (777, 576, 130, 1.0),  # SmolLM2's width, three 64-row groups
     ],
 )
-def test_tokens_equal_the_argmax_of_the_panel_logits(vocab: int, hidden: int, rows: int, scale: float) -> None:
+def test_tokens_equal_the_argmax_of_the_panel_logits(
+    vocab: int, hidden: int, rows: int, scale: float, unit: ProductUnit
+) -> None:
     generator = torch.Generator().manual_seed(vocab + rows)
     weight = torch.randn(vocab, hidden, generator=generator) * scale
-    head, panels = _head(weight)
+    head, panels = _head(weight, unit)
     x = torch.randn(rows, hidden, generator=generator) * 2
     expected = panels.linear(x).argmax(dim=-1)
     tokens = head.argmax(x)
@@ -56,7 +67,7 @@ def test_tokens_equal_the_argmax_of_the_panel_logits(vocab: int, hidden: int, ro
     assert torch.equal(head.argmax(strided), panels.linear(strided.contiguous()).argmax(dim=-1))
 
 
-def test_ties_and_near_ties_bfloat16_cannot_tell_apart_are_decided_in_float32() -> None:
+def test_ties_and_near_ties_bfloat16_cannot_tell_apart_are_decided_in_float32(unit: ProductUnit) -> None:
     generator = torch.Generator().manual_seed(3)
     hidden, vocab = 96, 3000
     x = torch.randn(8, hidden, generator=generator)
@@ -64,14 +75,14 @@ def test_ties_and_near_ties_bfloat16_cannot_tell_apart_are_decided_in_float32() 
     direction = x.mean(dim=0)
     weight[2000] = direction  # the best column for most rows
     weight[2500] = direction  # an exact tie later on: the first must win
-    head, panels = _head(weight)
+    head, panels = _head(weight, unit)
     expected = panels.linear(x).argmax(dim=-1)
     assert 2000 in expected.tolist()
     assert torch.equal(head.argmax(x), expected)
 
     weight[1500] = direction * (1 + 2.0**-22)  # larger by a few float32 steps only
     weight[10] = direction * (1 - 2.0**-22)  # smaller by as little
-    head, panels = _head(weight)
+    head, panels = _head(weight, unit)
     expected = panels.linear(x).argmax(dim=-1)
     assert 1500 in expected.tolist()
     assert torch.equal(head.argmax(x), expected)
@@ -106,9 +117,9 @@ def _hard_cases() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
 
 
 @pytest.mark.parametrize("name", [name for name, _, _ in _hard_cases()])
-def test_the_bound_holds_on_inputs_that_stress_it(name: str) -> None:
+def test_the_bound_holds_on_inputs_that_stress_it(name: str, unit: ProductUnit) -> None:
     _, x, weight = next(case for case in _hard_cases() if case[0] == name)
-    head, panels = _head(weight)
+    head, panels = _head(weight, unit)
     logits = panels.linear(x)
     approx, bound = head.bounds(x)
     assert ((approx - logits).abs() <= bound).all()
@@ -116,14 +127,14 @@ def test_the_bound_holds_on_inputs_that_stress_it(name: str) -> None:
     assert torch.equal(head.argmax(x), logits.argmax(dim=-1))
 
 
-def test_the_bound_is_tight_enough_to_matter() -> None:
+def test_the_bound_is_tight_enough_to_matter(unit: ProductUnit) -> None:
     # Row i of x is the sign of column i's bfloat16 rounding error (exact in bfloat16 itself): those errors add
     # up, and Cauchy-Schwarz is nearly an equality. So the error reaches a good share of the bound, and a
     # bound missing a factor of two would not hold.
     generator = torch.Generator().manual_seed(8)
     weight = torch.randn(2000, 512, generator=generator)
     x = torch.sign(weight[:16] - weight[:16].bfloat16().float())
-    head, panels = _head(weight)
+    head, panels = _head(weight, unit)
     approx, bound = head.bounds(x)
     ratio = ((approx - panels.linear(x)).abs() / bound).max().item()
     assert 0.5 < ratio <= 1.0
@@ -134,27 +145,27 @@ def test_the_bound_is_tight_enough_to_matter() -> None:
     base = torch.randn(16, 512, generator=generator).bfloat16().float()
     half_step = base.abs() * 2.0**-9 * 0.99  # just under half of bfloat16's relative step at these values
     x = base + half_step * torch.sign(weight[:16])
-    head, panels = _head(weight)
+    head, panels = _head(weight, unit)
     approx, bound = head.bounds(x)
     ratio = ((approx - panels.linear(x)).abs() / bound).max().item()
     assert 0.5 < ratio <= 1.0
 
 
-def test_an_exact_tie_across_the_threads_goes_to_the_first_column() -> None:
+def test_an_exact_tie_across_the_threads_goes_to_the_first_column(unit: ProductUnit) -> None:
     generator = torch.Generator().manual_seed(9)
     weight = torch.randn(5000, 64, generator=generator) * 0.01
     x = torch.randn(4, 64, generator=generator)
     weight[0] = weight[4999] = x.mean(dim=0) * 3  # first and last column: different threads' shares
-    head, panels = _head(weight)
+    head, panels = _head(weight, unit)
     expected = panels.linear(x).argmax(dim=-1)
     assert 0 in expected.tolist()
     assert torch.equal(head.argmax(x), expected)
 
 
-def test_rows_it_cannot_decide_come_back_as_minus_one() -> None:
+def test_rows_it_cannot_decide_come_back_as_minus_one(unit: ProductUnit) -> None:
     generator = torch.Generator().manual_seed(4)
     weight = torch.randn(500, 64, generator=generator)
-    head, panels = _head(weight)
+    head, panels = _head(weight, unit)
     x = torch.randn(5, 64, generator=generator)
     x[1, 3] = float("nan")
     x[2, 0] = float("inf")
@@ -165,23 +176,23 @@ def test_rows_it_cannot_decide_come_back_as_minus_one() -> None:
     assert tokens[0] == expected[0] and tokens[4] == expected[4]
 
 
-def test_too_many_columns_within_the_bound_leave_the_row_undecided() -> None:
+def test_too_many_columns_within_the_bound_leave_the_row_undecided(unit: ProductUnit) -> None:
     row = torch.randn(1, 64, generator=torch.Generator().manual_seed(5))
     # Every column ties: more than the kernel keeps per row (1,024) on every thread.
     weight = row.repeat(2048 * max(2, torch.get_num_threads()), 1)
-    head, _ = _head(weight)
+    head, _ = _head(weight, unit)
     assert head.argmax(torch.randn(3, 64)).tolist() == [-1, -1, -1]
 
 
-def test_weights_out_of_range_and_bad_inputs_are_refused() -> None:
+def test_weights_out_of_range_and_bad_inputs_are_refused(unit: ProductUnit) -> None:
     weight = torch.randn(100, 64)
     huge = weight.clone()
     huge[5, 5] = float("inf")
     with pytest.raises(ValueError, match="finite weights"):
-        GreedyHead(huge)
+        GreedyHead(huge, unit)
     with pytest.raises(ValueError, match="2-D float32"):
-        GreedyHead(weight.double())
-    head = GreedyHead(weight)
+        GreedyHead(weight.double(), unit)
+    head = GreedyHead(weight, unit)
     with pytest.raises(ValueError, match="float32"):
         head.argmax(torch.randn(2, 63))
     with pytest.raises(ValueError, match="float32"):

@@ -1,12 +1,14 @@
-"""Greedy tokens without the whole float32 output projection: bounded in bfloat16 on AMX, decided in float32.
+"""Greedy tokens without the whole float32 output projection: bounded in bfloat16, decided in float32.
 
 A greedy row needs one thing from its [vocab] logits: which column is largest. Computing all of them in
 float32 is the output projection, a large share of a decode step on small models, whose vocabularies
 (32,000-49,152 columns) dwarf their hidden sizes (512-576). This head gets the same token for a fraction
 of that:
 
-1. **Bound every logit.** The hidden state and the weight (packed once) go to bfloat16, and Intel's AMX
-   tile unit multiplies them with float32 sums: half the bytes to stream, and the arithmetic nearly free.
+1. **Bound every logit.** The hidden state and the weight (packed once) go to bfloat16, and a bfloat16
+   unit multiplies them with float32 sums: Intel's AMX tiles, or else AVX512-BF16's dot-pair instruction
+   (AMD Zen 4 and later), at twice float32's vector rate. Half the bytes to stream, and the arithmetic
+   nearly free on AMX, halved on AVX512-BF16.
    Each approximate logit ``a_j`` is within ``b_j = |x| e_j + (|x - x'| + g_t |x'| + g_c |x|) s_j`` of the
    float32 logit ``f_j`` the panel GEMM computes, by Cauchy-Schwarz on ``x.w - x'.w' = x.(w - w') +
    (x - x').w'`` and on the two sums' rounding: ``x'`` and ``w'`` are the bfloat16 copies, ``e_j`` the
@@ -32,8 +34,9 @@ cannot decide (a non-finite or huge hidden value, more than 1,024 columns within
 comes back as -1, and the caller computes its full logits. Only greedy rows whose logits nothing else
 reads use it: no logprobs, masks, biases or penalties (``Sampler.plain_greedy_rows``).
 
-Needs x86 with AMX-BF16 (Sapphire Rapids and later), Linux's permission for the tile state
-(``arch_prctl``, kernel 5.16+) and a C compiler; ``available()`` checks all of that and the claim
+Needs x86 with AMX-BF16 (Sapphire Rapids and later; with Linux's permission for the tile state,
+``arch_prctl``, kernel 5.16+) or AVX512-BF16 (Cooper Lake, AMD Zen 4 and later), and a C compiler; the
+two compile from the same source, the product loop aside. ``available()`` checks all of that and the claim
 itself once per process.
 """
 
@@ -44,6 +47,7 @@ import functools
 import logging
 import platform
 import threading
+from typing import Literal
 
 import torch
 
@@ -54,7 +58,7 @@ from asyncllm.worker._memory import mapped_tensor
 
 logger = logging.getLogger("asyncllm")
 
-__all__ = ["GreedyHead", "available", "rounding_gamma"]
+__all__ = ["GreedyHead", "ProductUnit", "available", "product_unit", "product_units", "rounding_gamma"]
 
 _SOURCE = r"""
 #include <immintrin.h>
@@ -75,12 +79,17 @@ _SOURCE = r"""
 #define UP (1.0 + 0x1p-20) /* norms computed in double, rounded up by this */
 
 int asyncllm_head_permit(void) {
+#ifdef HEAD_AMX
     /* Linux hands out AMX's 8 KB tile state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA). */
     return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#else
+    return 1;  /* AVX512-BF16 needs no permission */
+#endif
 }
 
 typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } tile_config;
 
+#ifdef HEAD_AMX
 static void configure_tiles(void) {
     tile_config config;
     memset(&config, 0, sizeof config);
@@ -88,6 +97,34 @@ static void configure_tiles(void) {
     for (int t = 0; t < 8; ++t) { config.rows[t] = 16; config.colsb[t] = 64; }
     _tile_loadconfig(&config);
 }
+#else
+/* The same products with AVX512-BF16's dot-pair instruction: a tile row (16 columns' inputs 2p and 2p+1) is one
+   vector, multiplied by a row's input pair broadcast; float32 sums like the tile unit's. 8 rows x 2 column
+   blocks: 16 accumulators, per input pair 2 weight loads and 8 broadcasts. */
+static void dot_pair_products(const uint16_t *xb, int64_t padded, int64_t count, const uint16_t *panel,
+                              int64_t slices, int both, float approx[2][GROUP * TILE_M][TILE_N]) {
+    const int64_t pairs = slices * TILE_K / 2, second = slices * TILE_K * TILE_N;
+    for (int64_t r0 = 0; r0 < count; r0 += 8) {  /* rows past count are xb's zero padding */
+        __m512 sum[2][8];
+        for (int i = 0; i < 8; ++i) { sum[0][i] = _mm512_setzero_ps(); sum[1][i] = _mm512_setzero_ps(); }
+        for (int64_t p = 0; p < pairs; ++p) {
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + p * 2 * TILE_N);
+            const __m512bh w1 = both ? (__m512bh)_mm512_loadu_si512(panel + second + p * 2 * TILE_N) : w0;
+            for (int i = 0; i < 8; ++i) {
+                int32_t pair;
+                memcpy(&pair, xb + (r0 + i) * padded + 2 * p, 4);
+                const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+                sum[0][i] = _mm512_dpbf16_ps(sum[0][i], x, w0);
+                sum[1][i] = _mm512_dpbf16_ps(sum[1][i], x, w1);
+            }
+        }
+        for (int i = 0; i < 8; ++i) {
+            _mm512_store_ps(approx[0][r0 + i], sum[0][i]);
+            _mm512_store_ps(approx[1][r0 + i], sum[1][i]);
+        }
+    }
+}
+#endif
 
 static inline uint16_t to_bf16(float value) {  /* round to nearest even (finite inputs) */
     uint32_t bits;
@@ -261,7 +298,9 @@ int asyncllm_head_argmax(const float *x, int64_t x_stride, int64_t rows, const u
         {
             kept_columns *mine = &kept[omp_get_thread_num()];
             float approx[2][GROUP * TILE_M][TILE_N] __attribute__((aligned(64)));
+#ifdef HEAD_AMX
             configure_tiles();
+#endif
             /* Two column blocks by two row tiles at a time: four sums (tiles 0-3), two input tiles (4, 5) and two
                weight tiles (6, 7), none loaded again while a product still reads it. */
 #pragma omp for schedule(static)
@@ -269,6 +308,7 @@ int asyncllm_head_argmax(const float *x, int64_t x_stride, int64_t rows, const u
                 const int64_t b = 2 * pair;
                 const int both = b + 1 < blocks;
                 const uint16_t *panel = tiles + b * slices * TILE_K * TILE_N;
+#ifdef HEAD_AMX
                 for (int64_t t = 0; t < row_tiles; t += 2) {
                     const int two = t + 1 < row_tiles;
                     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
@@ -291,6 +331,9 @@ int asyncllm_head_argmax(const float *x, int64_t x_stride, int64_t rows, const u
                         if (two) _tile_stored(3, approx[1][(t + 1) * TILE_M], 64);
                     }
                 }
+#else
+                dot_pair_products(xb, padded, count, panel, slices, both, approx);
+#endif
                 for (int64_t r = 0; r < count; ++r) {
                     float *approx_out = record_approx ? record_approx + (first + r) * vocab : NULL;
                     float *bound_out = record_bound ? record_bound + (first + r) * vocab : NULL;
@@ -301,7 +344,9 @@ int asyncllm_head_argmax(const float *x, int64_t x_stride, int64_t rows, const u
                              size_scale[r], slack, approx_out, bound_out);
                 }
             }
+#ifdef HEAD_AMX
             _tile_release();
+#endif
         }
         for (int64_t r = 0; r < count; ++r) {  /* merge the threads' columns (in column order) and decide */
             float floor = -INFINITY;
@@ -328,11 +373,32 @@ int asyncllm_head_argmax(const float *x, int64_t x_stride, int64_t rows, const u
 """
 
 
-def _has_amx() -> bool:
+ProductUnit = Literal["amx", "avx512_bf16"]
+"""What multiplies the bfloat16 pass: AMX-BF16's tile unit, or AVX512-BF16's dot-pair vector instruction."""
+
+_UNIT_FLAGS: dict[ProductUnit, tuple[str, ...]] = {
+    "amx": ("-DHEAD_AMX", "-mamx-tile", "-mamx-bf16"),
+    "avx512_bf16": ("-mavx512bf16",),
+}
+_UNIT_CPU_FLAGS: dict[ProductUnit, set[str]] = {
+    "amx": {"amx_tile", "amx_bf16", "avx512f"},
+    "avx512_bf16": {"avx512_bf16", "avx512f", "avx512bw"},
+}
+
+
+def product_units() -> tuple[ProductUnit, ...]:
+    """The units this CPU has, the faster first: AMX's tiles (Sapphire Rapids and later), then AVX512-BF16
+    (those, Cooper Lake, AMD Zen 4 and later); empty off x86."""
     if platform.machine() not in ("x86_64", "AMD64"):
-        return False
+        return ()
     flags = native.cpu_flags()
-    return {"amx_tile", "amx_bf16", "avx512f"} <= flags
+    return tuple(unit for unit in ("amx", "avx512_bf16") if _UNIT_CPU_FLAGS[unit] <= flags)
+
+
+def product_unit() -> ProductUnit | None:
+    """The unit a head uses by default: the first of ``product_units()``, or None (no greedy head)."""
+    units = product_units()
+    return units[0] if units else None
 
 
 _SIGNATURES: native.Signatures = {
@@ -347,10 +413,10 @@ _SIGNATURES: native.Signatures = {
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    if not _has_amx() or not gemm_cpu.available():
+def _library(unit: ProductUnit | None) -> ctypes.CDLL | None:
+    if unit is None or unit not in product_units() or not gemm_cpu.available():
         return None
-    library = native.load("greedy_head", _SOURCE, _SIGNATURES, ("-mamx-tile", "-mamx-bf16"))
+    library = native.load("greedy_head", _SOURCE, _SIGNATURES, _UNIT_FLAGS[unit])
     if library is None or not library.asyncllm_head_permit():
         return None
     return library
@@ -363,7 +429,7 @@ def rounding_gamma(terms: int, unit: float = 2.0**-24) -> float:
     return terms * unit / (1 - terms * unit) * 1.01
 
 
-# The tile unit reads subnormal bfloat16 inputs as zero (a product moves by under 2**-126 * 2**50 = 2**-76)
+# Both units read subnormal bfloat16 inputs as zero (a product moves by under 2**-126 * 2**50 = 2**-76)
 # and flushes subnormal sums (2**-126 each): with at most 2**16 inputs, far below this.
 _SLACK = 2.0**-40
 
@@ -374,13 +440,17 @@ class GreedyHead:
     Built from the output projection's float32 weight ([vocab, hidden], row-major), which it keeps a
     reference to and reads for the exact logits: the model's output embedding, never released beside a
     head (tied models share it with the input embedding anyway). Holds a bfloat16 copy of the weight in
-    AMX's tile layout (half the float32 weight's memory) and two norms per column.
+    AMX's tile layout (half the float32 weight's memory; AVX512-BF16 reads the same layout) and two norms
+    per column. ``unit`` picks the product unit (None: ``product_unit()``).
     """
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        library = _library()
+    def __init__(self, weight: torch.Tensor, unit: ProductUnit | None = None) -> None:
+        self.unit = unit or product_unit()
+        library = _library(self.unit)
         if library is None:
-            raise RuntimeError("the greedy head needs AMX-BF16, Linux's permission for it and a C compiler")
+            raise RuntimeError(
+                "the greedy head needs AMX-BF16 (with Linux's permission for it) or AVX512-BF16, and a C compiler"
+            )
         source = gemm_cpu.packing_source(weight)
         self.vocab, self.hidden = (int(size) for size in source.shape)
         if self.vocab * self.hidden >= 2**31:
@@ -432,7 +502,7 @@ class GreedyHead:
         rows = hidden.shape[0]
         tokens = torch.full((rows,), -1, dtype=torch.int64)
         recorded = (torch.empty(rows, self.vocab), torch.empty(rows, self.vocab)) if record else None
-        library = _library()
+        library = _library(self.unit)
         assert library is not None  # built in __init__
         if not rows:
             return tokens, recorded
@@ -450,17 +520,19 @@ class GreedyHead:
 
 
 @functools.cache
-def available() -> bool:
-    """Whether the head runs here (AMX-BF16, the tile permission, the panel GEMM, a C compiler), agrees with
-    the argmax of the panel GEMM's logits, near-ties included, and its bound holds. Checked once per process."""
-    if _library() is None:
+def available(unit: ProductUnit | None = None) -> bool:
+    """Whether the head runs here on ``unit`` (None: ``product_unit()``; with the panel GEMM and a C compiler,
+    and for AMX Linux's permission), agrees with the argmax of the panel GEMM's logits, near-ties included,
+    and its bound holds. Checked once per process and unit."""
+    unit = unit or product_unit()
+    if _library(unit) is None:
         return False
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(1000, 70, generator=generator)  # a partial last tile, a partial input slice
     weight[7] = weight[500]  # an exact tie: the first must win
     weight[600] = weight[3] * (1 + 2.0**-20)  # near-ties the bfloat16 pass cannot tell apart
     panels = gemm_cpu.PanelWeight(weight)
-    head = GreedyHead(weight)
+    head = GreedyHead(weight, unit)
     x = torch.randn(70, 70, generator=generator)
     logits = panels.linear(x)
     approx, bound = head.bounds(x)
