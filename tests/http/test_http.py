@@ -905,7 +905,10 @@ async def test_chat_logprobs_match_the_engine(asyncllm_engine: Engine) -> None:
         events = sse(await http.post("/v1/chat/completions", json={**request, "stream": True}))
         unasked = await http.post("/v1/chat/completions", json={**request, "logprobs": False, "top_logprobs": None})
     assert [c["token"] for c in content] == [entry.token.text for entry in expected.logprobs]
-    assert [c["logprob"] for c in content] == pytest.approx([entry.token.logprob for entry in expected.logprobs])
+    # The HTTP request finds the engine's prompt cached: its logits come from attention over cached KV, a
+    # different summation order than the first computation's, so they agree to float32 rounding, not bits.
+    expected_logprobs = [entry.token.logprob for entry in expected.logprobs]
+    assert [c["logprob"] for c in content] == pytest.approx(expected_logprobs, rel=1e-5, abs=1e-5)
     assert all(c["bytes"] == list(c["token"].encode()) and len(c["top_logprobs"]) == 2 for c in content)
     streamed = [c for e in events[1:-1] for c in (e["choices"][0]["logprobs"] or {"content": []})["content"]]
     assert streamed == content

@@ -360,7 +360,8 @@ class EngineCore:
             )
             for s in step.scheduled
         ]
-        return StepBatch(sequences, step.finished_request_ids)
+        copies = tuple((copy.source, copy.target, copy.rows) for copy in step.block_copies)
+        return StepBatch(sequences, step.finished_request_ids, copies)
 
     def _update(self, step: SchedulerOutput, sampled: StepOutput) -> list[TokenEvent]:
         self.num_steps += 1

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from asyncllm.core._priority import SCHEDULING_POLICIES, SchedulingPolicy, WaitingHeap, rank
 from asyncllm.core._request import Request, RequestStatus
 from asyncllm.core._speculative import Speculator
-from asyncllm.core.kv._manager import CacheHit, KVCacheManager
+from asyncllm.core.kv._manager import BlockCopy, CacheHit, KVCacheManager
 from asyncllm.executor._runner import PooledVector, PositionLogprobs, StepOutput, VerifiedDraft
 from asyncllm.outputs import FinishReason
 
@@ -63,6 +63,8 @@ class SchedulerOutput:
     finished_request_ids: list[int] = field(default_factory=list)
     """Requests that ended since the previous step that ran, so the runner can drop their state
     (the scheduler keeps them until a step with work carries them)."""
+    block_copies: list[BlockCopy] = field(default_factory=list)
+    """KV rows to copy before the forward: the partial-block hits of the requests admitted here."""
 
     @property
     def num_batched_tokens(self) -> int:
@@ -228,7 +230,7 @@ class Scheduler:
         if not scheduled:  # no step to carry them: they go with the next one that runs
             return SchedulerOutput([])
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(scheduled, finished)
+        return SchedulerOutput(scheduled, finished, self.kv_cache.take_copies())
 
     def _reserve_proposal(self, item: ScheduledRequest, num_running: int) -> None:
         """``"draft_model"``: give a sampling step the slots its draft model's proposal passes write.

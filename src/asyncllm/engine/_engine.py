@@ -186,6 +186,7 @@ class Engine:
             info.num_kv_blocks,
             info.block_size,
             enable_prefix_caching=self.options.enable_prefix_caching,
+            partial_block_hits=info.block_copies,
             sliding_window=info.sliding_window,
             sliding_group=info.sliding_group,
         )

@@ -87,7 +87,8 @@ class LookaheadExecutor:
 
     def _filled(self, batch: StepBatch) -> StepBatch:
         if any(seq.token_ids[-1] == PLACEHOLDER for seq in batch.sequences):
-            return StepBatch([self._fill(seq) for seq in batch.sequences], batch.finished_request_ids)
+            filled = [self._fill(seq) for seq in batch.sequences]
+            return StepBatch(filled, batch.finished_request_ids, batch.block_copies)
         return batch
 
     def _fill(self, seq: SequenceInput) -> SequenceInput:

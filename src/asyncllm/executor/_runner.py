@@ -62,6 +62,9 @@ class RunnerInfo:
     window: ``(window, blocks of the sliding layers' pool)``. ``num_kv_blocks`` is then the global
     layers' pool; each request gets a second table (``SequenceInput.sliding_block_table``). None: one
     table per request (a model without global and sliding layers both)."""
+    block_copies: bool = False
+    """The runner runs ``StepBatch.block_copies``: the engine then finds partial-block prefix hits
+    (``KVCacheManager(partial_block_hits=True)``); without it, only whole blocks are reused."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +181,10 @@ class StepBatch:
     sequences: list[SequenceInput]
     finished_request_ids: list[int]
     """Requests that ended since the previous step: the runner drops their state."""
+    block_copies: tuple[tuple[int, int, int], ...] = ()
+    """(source block, target block, rows): before its forward, the step copies the first ``rows`` rows of
+    KV (every layer; the draft model's too) from the source block into the target block (partial-block
+    prefix hits). In order: a later copy may overwrite an earlier one's target."""
 
 
 @dataclass(slots=True)

@@ -405,6 +405,7 @@ class TorchModelRunner:
             long_rope_length=spec.rotary.long_from_position if spec.rotary and spec.rotary.long_inv_freq else None,
             speculative=True,
             draft_model=self.draft is not None,
+            block_copies=self.ranks is None,  # the ranks' step messages carry no copies
         )
 
     def _load_draft(self, config: Any, model: DecoderForCausalLM, backend_name: str) -> DraftModel:
@@ -721,6 +722,8 @@ class TorchModelRunner:
             return PendingStep.done(StepOutput([]))
         try:
             with torch.inference_mode():
+                if batch.block_copies:
+                    self._copy_blocks(batch.block_copies)
                 return self._execute(batch.sequences, after)
         except torch.OutOfMemoryError as exc:
             raise DeviceOutOfMemoryError(f"the device ran out of memory during a step: {exc}") from exc
@@ -729,6 +732,21 @@ class TorchModelRunner:
             if failure is exc:
                 raise
             raise failure from exc
+
+    def _copy_blocks(self, copies: tuple[tuple[int, int, int], ...]) -> None:
+        """Copy KV rows between blocks in every layer, the draft model's too (``StepBatch.block_copies``).
+
+        Queued on the device's stream ahead of the step's forward, so it reads the source rows before
+        anything this step or a later one writes there.
+        """
+        if self.ranks is not None:  # the scheduler finds partial-block hits only without ranks
+            raise RuntimeError("block copies are not sent to tensor-parallel ranks")
+        caches = [*self.kv_caches, *(self.draft.kv_caches if self.draft is not None else ())]
+        size = self.block_size
+        for source, target, rows in copies:
+            for keys, values in caches:
+                keys[target * size : target * size + rows] = keys[source * size : source * size + rows]
+                values[target * size : target * size + rows] = values[source * size : source * size + rows]
 
     def _placeholders(
         self, sequences: list[SequenceInput], after: PendingStep | None

@@ -1,10 +1,11 @@
 """The greedy head (``asyncllm.backends.cpu._greedy_head``): the argmax of the float32 logits, exactly, without them.
 
-The head bounds every logit in bfloat16 (on AMX or AVX512-BF16: each unit the machine has) and recomputes
-the few columns that could be the largest the way the panel GEMM computes them, so its token must be the first maximum of the panel GEMM's logits
-on every row it decides: random shapes (partial tiles, several 64-row groups), exact and near ties that
-bfloat16 cannot separate, and rows it must leave undecided (-1). In the runner, plain greedy rows take
-its tokens and every other row goes through the sampler, and the outputs equal the runner's without it.
+The head bounds every logit in bfloat16 (on AMX or AVX512-BF16: each unit the machine has) and recomputes the
+few columns that could be the largest the way the panel GEMM computes them, so its token must be the first
+maximum of the panel GEMM's logits on every row it decides: random shapes (partial tiles, several 64-row
+groups), exact and near ties that bfloat16 cannot separate, and rows it must leave undecided (-1). In the
+runner, plain greedy rows take its tokens and every other row goes through the sampler, and the outputs equal
+the runner's without it.
 """
 
 from __future__ import annotations

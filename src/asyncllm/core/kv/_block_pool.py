@@ -4,6 +4,11 @@ A block is either held (reference count >= 1) or free (count 0, in the free queu
 may still hold the KV of a full block of some earlier sequence and be listed in the hash → block
 map; a later request with the same prefix takes it straight out of the free queue (a cache hit).
 Cached free blocks are evicted lazily, only when ``allocate`` needs a block and pops them.
+
+A cached block can also be indexed by its leading tokens under its parent's hash (``cache`` with
+``tokens``): ``partial_match`` then finds the cached block that shares the longest run of leading
+tokens with a request's next, not-fully-cached block, whose rows the request copies instead of
+computing them (``KVCacheManager``'s partial-block hits).
 """
 
 from __future__ import annotations
@@ -29,6 +34,10 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[bytes, int] = {}
         self._hash_of: list[bytes | None] = [None] * num_blocks
+        self._leading: dict[tuple[bytes, tuple[int, ...]], int] = {}
+        """(parent key, a block's first 1..block_size-1 tokens) → a cached block that starts so."""
+        self._leading_of: dict[int, tuple[bytes, tuple[int, ...]]] = {}
+        """A block indexed in ``_leading``: its parent key and tokens (to unindex it on eviction)."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -60,6 +69,13 @@ class BlockPool:
             self._hash_of[block_id] = None
             if self._cached.get(block_hash) == block_id:
                 del self._cached[block_hash]
+        indexed = self._leading_of.pop(block_id, None)
+        if indexed is not None:
+            parent, tokens = indexed
+            for length in range(1, len(tokens)):
+                key = (parent, tokens[:length])
+                if self._leading.get(key) == block_id:
+                    del self._leading[key]
 
     def lookup(self, block_hash: bytes) -> int | None:
         """The block caching ``block_hash``, if any."""
@@ -72,15 +88,34 @@ class BlockPool:
                 del self._free[block_id]
             self._ref_counts[block_id] += 1
 
-    def cache(self, block_id: int, block_hash: bytes) -> None:
+    def cache(
+        self, block_id: int, block_hash: bytes, parent: bytes | None = None, tokens: tuple[int, ...] = ()
+    ) -> None:
         """Record that held block ``block_id`` now holds the full block ``block_hash``.
 
         The first block to cache a hash keeps it; an identical block computed concurrently by
-        another request simply stays uncached.
+        another request simply stays uncached. With ``parent`` (the previous block's hash, or the
+        chain's root key for a first block) and the block's ``tokens``, its leading tokens are indexed
+        for ``partial_match`` too (the latest block to start so wins).
         """
         if self._hash_of[block_id] is None and block_hash not in self._cached:
             self._hash_of[block_id] = block_hash
             self._cached[block_hash] = block_id
+            if parent is not None and tokens:
+                self._leading_of[block_id] = (parent, tokens)
+                for length in range(1, len(tokens)):
+                    self._leading[(parent, tokens[:length])] = block_id
+
+    def partial_match(self, parent: bytes, tokens: list[int]) -> tuple[int, int] | None:
+        """The cached block under ``parent`` whose first tokens match the longest run of ``tokens`` (shorter
+        than a block), and that run's length; None when no cached block there starts with ``tokens[0]``."""
+        if not tokens or (parent, (tokens[0],)) not in self._leading:  # the common case: a quick miss
+            return None
+        for length in range(len(tokens), 0, -1):
+            block_id = self._leading.get((parent, tuple(tokens[:length])))
+            if block_id is not None:
+                return block_id, length
+        return None
 
     def release(self, block_ids: list[int]) -> None:
         """Drop one reference to each block; blocks nobody holds go back to the free queue.
@@ -111,4 +146,6 @@ class BlockPool:
         count = len(self._cached)
         self._cached.clear()
         self._hash_of = [None] * self.num_blocks
+        self._leading.clear()
+        self._leading_of.clear()
         return count

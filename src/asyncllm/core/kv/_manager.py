@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from asyncllm.core._request import Request
+from asyncllm.core.kv import _hashing
 from asyncllm.core.kv._block_pool import BlockPool
 from asyncllm.core.kv._hashing import extend_block_hashes
 
@@ -30,6 +31,19 @@ class CacheHit:
     sliding: CacheHit | None = None
     """With a sliding group (``KVCacheManager.sliding``), the same prefix's blocks in that group's pool,
     from the window of its first token to compute on; None without one."""
+    copy_from: tuple[int, int] | None = None
+    """A partial-block hit past ``block_ids``: (a cached block, rows) whose first ``rows`` rows hold the KV
+    of the request's next ``rows`` tokens; they are copied into the request's next block (its first new
+    one), and ``num_tokens`` counts them. None: the hit ends on a block boundary."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """Rows a step copies, before its forward, from one KV block into another (a partial-block hit)."""
+
+    source: int
+    target: int
+    rows: int
 
 
 NO_HIT = CacheHit([], 0)
@@ -54,6 +68,9 @@ class KVCacheManager:
         num_blocks: Blocks in the cache (with ``sliding_group``: in the global layers' pool).
         block_size: Tokens per block.
         enable_prefix_caching: Reuse the KV of identical prefixes (full blocks) across requests.
+        partial_block_hits: With prefix caching and no sliding window or group, also reuse the leading
+            rows of a cached block that a request's next block only starts like (the tokens after the
+            full-block hit): the step copies them (``take_copies``) instead of computing them.
         sliding_window: The window every layer of the model attends within, or None (some layer sees
             the whole context: every block stays needed).
         sliding_group: ``(window, num_blocks)`` of a hybrid model's sliding layers: their window and
@@ -69,6 +86,7 @@ class KVCacheManager:
         block_size: int,
         *,
         enable_prefix_caching: bool = True,
+        partial_block_hits: bool = False,
         sliding_window: int | None = None,
         sliding_group: tuple[int, int] | None = None,
     ) -> None:
@@ -86,6 +104,12 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window
+        self.partial_block_hits = (
+            partial_block_hits and enable_prefix_caching and sliding_window is None and sliding_group is None
+        )
+        """Whether lookups find partial-block hits (never with a window: a copied block's rows would have
+        to be copied in every pool that holds them)."""
+        self._copies: list[BlockCopy] = []
         self.pool = BlockPool(num_blocks)
         self._tables: dict[int, list[int]] = {}
         self._offsets: dict[int, int] = {}
@@ -124,10 +148,34 @@ class KVCacheManager:
                 break
             blocks.append(block_id)
         if self.sliding is None:
-            return CacheHit(blocks, len(blocks) * self.block_size)
+            num_tokens = len(blocks) * self.block_size
+            copy_from = self._partial_hit(request, len(blocks)) if self.partial_block_hits else None
+            return CacheHit(blocks, num_tokens + (copy_from[1] if copy_from else 0), copy_from=copy_from)
         # The sliding group's hit is at most the global chain; its length is the hit's for both.
         sliding = self.sliding._windowed_hit(request.block_hashes[: len(blocks)])
         return CacheHit(blocks[: sliding.num_tokens // self.block_size], sliding.num_tokens, 0, sliding)
+
+    def _partial_hit(self, request: Request, num_full: int) -> tuple[int, int] | None:
+        """The cached block sharing the most leading tokens with the request's block ``num_full`` (the
+        first one not fully cached), short of its last token; None when none shares any."""
+        start = num_full * self.block_size
+        end = min(start + self.block_size - 1, request.num_tokens - 1)
+        if end <= start:
+            return None
+        return self.pool.partial_match(self._parent_key(request, num_full), request.token_ids(start, end))
+
+    def _parent_key(self, request: Request, index: int) -> bytes:
+        """What block ``index`` of the request's chain hangs from: the previous block's hash, or for the
+        first block the chain's root (the hash of no tokens with the request's extra keys)."""
+        if index:
+            return request.block_hashes[index - 1]
+        return _hashing.block_hash(None, [], request.cache_salt, long_rope=request.long_rope)
+
+    def take_copies(self) -> list[BlockCopy]:
+        """The row copies the allocations since the last call need (partial-block hits), in allocation
+        order: the step that computes those requests runs them first, before its forward."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def _windowed_hit(self, hashes: list[bytes]) -> CacheHit:
         """The longest prefix of ``hashes`` whose blocks within the window of its next token are all cached.
@@ -223,6 +271,10 @@ class KVCacheManager:
             self.pool.touch(hit.block_ids)
             table = table + hit.block_ids
         new_blocks = self.pool.allocate(max(missing, 0)) or []
+        if hit.copy_from is not None and new_blocks:
+            # The source keeps its rows until this step's copies run: a later allocation can take it, but
+            # writes into it only in this step's forward or a later step's, both after the copies.
+            self._copies.append(BlockCopy(hit.copy_from[0], new_blocks[0], hit.copy_from[1]))
         self._tables[rid] = table + new_blocks
         if offset:
             self._offsets[rid] = offset
@@ -281,8 +333,14 @@ class KVCacheManager:
     def _cache_table(self, request: Request, num_full: int) -> None:
         table = self._tables.get(request.request_id, [])
         offset = self._offsets.get(request.request_id, 0)
+        size = self.block_size
         for index in range(max(request.num_cached_blocks, offset), min(num_full, offset + len(table))):
-            self.pool.cache(table[index - offset], request.block_hashes[index])
+            if self.partial_block_hits:
+                tokens = tuple(request.token_ids(index * size, (index + 1) * size))
+                parent = self._parent_key(request, index)
+                self.pool.cache(table[index - offset], request.block_hashes[index], parent, tokens)
+            else:
+                self.pool.cache(table[index - offset], request.block_hashes[index])
 
     def _hash_blocks(self, request: Request, num_tokens: int) -> None:
         if len(request.block_hashes) * self.block_size + self.block_size <= num_tokens:
