@@ -396,6 +396,54 @@ def test_cpu_prefill_kernel_matches_causal_sdpa(
 
 
 @needs_kernel
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 4, 64), (9, 3, 64), (6, 2, 24)])
+def test_cpu_prefill_kernel_reads_cached_history(
+    heads: int, kv_heads: int, head_dim: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Chunks after cached history (prefix hits, later chunks of a chunked prefill), beside fresh prompts and a
+    # decode, in one step: histories on and off the tile and block boundaries, shuffled block tables. Each
+    # chunk's output equals SDPA over its whole context with the causal offset.
+    torch.manual_seed(heads + head_dim)
+    block_size = 16
+    cases = [(0, 17), (26, 34), (16, 5), (33, 1), (7, 40), (100, 64), (0, 3)]  # (history, new tokens)
+    free = list(range(128))
+    random.Random(head_dim).shuffle(free)
+    k_cache, v_cache = (torch.randn(128 * block_size, kv_heads, head_dim) for _ in range(2))
+    tokens = sum(new for _, new in cases)
+    q = torch.randn(tokens, heads, head_dim) * 3
+    k, v = torch.randn(tokens, kv_heads, head_dim), torch.randn(tokens, kv_heads, head_dim)
+    sequences = []
+    for request_id, (history, new) in enumerate(cases):
+        table = [free.pop() for _ in range(-(-(history + new) // block_size))]
+        sequences.append(SequenceInput(request_id, [3] * new, history, table, True, SamplingParams()))
+    meta = attention_cpu.build_metadata(step_inputs(sequences, block_size), sliding_window=None)
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    calls = []
+    kernel = attention_cpu._prefill_kernel
+
+    def counting(dim: int) -> object:
+        calls.append(dim)
+        return kernel(dim)
+
+    monkeypatch.setattr(attention_cpu, "_prefill_kernel", counting)
+    monkeypatch.setattr(attention_cpu, "reference_sdpa", None)  # no chunk may fall back to SDPA
+    got = attention_cpu.paged_attention(q, k, v, k_cache, v_cache, meta, head_dim**-0.5)
+    assert calls == [head_dim]
+    start = 0
+    for seq, (history, new) in zip(sequences, cases, strict=True):
+        rows = slice(start, start + new)
+        positions = torch.arange(history + new)
+        slots = torch.tensor(seq.block_table)[positions // block_size] * block_size + positions % block_size
+        keys, values = k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1)
+        mask = positions[None, :] <= (history + torch.arange(new))[:, None]
+        expected = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1), keys, values, attn_mask=mask, scale=head_dim**-0.5, enable_gqa=True
+        ).transpose(0, 1)
+        torch.testing.assert_close(got[rows], expected, atol=5e-5, rtol=1e-5)
+        start += new
+
+
+@needs_kernel
 def test_cpu_attention_rejects_what_its_kernels_cannot_read() -> None:
     sequences = [SequenceInput(0, [3], 4, [0], True, SamplingParams())]
     meta = attention_cpu.build_metadata(step_inputs(sequences, 16), sliding_window=None)

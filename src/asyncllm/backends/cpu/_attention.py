@@ -17,9 +17,10 @@ step. This backend reads the cache in place:
 - Prompt chunks that start at position 0 attend only to their own new keys and values, taken
   straight from the projection: a second C kernel (flash-attention tiling: tiles of as many
   queries as a vector has lanes walk the key tiles up to their diagonal with an online softmax
-  run across the tile's queries at once). A chunk with cached
-  history (chunked prefill, a prefix-cache hit) or a sliding window gathers its slots once (from
-  the window of its first query on) and runs SDPA, as the reference does. The decode kernel too reads
+  run across the tile's queries at once). A chunk with cached history (chunked prefill, a prefix-cache
+  hit) goes to the same kernel, which reads its keys and values from the cache through its slots; one that
+  a sliding window cuts, or a soft-capped model's, gathers its slots once (from the window of its first
+  query on) and runs SDPA, as the reference does. The decode kernel too reads
   only a sliding window's positions, so blocks that left it are never touched.
 
 Same cache layout ([slots, kv_heads, head_dim]), and ``write_kv`` from the reference backend.
@@ -32,7 +33,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import numpy as np
@@ -263,52 +264,66 @@ int asyncllm_paged_decode_f32(const float *q, int64_t q_stride, const float *k_c
     return failed ? -1 : 0;
 }
 
-/* Causal attention of prompt chunks that start at position 0 over their own new keys and values (a flash-
-   attention tiling): q rows [tokens, q_heads, HEAD_DIM], k, v rows [tokens, kv_heads, HEAD_DIM], with row
-   strides q_stride, k_stride, v_stride (views into the fused projection); out rows [tokens, q_heads,
-   HEAD_DIM] contiguous; chunk c is rows
-   [starts[c], ends[c]). Work: (chunk, KV head, block of TILE queries), each walking the key tiles up to its
-   diagonal with an online softmax. The softmax runs across the tile's queries at once (lanes = queries):
-   the scores of every query against one key are one vector, so a tile's maxima, exponentials and sums are
-   whole-vector operations, not per-row maxima, sums and scalar exponentials across lanes. Returns 0, or -1
-   when scratch memory ran out. */
+/* Causal attention of prompt chunks (a flash-attention tiling): q rows [tokens, q_heads, HEAD_DIM], k, v rows
+   [tokens, kv_heads, HEAD_DIM], with row strides q_stride, k_stride, v_stride (views into the fused
+   projection); out rows [tokens, q_heads, HEAD_DIM] contiguous; chunk c is rows [starts[c], ends[c]). A chunk
+   with history (history[c] > 0 cached positions before its first query; history may be NULL: none) reads
+   every key and value of positions [0, history[c] + its length) from the caches k_cache, v_cache ([slots,
+   kv_heads, HEAD_DIM]) at slots[slot_starts[c] + position], its own new ones included (already written
+   there); a chunk without reads its own new keys and values from k and v. Work: (chunk, KV head, block of
+   TILE queries), each walking the key tiles up to its diagonal with an online softmax. The softmax runs
+   across the tile's queries at once (lanes = queries): the scores of every query against one key are one
+   vector, so a tile's maxima, exponentials and sums are whole-vector operations, not per-row maxima, sums and
+   scalar exponentials across lanes. Returns 0, or -1 when scratch memory ran out. */
 #define TILE W
 /* The weighted values' register block: QB queries x DV vectors (HEAD_DIM / W) of accumulators, at most 16. */
 #define DV (HEAD_DIM / W)
 #define QB_FIT (16 / DV >= 16 ? 16 : 16 / DV >= 8 ? 8 : 16 / DV >= 4 ? 4 : 16 / DV >= 2 ? 2 : 1)
 #define QB (QB_FIT < TILE ? QB_FIT : TILE)
+#define HISTORY(c) (history ? history[c] : 0)
 int asyncllm_causal_prefill_f32(const float *q, int64_t q_stride, const float *k, const float *v, float *out,
                                 const int64_t *starts, const int64_t *ends, int64_t chunks, int64_t q_heads,
-                                int64_t kv_heads, int64_t k_stride, int64_t v_stride, float scale) {
-    const int64_t group = q_heads / kv_heads;
+                                int64_t kv_heads, int64_t k_stride, int64_t v_stride, float scale,
+                                const int64_t *history, const int64_t *slots, const int64_t *slot_starts,
+                                const float *k_cache, const float *v_cache) {
+    const int64_t group = q_heads / kv_heads, cache_row = kv_heads * HEAD_DIM;
     int64_t total = 0, tasks = 0;
     for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t padded = (ends[c] - starts[c] + TILE - 1) / TILE * TILE;
-        total += padded;
-        tasks += padded / TILE * kv_heads;
+        total += (HISTORY(c) + ends[c] - starts[c] + TILE - 1) / TILE * TILE;
+        tasks += (ends[c] - starts[c] + TILE - 1) / TILE * kv_heads;
     }
-    /* keys_r[offset of chunk + (kv head * padded + key) * HEAD_DIM + d]: each chunk's keys per KV head,
-       contiguous and zero-padded to whole tiles, so a tile's rows sit at fixed offsets from one pointer. */
+    /* keys_r[offset of chunk + (kv head * padded + key) * HEAD_DIM + d], values_r alike: each chunk's keys and
+       values per KV head (its history's first), contiguous and zero-padded to whole tiles, so a tile's rows
+       sit at fixed offsets from one pointer. */
     float *keys_r = (float *)calloc((size_t)(total * kv_heads * HEAD_DIM), sizeof(float));
+    float *values_r = (float *)calloc((size_t)(total * kv_heads * HEAD_DIM), sizeof(float));
     int64_t *offsets = (int64_t *)malloc(sizeof(int64_t) * (size_t)(chunks + 1));
-    if (!keys_r || !offsets) {
+    if (!keys_r || !values_r || !offsets) {
         free(keys_r);
+        free(values_r);
         free(offsets);
         return -1;
     }
     offsets[0] = 0;
     for (int64_t c = 0; c < chunks; ++c)
-        offsets[c + 1] = offsets[c] + (ends[c] - starts[c] + TILE - 1) / TILE * TILE * kv_heads * HEAD_DIM;
+        offsets[c + 1] = offsets[c] + (HISTORY(c) + ends[c] - starts[c] + TILE - 1) / TILE * TILE * kv_heads * HEAD_DIM;
     int failed = 0;
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
         for (int64_t ck = 0; ck < chunks * kv_heads; ++ck) {
-            const int64_t c = ck / kv_heads, g = ck % kv_heads, len = ends[c] - starts[c];
+            const int64_t c = ck / kv_heads, g = ck % kv_heads, hist = HISTORY(c), len = hist + ends[c] - starts[c];
             const int64_t padded = (len + TILE - 1) / TILE * TILE;
-            float *dst = keys_r + offsets[c] + g * padded * HEAD_DIM;
-            for (int64_t t = 0; t < len; ++t)
-                memcpy(dst + t * HEAD_DIM, k + (starts[c] + t) * k_stride + g * HEAD_DIM, sizeof(float) * HEAD_DIM);
+            float *key_dst = keys_r + offsets[c] + g * padded * HEAD_DIM;
+            float *value_dst = values_r + offsets[c] + g * padded * HEAD_DIM;
+            for (int64_t t = 0; t < len; ++t) {
+                const float *key = hist ? k_cache + slots[slot_starts[c] + t] * cache_row + g * HEAD_DIM
+                                        : k + (starts[c] + t) * k_stride + g * HEAD_DIM;
+                const float *value = hist ? v_cache + slots[slot_starts[c] + t] * cache_row + g * HEAD_DIM
+                                          : v + (starts[c] + t) * v_stride + g * HEAD_DIM;
+                memcpy(key_dst + t * HEAD_DIM, key, sizeof(float) * HEAD_DIM);
+                memcpy(value_dst + t * HEAD_DIM, value, sizeof(float) * HEAD_DIM);
+            }
         }
         /* queries_t[d * TILE + i]: the tile's queries (scaled), d-major, so a column is one vector (lanes =
            queries); probs[j * TILE + i]: the tile's probabilities against key j. */
@@ -330,10 +345,14 @@ int asyncllm_causal_prefill_f32(const float *q, int64_t q_stride, const float *k
                 rest -= (ends[c] - starts[c] + TILE - 1) / TILE * kv_heads;
                 ++c;
             }
-            const int64_t len = ends[c] - starts[c], padded = (len + TILE - 1) / TILE * TILE;
+            const int64_t hist = HISTORY(c), len = ends[c] - starts[c], padded = (len + TILE - 1) / TILE * TILE;
+            const int64_t kv_padded = (hist + len + TILE - 1) / TILE * TILE;
             const int64_t tile = padded / TILE - 1 - rest / kv_heads, g = rest % kv_heads;
             const int64_t first = tile * TILE, rows = len - first < TILE ? len - first : TILE;
-            const float *kr = keys_r + offsets[c] + g * padded * HEAD_DIM;
+            /* The tile's queries sit at positions base + i; keys up to base + rows - 1 are visible to some. */
+            const int64_t base = hist + first, key_tiles = (base + rows + TILE - 1) / TILE;
+            const float *kr = keys_r + offsets[c] + g * kv_padded * HEAD_DIM;
+            const float *vr = values_r + offsets[c] + g * kv_padded * HEAD_DIM;
             for (int64_t h = g * group; h < (g + 1) * group; ++h) {
                 /* rows past the chunk's end stay zero: computed along, never written out */
                 memset(queries_t, 0, sizeof(float) * TILE * HEAD_DIM);
@@ -344,8 +363,10 @@ int asyncllm_causal_prefill_f32(const float *q, int64_t q_stride, const float *k
                 }
                 /* The online softmax runs across the tile's queries at once: lane i is query i. */
                 vec top = splat(-INFINITY), sum = splat(0.0f);
-                for (int64_t kb = 0; kb <= tile; ++kb) {
-                    const int64_t key0 = kb * TILE, keys = kb < tile ? TILE : rows; /* the diagonal tile: rows keys */
+                for (int64_t kb = 0; kb < key_tiles; ++kb) {
+                    /* keys this tile holds that some query sees (the diagonal tile's: up to the last query) */
+                    const int64_t key0 = kb * TILE, keys = base + rows - key0 < TILE ? base + rows - key0 : TILE;
+                    const int diagonal = key0 + TILE - 1 > base; /* some key here is past some query */
                     const float *tile_keys = kr + key0 * HEAD_DIM;
                     /* scores[j]: every query's score against key j; each query column loaded once. */
                     vec scores[TILE];
@@ -354,9 +375,10 @@ int asyncllm_causal_prefill_f32(const float *q, int64_t q_stride, const float *k
                         const vec column = load(queries_t + d * TILE);
                         for (int j = 0; j < TILE; ++j) scores[j] += column * tile_keys[j * HEAD_DIM + d];
                     }
-                    /* On the diagonal tile key j is visible to queries i >= j only (causal). */
-                    if (kb == tile)
-                        for (int j = 0; j < TILE; ++j) scores[j] = vselect(lane >= j, scores[j], splat(-INFINITY));
+                    /* Key key0 + j is visible to the queries at positions base + i >= key0 + j only (causal). */
+                    if (diagonal)
+                        for (int j = 0; j < TILE; ++j)
+                            scores[j] = vselect(lane >= (int)(key0 + j - base), scores[j], splat(-INFINITY));
                     vec block_top = scores[0];
                     for (int j = 1; j < TILE; ++j) block_top = vmax(block_top, scores[j]);
                     const vec new_top = vmax(top, block_top);
@@ -365,7 +387,7 @@ int asyncllm_causal_prefill_f32(const float *q, int64_t q_stride, const float *k
                     vec block_sum = splat(0.0f);
                     for (int j = 0; j < TILE; ++j) {
                         vec p = vexp(scores[j] - new_top);
-                        if (kb == tile) p = vselect(lane >= j, p, splat(0.0f));
+                        if (diagonal) p = vselect(lane >= (int)(key0 + j - base), p, splat(0.0f));
                         block_sum += p;
                         store(probs + j * TILE, p);
                     }
@@ -377,7 +399,7 @@ int asyncllm_causal_prefill_f32(const float *q, int64_t q_stride, const float *k
                        multiply-add. */
                     float rescales[TILE];
                     store(rescales, rescale);
-                    const float *tile_values = v + (starts[c] + key0) * v_stride + g * HEAD_DIM;
+                    const float *tile_values = vr + key0 * HEAD_DIM;
                     for (int i0 = 0; i0 < TILE; i0 += QB) {
                         vec a[QB][DV];
                         for (int i = 0; i < QB; ++i)
@@ -385,7 +407,7 @@ int asyncllm_causal_prefill_f32(const float *q, int64_t q_stride, const float *k
                                 a[i][e] = load(acc + (i0 + i) * HEAD_DIM + e * W) * splat(rescales[i0 + i]);
                         for (int64_t j = 0; j < keys; ++j) {
                             vec value[DV];
-                            for (int e = 0; e < DV; ++e) value[e] = load(tile_values + j * v_stride + e * W);
+                            for (int e = 0; e < DV; ++e) value[e] = load(tile_values + j * HEAD_DIM + e * W);
                             for (int i = 0; i < QB; ++i) {
                                 const vec p = splat(probs[j * TILE + i0 + i]);
                                 for (int e = 0; e < DV; ++e) a[i][e] += p * value[e];
@@ -407,6 +429,7 @@ int asyncllm_causal_prefill_f32(const float *q, int64_t q_stride, const float *k
         free(probs);
     }
     free(keys_r);
+    free(values_r);
     free(offsets);
     return failed ? -1 : 0;
 }
@@ -424,6 +447,10 @@ class CpuPrefillChunk:
     position 0 (it attends to its own new keys and values only)."""
     mask: torch.Tensor | None
     """[query_len, kv_len] True where a query may attend; None: plain causal."""
+    history: int = 0
+    """Cached positions before the chunk's first query (its start position)."""
+    causal: bool = False
+    """Every query sees every position up to its own (no window cuts the context): the prefill kernel's case."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -443,6 +470,41 @@ class CpuAttentionMetadata:
     prefills: tuple[CpuPrefillChunk, ...]
     global_prefills: tuple[CpuPrefillChunk, ...] | None = None
     """``prefills`` without the sliding window, for a model's global layers; None: no window (the same)."""
+    kernel_plans: dict[bool, _KernelPlan] = field(default_factory=dict)
+    """The prefill kernel's arrays for ``prefills`` (key True) and ``global_prefills`` (False), built by the
+    first layer that needs them and shared by the rest."""
+
+
+@dataclass(frozen=True, slots=True)
+class _KernelPlan:
+    """The causal chunks of a step as the prefill kernel takes them (``CpuPrefillChunk.causal``)."""
+
+    chunks: list[CpuPrefillChunk]
+    bounds: torch.Tensor
+    """[2, chunks] int64: each chunk's first and end rows."""
+    history: torch.Tensor
+    """[chunks] int64 cached positions before each chunk."""
+    slots: torch.Tensor
+    """The slots of every position of the chunks with history, chunk after chunk (empty without any)."""
+    slot_starts: torch.Tensor
+    """[chunks] int64: where each chunk's slots start in ``slots``."""
+
+    @classmethod
+    def of(cls, chunks: list[CpuPrefillChunk]) -> _KernelPlan:
+        starts, parts, at = [], [], 0
+        for chunk in chunks:
+            starts.append(at)
+            if chunk.history:
+                assert chunk.kv_slots is not None  # a chunk with history reads the cache
+                parts.append(chunk.kv_slots)
+                at += chunk.kv_slots.numel()
+        return cls(
+            chunks,
+            torch.tensor([[c.query_start, c.query_end] for c in chunks], dtype=torch.int64).t().contiguous(),
+            torch.tensor([c.history for c in chunks], dtype=torch.int64),
+            torch.cat(parts) if parts else torch.zeros(1, dtype=torch.int64),
+            torch.tensor(starts, dtype=torch.int64),
+        )
 
 
 def build_metadata(step: StepInputs, *, sliding_window: int | None) -> CpuAttentionMetadata:
@@ -472,7 +534,7 @@ def _prefill_chunk(span: PrefillSpan, block_size: int, sliding_window: int | Non
     start, kv_len = span.start_position, span.kv_len
     windowed = sliding_window is not None and kv_len > sliding_window
     if start == 0 and not windowed:
-        return CpuPrefillChunk(span.query_start, span.query_end, None, None)
+        return CpuPrefillChunk(span.query_start, span.query_end, None, None, causal=True)
     # A chunk with history reads the cache from the window of its first query on: the positions before
     # it are never read (their blocks may have gone back to the pool, ``SequenceInput.block_offset``).
     first = 0 if start == 0 or sliding_window is None else max(0, start - sliding_window + 1)
@@ -484,7 +546,14 @@ def _prefill_chunk(span: PrefillSpan, block_size: int, sliding_window: int | Non
     if start == 0:
         return CpuPrefillChunk(span.query_start, span.query_end, None, torch.from_numpy(mask))
     slots = span.block_table[kv_positions // block_size] * block_size + kv_positions % block_size
-    return CpuPrefillChunk(span.query_start, span.query_end, torch.from_numpy(slots), torch.from_numpy(mask))
+    return CpuPrefillChunk(
+        span.query_start,
+        span.query_end,
+        torch.from_numpy(slots),
+        torch.from_numpy(mask),
+        history=start,
+        causal=not windowed and not first,
+    )
 
 
 def paged_attention(
@@ -574,20 +643,25 @@ def attend_into(
         )
         if status != 0:
             raise RuntimeError("the cpu decode attention kernel could not allocate its scratch memory")
-    prefills = meta.prefills if sliding or meta.global_prefills is None else meta.global_prefills
-    fresh = [c for c in prefills if c.kv_slots is None and c.mask is None]
-    prefill = _prefill_kernel(q.shape[-1]) if fresh and softcap is None else None
+    windowed = sliding and meta.global_prefills is not None
+    prefills = meta.prefills if windowed or meta.global_prefills is None else meta.global_prefills
+    has_causal = any(c.causal for c in prefills)
+    prefill = _prefill_kernel(q.shape[-1]) if has_causal and softcap is None else None
     rest: tuple[CpuPrefillChunk, ...] | list[CpuPrefillChunk] = prefills
     if prefill is not None and k.stride(2) == 1 and v.stride(2) == 1 and k.stride(1) == v.stride(1) == k.shape[2]:
-        # Prompts from position 0 attend to their own new keys and values: the C kernel, all chunks at once.
-        bounds = torch.tensor([[c.query_start, c.query_end] for c in fresh], dtype=torch.int64).t().contiguous()
+        # Causal chunks (from position 0, or after cached history) in the C kernel, all at once.
+        plan = meta.kernel_plans.get(windowed)
+        if plan is None:
+            plan = meta.kernel_plans[windowed] = _KernelPlan.of([c for c in prefills if c.causal])
         status = prefill(
-            q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), out.data_ptr(), bounds[0].data_ptr(),
-            bounds[1].data_ptr(), len(fresh), q.shape[1], k.shape[1], k.stride(0), v.stride(0), scale,
+            q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), out.data_ptr(), plan.bounds[0].data_ptr(),
+            plan.bounds[1].data_ptr(), len(plan.chunks), q.shape[1], k.shape[1], k.stride(0), v.stride(0), scale,
+            plan.history.data_ptr(), plan.slots.data_ptr(), plan.slot_starts.data_ptr(), k_cache.data_ptr(),
+            v_cache.data_ptr(),
         )  # fmt: skip
         if status != 0:
             raise RuntimeError("the cpu prefill attention kernel could not allocate its scratch memory")
-        rest = [c for c in prefills if c.kv_slots is not None or c.mask is not None]
+        rest = [c for c in prefills if not c.causal]
     for chunk in rest:
         queries = q[chunk.query_start : chunk.query_end].transpose(0, 1).unsqueeze(0)
         if chunk.kv_slots is None:
@@ -627,7 +701,7 @@ _Kernel = Callable[..., int]
 
 _SIGNATURES: native.Signatures = {
     "asyncllm_paged_decode_f32": ([PTR, I64, *[PTR] * 6, *[I64] * 6, F32, F32], I32),
-    "asyncllm_causal_prefill_f32": ([PTR, I64, *[PTR] * 5, *[I64] * 5, F32], I32),
+    "asyncllm_causal_prefill_f32": ([PTR, I64, *[PTR] * 5, *[I64] * 5, F32, *[PTR] * 5], I32),
 }
 
 
