@@ -86,6 +86,31 @@ def test_an_evicted_block_is_no_longer_found() -> None:
     assert kv.find_cached_prefix(_request(3, [1, 2, 9, 9, 9])).num_tokens == 0
 
 
+def test_evicting_the_latest_block_to_start_so_keeps_the_older_ones_findable() -> None:
+    # Two cached first blocks start with token 1: A = [1, 2, 3, 4] (held by a running request) and, cached
+    # later, B = [1, 9, 9, 9]. B is evicted; A still holds the KV of [1, 2, 3], so a prompt starting so
+    # must still hit its three rows.
+    kv = KVCacheManager(4, BLOCK, partial_block_hits=True)
+    a = _computed(kv, _request(1, [1, 2, 3, 4, 5]))[0]
+    second = _request(2, [1, 9, 9, 9, 5])
+    b = _computed(kv, second)[0]
+    kv.free(second)
+    _computed(kv, _request(3, [7, 7, 7, 7, 7]))  # takes the free blocks, B first (the oldest free)
+    assert not kv.pool.is_cached(b) and kv.pool.is_cached(a)
+    assert kv.find_cached_prefix(_request(4, [1, 2, 3, 8, 8])).copy_from == (a, 3)
+
+
+def test_a_large_block_is_indexed_in_time_linear_in_its_size() -> None:
+    # The index keys each leading run by an incremental hash: 255 keys for a block of 256, not 255 tuples of
+    # up to 255 tokens. Counted through the pool's index itself (no timing).
+    kv = KVCacheManager(8, 256, partial_block_hits=True)
+    _computed(kv, _request(1, list(range(1, 300))))
+    assert len(kv.pool._leading) == 255
+    assert all(isinstance(key[2], int) and len(key) == 3 for key in kv.pool._leading)
+    hit = kv.find_cached_prefix(_request(2, [*range(1, 200), 0, 0]))
+    assert hit.copy_from is not None and hit.copy_from[1] == 199
+
+
 def test_no_partial_hits_by_default_with_a_window_or_without_prefix_caching() -> None:
     tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
     for kv in (

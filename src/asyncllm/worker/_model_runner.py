@@ -743,10 +743,23 @@ class TorchModelRunner:
             raise RuntimeError("block copies are not sent to tensor-parallel ranks")
         caches = [*self.kv_caches, *(self.draft.kv_caches if self.draft is not None else ())]
         size = self.block_size
+        sources: list[int] = []
+        targets: list[int] = []
         for source, target, rows in copies:
-            for keys, values in caches:
-                keys[target * size : target * size + rows] = keys[source * size : source * size + rows]
-                values[target * size : target * size + rows] = values[source * size : source * size + rows]
+            sources += range(source * size, source * size + rows)
+            targets += range(target * size, target * size + rows)
+        if len(set(targets)) < len(targets):  # a target written twice: in order, one copy at a time
+            for source, target, rows in copies:
+                for keys, values in caches:
+                    keys[target * size : target * size + rows] = keys[source * size : source * size + rows]
+                    values[target * size : target * size + rows] = values[source * size : source * size + rows]
+            return
+        # One gather and one scatter per tensor for all of the step's copies.
+        source_slots = torch.tensor(sources, dtype=torch.int64, device=self.device)
+        target_slots = torch.tensor(targets, dtype=torch.int64, device=self.device)
+        for keys, values in caches:
+            keys.index_copy_(0, target_slots, keys.index_select(0, source_slots))
+            values.index_copy_(0, target_slots, values.index_select(0, source_slots))
 
     def _placeholders(
         self, sequences: list[SequenceInput], after: PendingStep | None

@@ -14,6 +14,7 @@ computing them (``KVCacheManager``'s partial-block hits).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 
 
 class BlockPool:
@@ -34,10 +35,11 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[bytes, int] = {}
         self._hash_of: list[bytes | None] = [None] * num_blocks
-        self._leading: dict[tuple[bytes, tuple[int, ...]], int] = {}
-        """(parent key, a block's first 1..block_size-1 tokens) → a cached block that starts so."""
+        self._leading: dict[tuple[bytes, int, int], dict[int, None]] = {}
+        """(parent key, run length, run hash) → the cached blocks whose first tokens are that run, oldest
+        first (an ordered set); runs of 1 to block_size - 1 tokens (``_runs``)."""
         self._leading_of: dict[int, tuple[bytes, tuple[int, ...]]] = {}
-        """A block indexed in ``_leading``: its parent key and tokens (to unindex it on eviction)."""
+        """A block indexed in ``_leading``: its parent key and tokens (to unindex it, and to check a match)."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -72,10 +74,12 @@ class BlockPool:
         indexed = self._leading_of.pop(block_id, None)
         if indexed is not None:
             parent, tokens = indexed
-            for length in range(1, len(tokens)):
-                key = (parent, tokens[:length])
-                if self._leading.get(key) == block_id:
-                    del self._leading[key]
+            for key in _runs(parent, tokens[:-1]):
+                blocks = self._leading.get(key)
+                if blocks is not None:
+                    blocks.pop(block_id, None)
+                    if not blocks:
+                        del self._leading[key]
 
     def lookup(self, block_hash: bytes) -> int | None:
         """The block caching ``block_hash``, if any."""
@@ -103,19 +107,29 @@ class BlockPool:
             self._cached[block_hash] = block_id
             if parent is not None and tokens:
                 self._leading_of[block_id] = (parent, tokens)
-                for length in range(1, len(tokens)):
-                    self._leading[(parent, tokens[:length])] = block_id
+                for key in _runs(parent, tokens[:-1]):
+                    self._leading.setdefault(key, {})[block_id] = None
 
     def partial_match(self, parent: bytes, tokens: list[int]) -> tuple[int, int] | None:
         """The cached block under ``parent`` whose first tokens match the longest run of ``tokens`` (shorter
-        than a block), and that run's length; None when no cached block there starts with ``tokens[0]``."""
-        if not tokens or (parent, (tokens[0],)) not in self._leading:  # the common case: a quick miss
+        than a block), and that run's length; None when no cached block there starts with ``tokens[0]``.
+
+        Among blocks that match as far, the latest cached. Runs are found by hash, then checked token by
+        token, so a hash collision costs a hit, never a wrong one.
+        """
+        best: tuple[int, int] | None = None
+        for key in _runs(parent, tuple(tokens)):
+            blocks = self._leading.get(key)
+            if not blocks:
+                break  # a block matching a longer run would match this one too
+            best = next(reversed(blocks)), key[1]
+        if best is None:
             return None
-        for length in range(len(tokens), 0, -1):
-            block_id = self._leading.get((parent, tuple(tokens[:length])))
-            if block_id is not None:
-                return block_id, length
-        return None
+        block_id, length = best
+        indexed = self._leading_of.get(block_id)
+        if indexed is None or indexed[0] != parent or list(indexed[1][:length]) != tokens[:length]:
+            return None
+        return best
 
     def release(self, block_ids: list[int]) -> None:
         """Drop one reference to each block; blocks nobody holds go back to the free queue.
@@ -149,3 +163,12 @@ class BlockPool:
         self._leading.clear()
         self._leading_of.clear()
         return count
+
+
+def _runs(parent: bytes, tokens: tuple[int, ...]) -> Iterator[tuple[bytes, int, int]]:
+    """The index keys of the runs ``tokens[:1]``, ``tokens[:2]``, ...: each run's hash extends the previous
+    one's by a token, so indexing a block costs time and memory linear in its size."""
+    run_hash = 0
+    for length, token in enumerate(tokens, 1):
+        run_hash = hash((run_hash, token))
+        yield parent, length, run_hash
