@@ -352,6 +352,19 @@ def test_forward_benchmark_quick(
     assert all(all(ms > 0 for ms in step["ms_per_step"].values()) for step in results.values())
 
 
+def _count_prefill_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The head sizes the attention asks its prefill kernel for, call by call, from now on."""
+    calls: list[int] = []
+    kernel = attention_cpu._prefill_kernel
+
+    def counting(dim: int) -> object:
+        calls.append(dim)
+        return kernel(dim)
+
+    monkeypatch.setattr(attention_cpu, "_prefill_kernel", counting)
+    return calls
+
+
 @needs_kernel
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 4, 64), (6, 2, 24), (3, 1, 36)])
 def test_cpu_prefill_kernel_matches_causal_sdpa(
@@ -372,14 +385,7 @@ def test_cpu_prefill_kernel_matches_causal_sdpa(
         table = [free.pop() for _ in range(-(-length // block_size))]
         sequences.append(SequenceInput(request_id, [3] * length, 0, table, True, SamplingParams()))
     meta = attention_cpu.build_metadata(step_inputs(sequences, block_size), sliding_window=None)
-    calls = []
-    kernel = attention_cpu._prefill_kernel
-
-    def counting(dim: int) -> object:
-        calls.append(dim)
-        return kernel(dim)
-
-    monkeypatch.setattr(attention_cpu, "_prefill_kernel", counting)
+    calls = _count_prefill_kernel_calls(monkeypatch)
     k_cache, v_cache = (torch.zeros(64 * block_size, kv_heads, head_dim) for _ in range(2))
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)  # the one-token prompt is decode-shaped: it reads these
     got = attention_cpu.paged_attention(q, k, v, k_cache, v_cache, meta, head_dim**-0.5)
@@ -418,14 +424,7 @@ def test_cpu_prefill_kernel_reads_cached_history(
         sequences.append(SequenceInput(request_id, [3] * new, history, table, True, SamplingParams()))
     meta = attention_cpu.build_metadata(step_inputs(sequences, block_size), sliding_window=None)
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    calls = []
-    kernel = attention_cpu._prefill_kernel
-
-    def counting(dim: int) -> object:
-        calls.append(dim)
-        return kernel(dim)
-
-    monkeypatch.setattr(attention_cpu, "_prefill_kernel", counting)
+    calls = _count_prefill_kernel_calls(monkeypatch)
     monkeypatch.setattr(attention_cpu, "reference_sdpa", None)  # no chunk may fall back to SDPA
     got = attention_cpu.paged_attention(q, k, v, k_cache, v_cache, meta, head_dim**-0.5)
     assert calls == [head_dim]
