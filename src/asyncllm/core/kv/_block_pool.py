@@ -100,7 +100,7 @@ class BlockPool:
         The first block to cache a hash keeps it; an identical block computed concurrently by
         another request simply stays uncached. With ``parent`` (the previous block's hash, or the
         chain's root key for a first block) and the block's ``tokens``, its leading tokens are indexed
-        for ``partial_match`` too (the latest block to start so wins).
+        for ``partial_match`` too (which prefers the latest block among those that start alike).
         """
         if self._hash_of[block_id] is None and block_hash not in self._cached:
             self._hash_of[block_id] = block_hash
