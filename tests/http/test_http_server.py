@@ -232,8 +232,11 @@ def test_echo_cached_tokens_tokenize_and_errors_over_tcp(server: Server) -> None
     assert first.usage.prompt_tokens_details is not None and second.usage.prompt_tokens_details is not None
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     cached = second.usage.prompt_tokens_details.cached_tokens
-    # Every prompt token but the last (computed for its logits): whole blocks and the rows of the partial one.
-    assert cached == first.usage.prompt_tokens - 1
+    # Every whole block of 16 before the last token, and at most every token but the last (computed for its
+    # logits): the rows of the partial block are a hit only if the first request's last block was completed
+    # (a step past its end, which async scheduling may or may not run), so either count is right.
+    prompt_tokens = first.usage.prompt_tokens
+    assert cached is not None and (prompt_tokens - 1) // 16 * 16 <= cached <= prompt_tokens - 1
     back = httpx.post(f"{server.base_url}/v1/detokenize", json={"tokens": counted["tokens"]}, headers=auth).json()
     assert prompt in back["prompt"]
     # lm-evaluation-harness's loglikelihood request: the prompt alone, scored.
