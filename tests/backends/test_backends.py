@@ -29,6 +29,7 @@ from asyncllm.backends import (
 from asyncllm.backends._base import DecodeGraphInputs, KVCache
 from asyncllm.backends.cpu import _attention as attention_cpu
 from asyncllm.backends.cpu import _elementwise as elementwise_cpu
+from asyncllm.backends.cpu import _gemm as gemm_cpu
 from asyncllm.backends.triton._kernels import triton_available
 from asyncllm.executor._runner import SequenceInput
 from asyncllm.sampling_params import SamplingParams
@@ -53,11 +54,17 @@ def _runner(model: Path, **options: Any) -> TorchModelRunner:
         ({"attention_backend": "torch"}, TorchAttentionBackend),
         pytest.param({"attention_backend": "cpu"}, CpuAttentionBackend, marks=needs_cpu_kernels),
         pytest.param({}, CpuAttentionBackend, marks=needs_cpu_kernels),  # "auto" on the CPU
-        # cpu runs float32 only: it falls back to the reference
-        ({"attention_backend": "cpu", "dtype": "bfloat16"}, TorchAttentionBackend),
+        # cpu runs float32 only: with torch's bfloat16 it falls back to the reference; bfloat16 weights on
+        # bfloat16 panels compute in float32, on it
+        ({"attention_backend": "cpu", "dtype": "bfloat16", "packed_gemm": False}, TorchAttentionBackend),
+        pytest.param(
+            {"attention_backend": "cpu", "dtype": "bfloat16"},
+            CpuAttentionBackend,
+            marks=[needs_cpu_kernels, pytest.mark.skipif(not gemm_cpu.bfloat16_available(), reason="AVX512-BF16")],
+        ),
         pytest.param({"attention_backend": "triton", "dtype": "float32"}, TritonAttentionBackend, marks=needs_triton),
     ],
-    ids=["torch", "cpu", "auto", "cpu-bfloat16", "triton"],
+    ids=["torch", "cpu", "auto", "cpu-bfloat16", "cpu-bfloat16-panels", "triton"],
 )
 def test_runner_hands_the_model_the_backend_of_its_setting(
     tiny_llama: Path, options: dict[str, Any], expected: type[AttentionBackend[Any]]

@@ -105,7 +105,8 @@ async def test_default_model_matches_transformers(smollm2_dir: Path) -> None:
 
 # -- bfloat16 end to end ----------------------------------------------------------------------------
 #
-# bfloat16 end to end on the CPU: the torch path against HF transformers in bfloat16, greedy.
+# bfloat16 end to end on the CPU: the torch path (unpacked weights; with bfloat16 panels, the default on
+# AVX512-BF16, see test_bfloat16_panels.py) against HF transformers in bfloat16, greedy.
 #
 # Both sides load the same float32 checkpoint rounded once to bfloat16, and compute every matmul in
 # bfloat16 with float32 RMSNorm and float32 rotary angles. Without fused projections the tokens must be
@@ -140,7 +141,12 @@ async def _run(
     model_dir: Path, fuse_projections: bool, backend: str = "torch"
 ) -> tuple[list[list[int]], list[list[int]]]:
     runner = TorchModelRunner(
-        model_dir, device="cpu", dtype="bfloat16", attention_backend=backend, fuse_projections=fuse_projections
+        model_dir,
+        device="cpu",
+        dtype="bfloat16",
+        attention_backend=backend,
+        fuse_projections=fuse_projections,
+        packed_gemm=False,  # torch's bfloat16 (with the panels it is bfloat16 weights: test_bfloat16_panels.py)
     )
     async with Engine.open(model_dir, runner=runner, tokenizer=AutoTokenizer.from_pretrained(model_dir)) as engine:
         assert engine._info is not None and runner.attention_backend == "torch"

@@ -44,7 +44,7 @@ _MEASURE = """
 import json, sys
 from asyncllm.worker._memory import peak_resident_bytes
 from asyncllm.worker._model_runner import TorchModelRunner
-runner = TorchModelRunner(sys.argv[1], device="cpu", dtype="bfloat16", attention_backend="torch",
+runner = TorchModelRunner(sys.argv[1], device="cpu", dtype="bfloat16", attention_backend="torch", packed_gemm=False,
                           kv_cache_blocks=4, max_num_seqs=1)
 import transformers  # imported by the load anyway: its import is not the load's memory
 before = peak_resident_bytes()

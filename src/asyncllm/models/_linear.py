@@ -262,7 +262,7 @@ class Linear(nn.Linear):
         """Whether the layer runs from a packed weight."""
         return self.packed_weight is not None or self.panel_weight is not None
 
-    def pack(self, release: bool, packed_format: PackedFormat | None = None) -> bool:
+    def pack(self, release: bool, packed_format: PackedFormat | None = None, *, bfloat16: bool = False) -> bool:
         """Pack the weight; return whether it is now packed.
 
         Args:
@@ -271,10 +271,23 @@ class Linear(nn.Linear):
                 it again (no CUDA graphs).
             packed_format: "both", "panels" or "mkl"; None takes ``best_packed_format`` for this
                 weight alone. A format this machine lacks leaves the layer unpacked.
+            bfloat16: Pack bfloat16 panels (``gemm_cpu.PanelWeight``) from a float32 or bfloat16 weight: the
+                layer's matmuls then multiply in bfloat16 and sum in float32, on float32 inputs and outputs.
+                Only as "panels" (or None), where ``gemm_cpu.bfloat16_available``; elsewhere the layer stays
+                unpacked.
         """
         weight = self.weight
-        if weight.dtype != torch.float32 or weight.device.type != "cpu":
+        if weight.dtype not in ((torch.float32, torch.bfloat16) if bfloat16 else (torch.float32,)):
             return False
+        if weight.device.type != "cpu":
+            return False
+        if bfloat16:
+            if packed_format not in (None, "panels") or not gemm_cpu.bfloat16_available():
+                return False
+            self.panel_weight = gemm_cpu.PanelWeight(weight, bfloat16=True).buffer
+            if release:
+                self.release()
+            return True
         chosen = packed_format or best_packed_format(weight.numel() * weight.element_size())
         if chosen is None or not format_available(chosen):
             return False

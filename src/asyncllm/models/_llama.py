@@ -28,7 +28,7 @@ from torch import nn
 
 from asyncllm.backends import AttentionBackend, TorchAttentionBackend
 from asyncllm.backends.cpu import _greedy_head as greedy_head_cpu
-from asyncllm.backends.cpu._lean_forward import LeanCpuForward
+from asyncllm.backends.cpu import _lean_forward as lean_cpu
 from asyncllm.models._linear import Linear, PackedFormat, best_packed_format
 from asyncllm.models._moe import MoeSpec, SparseMoeBlock
 from asyncllm.models._norm import OffsetRMSNorm, RMSNorm
@@ -717,7 +717,7 @@ class DecoderForCausalLM(nn.Module):
         ``benchmarks/forward.py``). The torch backend and compiled layers never fuse. Read on every
         forward, so a CUDA graph keeps the path it was captured with (the runner sets this from its
         own ``fused_norm`` option before it captures)."""
-        self.lean: LeanCpuForward | None = None
+        self.lean: lean_cpu.LeanCpuForward | None = None
         """The layer stack as direct kernel calls (``backends.cpu._lean_forward``), built by ``pack_weights``
         where it applies; None: the modules."""
         self.lean_forward = True
@@ -892,7 +892,9 @@ class DecoderForCausalLM(nn.Module):
             padded["lm_head.weight"] = vocab.valid_rows
         return padded
 
-    def pack_weights(self, packed_format: PackedFormat | None = None, *, greedy_head: bool = True) -> int:
+    def pack_weights(
+        self, packed_format: PackedFormat | None = None, *, greedy_head: bool = True, bfloat16: bool = False
+    ) -> int:
         """Pack every linear layer's weight for a packed GEMM (float32 on the CPU; see ``models._linear``).
 
         ``packed_format`` is "both", "panels" or "mkl"; None takes ``best_packed_format`` for all
@@ -905,9 +907,44 @@ class DecoderForCausalLM(nn.Module):
         panels alone, so its logits come from the arithmetic the head reproduces at every row count,
         and its float32 weight, which the head reads. A rank's shard of a tensor-parallel model
         packs its linear layers but builds neither ``lean`` nor ``greedy_head``.
+        With ``bfloat16`` (a model loaded in bfloat16 or float32) every layer, the output projection included,
+        goes to bfloat16 panels (``Linear.pack``; ``packed_format`` must be None or "panels"), every other
+        parameter to float32 (the model then computes in float32 but for its matmuls' products), and no greedy
+        head is built: every row's logits come from the same bfloat16 products, which are cheap already.
         Returns the number of layers packed (0 where unavailable).
         """
         linears = [m for m in self.modules() if isinstance(m, Linear)]
+        self.greedy_head = None
+        packed = 0
+        if bfloat16:
+            for linear in linears:
+                shared = linear is self.lm_head and self.spec.tie_word_embeddings
+                packed += linear.pack(release=not shared, bfloat16=True)
+            self._rest_to_float32()
+        else:
+            packed = self._pack_float32(linears, packed_format, greedy_head)
+        # The lean forward and the greedy head assume a whole Llama layer and a whole output projection:
+        # neither runs on a rank's shard (the lean forward has no all-reduce, the head no gather).
+        whole = self.spec.llama_layer and not self.parallel.sharded
+        if not whole:
+            self.greedy_head = None
+        self.lean = lean_cpu.LeanCpuForward.for_model(self) if packed and whole else None
+        return packed
+
+    def _rest_to_float32(self) -> None:
+        """Make every bfloat16 parameter left (norms, biases, embeddings, beside bfloat16 panels) float32: the
+        model computes in float32 from then on. A tied embedding stays one tensor."""
+        converted: dict[int, nn.Parameter] = {}
+        for module in self.modules():
+            for name, param in module.named_parameters(recurse=False):
+                if param.dtype == torch.bfloat16:
+                    if id(param) not in converted:
+                        converted[id(param)] = nn.Parameter(param.detach().float(), requires_grad=False)
+                    setattr(module, name, converted[id(param)])
+
+    def _pack_float32(self, linears: list[Linear], packed_format: PackedFormat | None, greedy_head: bool) -> int:
+        """``pack_weights`` in float32: the layers in ``packed_format`` (None: the best here), the greedy head
+        where it runs. Returns the number of layers packed."""
         if packed_format is None:
             weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
             packed_format = best_packed_format(weight_bytes)
@@ -918,7 +955,6 @@ class DecoderForCausalLM(nn.Module):
         with_head = greedy_head and packed_format in ("both", "panels") and greedy_head_cpu.available()
         with_head = with_head and self.spec.final_softcap is None
         packed = 0
-        self.greedy_head = None
         for module in linears:
             shared = module is self.lm_head and self.spec.tie_word_embeddings
             if module is self.lm_head and with_head:
@@ -929,12 +965,6 @@ class DecoderForCausalLM(nn.Module):
                     module.release()
             else:
                 packed += module.pack(release=not shared, packed_format=packed_format)
-        # The lean forward and the greedy head assume a whole Llama layer and a whole output projection:
-        # neither runs on a rank's shard (the lean forward has no all-reduce, the head no gather).
-        whole = self.spec.llama_layer and not self.parallel.sharded
-        if not whole:
-            self.greedy_head = None
-        self.lean = LeanCpuForward.for_model(self) if packed and whole else None
         return packed
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -23,13 +23,24 @@ __all__ = ["stream_all", "transformers_greedy"]
 
 @cache
 def transformers_greedy(
-    model_dir: Path, prompts: tuple[tuple[int, ...], ...], max_new_tokens: int, dtype: torch.dtype = torch.float32
+    model_dir: Path,
+    prompts: tuple[tuple[int, ...], ...],
+    max_new_tokens: int,
+    dtype: torch.dtype = torch.float32,
+    bfloat16_products: bool = False,
 ) -> list[list[int]]:
     """The new tokens of ``generate(do_sample=False)`` for each prompt, one prompt at a time (no padding
-    to change the numbers); cached per arguments, since a model's tests share their prompts."""
+    to change the numbers); cached per arguments, since a model's tests share their prompts.
+
+    With ``bfloat16_products`` (float32 only) the model computes as the engine's bfloat16 weights on the
+    CPU do (``TorchModelRunner.bfloat16_weights``): every weight rounded to bfloat16, every linear layer's
+    input rounded to bfloat16 too, everything else float32.
+    """
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    if bfloat16_products:
+        _compute_in_bfloat16_products(model)
     outputs = []
     with torch.inference_mode():
         for prompt in prompts:
@@ -39,6 +50,20 @@ def transformers_greedy(
             )
             outputs.append(out[0, len(prompt) :].tolist())
     return outputs
+
+
+def _compute_in_bfloat16_products(model: torch.nn.Module) -> None:
+    """Round ``model``'s float32 weights to bfloat16 values and each linear layer's input likewise (a hook)."""
+
+    def round_input(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        return (args[0].to(torch.bfloat16).to(args[0].dtype), *args[1:])
+
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.to(torch.bfloat16))
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(round_input)
 
 
 async def stream_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:

@@ -172,6 +172,10 @@ class TorchModelRunner:
         self.packed_format: PackedFormat | None = None
         """The packed weights the linear layers run from ("both", "panels" or "mkl"), once loaded; None:
         ``F.linear``."""
+        self.bfloat16_weights = False
+        """On the CPU with ``dtype="bfloat16"``: the weights hold bfloat16 values and the linear layers run on
+        bfloat16 panels, while activations, the KV cache and the rest of the arithmetic stay float32
+        (``self.dtype``); decided at load (``_bfloat16_on_panels``)."""
         self.timings = RunnerTimings()
         """Seconds spent preparing inputs, in the forward and sampling, over all steps."""
         self.compile_seconds = 0.0
@@ -221,6 +225,9 @@ class TorchModelRunner:
 
             device = rank_device(device, self.rank)
         dtype = resolve_dtype(self.options.dtype, device)
+        self.bfloat16_weights = self._bfloat16_on_panels(device, dtype)
+        if self.bfloat16_weights:
+            dtype = torch.float32  # the computation's: the weights load in bfloat16, packing converts the rest
         requested_backend = self.attention_backend
         backend_name = resolve_attention_backend(requested_backend, device, cpu_kernel=True)
         if device.type == "cpu":
@@ -259,7 +266,7 @@ class TorchModelRunner:
             spec,
             checkpoint_tensors(self.model_path),
             device=device,
-            dtype=dtype,
+            dtype=torch.bfloat16 if self.bfloat16_weights else dtype,
             fuse_projections=self.switches.fuse_projections,
             parallel=self.parallel,
         )
@@ -279,7 +286,9 @@ class TorchModelRunner:
         packed = self.switches.packed_gemm
         if packed is not False and device.type == "cpu" and dtype == torch.float32:
             self.num_packed_layers = model.pack_weights(
-                None if packed is True else packed, greedy_head=self.switches.greedy_head
+                None if packed is True else packed,
+                greedy_head=self.switches.greedy_head,
+                bfloat16=self.bfloat16_weights,
             )
             # The layers' format (the output projection keeps the panels alone beside a greedy head).
             formats = {m.packed_format for m in model.model.modules() if isinstance(m, Linear) and m.packed_format}
@@ -393,7 +402,7 @@ class TorchModelRunner:
             vocab_size=spec.vocab_size,
             max_model_len=int(getattr(config, "max_position_embeddings", 2048)),
             eos_token_ids=eos_token_ids,
-            description=f"{spec.architecture} on {device} ({str(dtype).removeprefix('torch.')}, "
+            description=f"{spec.architecture} on {device} ({self._dtype_description()}, "
             f"{self.attention_backend} attention, {'compiled' if self.options.compile else 'eager'}"
             f"{f', {self.packed_format} GEMM' if self.packed_format else ''}"
             f"{f', {self.num_threads} threads' if device.type == 'cpu' else ''}"
@@ -407,6 +416,25 @@ class TorchModelRunner:
             draft_model=self.draft is not None,
             block_copies=self.ranks is None,  # the ranks' step messages carry no copies
         )
+
+    def _bfloat16_on_panels(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether ``dtype`` bfloat16 runs as bfloat16 weights on bfloat16 panels here (``bfloat16_weights``).
+
+        On a CPU with AVX512-BF16 and the panels packed (the default ``packed_gemm``, or "panels"): the
+        products run at twice float32's rate there, while torch's bfloat16 path pays for bfloat16
+        element-wise work and has no paged attention kernel. Elsewhere bfloat16 stays torch's.
+        """
+        packed = self.switches.packed_gemm
+        if device.type != "cpu" or dtype != torch.bfloat16 or packed not in (True, "panels"):
+            return False
+        from asyncllm.backends.cpu import _gemm as gemm_cpu
+
+        return gemm_cpu.bfloat16_available()
+
+    def _dtype_description(self) -> str:
+        if self.bfloat16_weights:
+            return "bfloat16 weights, float32 activations"
+        return str(self.dtype).removeprefix("torch.")
 
     def _load_draft(self, config: Any, model: DecoderForCausalLM, backend_name: str) -> DraftModel:
         """Load ``speculative_model`` beside the target, after checking it can draft for it.
@@ -445,7 +473,7 @@ class TorchModelRunner:
             spec,
             checkpoint_tensors(path),
             device=self.device,
-            dtype=self.dtype,
+            dtype=torch.bfloat16 if self.bfloat16_weights else self.dtype,
             fuse_projections=self.switches.fuse_projections,
         )
         draft.fused_norm = self.switches.fused_norm
@@ -461,7 +489,7 @@ class TorchModelRunner:
         )
         packed = self.switches.packed_gemm
         if packed is not False and self.device.type == "cpu" and self.dtype == torch.float32:
-            draft.pack_weights(None if packed is True else packed, greedy_head=False)
+            draft.pack_weights(None if packed is True else packed, greedy_head=False, bfloat16=self.bfloat16_weights)
         logger.info("draft model %s: %s, %d layers", path, spec.architecture, spec.num_layers)
         return DraftModel(draft, backend, InputBatch(self.block_size, max_num_seqs=self.options.max_num_seqs))
 

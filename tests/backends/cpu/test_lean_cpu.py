@@ -19,6 +19,7 @@ import torch
 
 from asyncllm.backends.cpu import _attention as attention_cpu
 from asyncllm.backends.cpu import _elementwise as elementwise_cpu
+from asyncllm.backends.cpu import _gemm as gemm_cpu
 from asyncllm.backends.cpu._lean_forward import LeanCpuForward
 from asyncllm.executor._runner import SequenceInput
 from asyncllm.models._linear import PANEL_MAX_ROWS, format_available
@@ -36,9 +37,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _runner(model_dir: Path, packed_gemm: bool | str = True) -> TorchModelRunner:
+def _runner(model_dir: Path, packed_gemm: bool | str = True, dtype: str = "float32") -> TorchModelRunner:
     runner = TorchModelRunner(
-        model_dir, device="cpu", kv_cache_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, packed_gemm=packed_gemm
+        model_dir,
+        device="cpu",
+        kv_cache_blocks=NUM_BLOCKS,
+        block_size=BLOCK_SIZE,
+        packed_gemm=packed_gemm,
+        dtype=dtype,
     )
     runner.load()
     return runner
@@ -63,14 +69,17 @@ LARGE = [(0, 70), (13, 1), (8, 9), (0, 3), (40, 1)]  # 84 rows: MKL's packed GEM
 
 @pytest.mark.parametrize("sliding_window", [None, 5])
 @pytest.mark.parametrize("shapes", [SMALL, LARGE], ids=["small", "large"])
-@pytest.mark.parametrize("packed_format", ["both", "panels", "mkl"])
+@pytest.mark.parametrize("packed_format", ["both", "panels", "mkl", "bfloat16 panels"])
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_lean_forward_equals_the_modules(
     tiny_cache: Path, family: str, packed_format: str, shapes: list[tuple[int, int]], sliding_window: int | None
 ) -> None:
-    if not format_available(packed_format):  # type: ignore[arg-type]
+    bfloat16 = packed_format == "bfloat16 panels"  # dtype="bfloat16": bfloat16 weights on bfloat16 panels
+    if not (gemm_cpu.bfloat16_available() if bfloat16 else format_available(packed_format)):  # type: ignore[arg-type]
         pytest.skip(f"the {packed_format} GEMM does not run here")
-    runner = _runner(tiny_model_path(tiny_cache, family), packed_format)
+    model_dir = tiny_model_path(tiny_cache, family)
+    runner = _runner(model_dir, "panels", "bfloat16") if bfloat16 else _runner(model_dir, packed_format)
+    assert runner.bfloat16_weights == bfloat16
     model = runner.model
     assert model is not None and model.lean is not None
     step = step_inputs(_step(shapes, seed=len(shapes)), BLOCK_SIZE)

@@ -47,6 +47,8 @@ __all__ = [
     "MatmulInto",
     "PanelWeight",
     "available",
+    "bfloat16_available",
+    "bfloat16_panel_matmul_into",
     "check_input",
     "matmul_with",
     "packing_source",
@@ -60,6 +62,7 @@ PANEL_COLUMNS = 48
 _SOURCE = r"""
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define ROWS 8                     /* input rows per micro-kernel call */
@@ -78,6 +81,15 @@ void asyncllm_panel_pack(const float *weight, float *panels, int64_t out_feature
             for (int64_t k = 0; k < in_features; ++k)
                 column[k * COLUMNS] = n < out_features ? weight[n * in_features + k] : 0.0f;
         }
+}
+
+static inline __attribute__((always_inline)) void store_block(__m512 acc[ROWS][VECTORS], float *restrict out,
+        int64_t out_stride, int64_t columns, const int rows) {
+    for (int v = 0; v < VECTORS; ++v) {
+        const int64_t left = columns - 16 * v;
+        const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+        for (int r = 0; r < rows; ++r) _mm512_mask_storeu_ps(out + r * out_stride + 16 * v, mask, acc[r][v]);
+    }
 }
 
 /* out[r, 0:columns] = x[r, :] . panel for r < rows. While computing, prefetch `lines` cache lines from
@@ -102,51 +114,151 @@ static inline __attribute__((always_inline)) void micro(const float *restrict x,
             for (int v = 0; v < VECTORS; ++v) acc[r][v] = _mm512_fmadd_ps(a, w[v], acc[r][v]);
         }
     }
-    for (int v = 0; v < VECTORS; ++v) {
-        const int64_t left = columns - 16 * v;
-        const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
-        for (int r = 0; r < rows; ++r) _mm512_mask_storeu_ps(out + r * out_stride + 16 * v, mask, acc[r][v]);
-    }
+    store_block(acc, out, out_stride, columns, rows);
 }
 
-/* A constant row count per call, so that the accumulators stay in registers. */
-#define MICRO(n) micro(xs, x_stride, panel, o, out_stride, in_features, columns, n, ahead, lines, lines_per_block)
+#ifdef __AVX512BF16__
+static inline uint16_t to_bf16(float value) {  /* round to nearest even; NaN stays NaN */
+    uint32_t bits;
+    memcpy(&bits, &value, 4);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7FFF + ((bits >> 16) & 1);
+    return (uint16_t)(bits >> 16);
+}
 
-void asyncllm_panel_matmul(const float *x, int64_t x_stride, const float *panels, float *out, int64_t out_stride,
-                           int64_t rows, int64_t out_features, int64_t in_features) {
-    const int64_t count = (out_features + COLUMNS - 1) / COLUMNS;
-    const int64_t panel_lines = in_features * COLUMNS * 4 / LINE;
+/* The bfloat16 panels: per panel and input pair (2k, 2k+1), 48 columns of two bfloat16 values, the pair of
+   column j at 2j and 2j+1 (the layout of AVX512-BF16's dot-pair instruction); zeros past the weight. The weight
+   is float32 (rounded to nearest even) or, with `from_bf16`, bfloat16 already (copied). */
+static inline __attribute__((always_inline)) void pack_bf16(const void *weight, uint16_t *panels,
+        int64_t out_features, int64_t in_features, const int from_bf16) {
+    const int64_t count = (out_features + COLUMNS - 1) / COLUMNS, pairs = (in_features + 1) / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < count; ++p)
+        for (int64_t j = 0; j < COLUMNS; ++j) {
+            const int64_t n = p * COLUMNS + j;
+            uint16_t *column = panels + p * pairs * 2 * COLUMNS + 2 * j;
+            for (int64_t k = 0; k < 2 * pairs; ++k) {
+                const int64_t at = n * in_features + k;
+                column[(k / 2) * 2 * COLUMNS + k % 2] = n >= out_features || k >= in_features ? 0
+                    : from_bf16 ? ((const uint16_t *)weight)[at] : to_bf16(((const float *)weight)[at]);
+            }
+        }
+}
+
+void asyncllm_panel_pack_bf16(const float *weight, uint16_t *panels, int64_t out_features, int64_t in_features) {
+    pack_bf16(weight, panels, out_features, in_features, 0);
+}
+
+void asyncllm_panel_pack_bf16_from_bf16(const uint16_t *weight, uint16_t *panels, int64_t out_features,
+                                        int64_t in_features) {
+    pack_bf16(weight, panels, out_features, in_features, 1);
+}
+
+/* micro's arithmetic on bfloat16 pairs: per input pair, each row's pair broadcast and one dot-pair
+   instruction per vector (two products added to each float32 sum). `x` holds the rows' pairs, `pairs` each. */
+static inline __attribute__((always_inline)) void micro_bf16(const uint32_t *restrict x, int64_t pairs,
+        const uint16_t *restrict panel, float *restrict out, int64_t out_stride, int64_t columns,
+        const int rows, const char *restrict ahead, int64_t lines, int64_t rate) {
+    __m512 acc[ROWS][VECTORS];
+    int64_t owed = pairs - 1;
+    for (int r = 0; r < rows; ++r)
+        for (int v = 0; v < VECTORS; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < pairs; ++k) {
+        __m512bh w[VECTORS];
+        for (int v = 0; v < VECTORS; ++v) w[v] = (__m512bh)_mm512_loadu_si512(panel + k * 2 * COLUMNS + 32 * v);
+        if (lines > 0) {
+            for (owed += rate; owed >= pairs && lines > 0; owed -= pairs, --lines, ahead += LINE)
+                _mm_prefetch(ahead, _MM_HINT_T1);
+        }
+        for (int r = 0; r < rows; ++r) {
+            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)x[r * pairs + k]);
+            for (int v = 0; v < VECTORS; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, w[v]);
+        }
+    }
+    store_block(acc, out, out_stride, columns, rows);
+}
+
+/* Rows first..last of x to bfloat16 (round to nearest even), each padded with a zero to whole pairs. */
+static void round_rows(const float *x, int64_t x_stride, int64_t first, int64_t last, int64_t in_features,
+                       int64_t pairs, uint32_t *rounded) {
+#pragma omp for schedule(static)
+    for (int64_t r = first; r < last; ++r) {
+        const float *source = x + r * x_stride;
+        uint16_t *target = (uint16_t *)(rounded + (r - first) * pairs);
+        int64_t k = 0;
+        for (; k + 16 <= in_features; k += 16)
+            _mm256_storeu_si256((__m256i *)(target + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(source + k)));
+        for (; k < 2 * pairs; ++k) target[k] = k < in_features ? to_bf16(source[k]) : 0;
+    }
+}
+#define MICRO_BF16(n) micro_bf16(rounded + (r0 - first) * steps, steps, (const uint16_t *)panel, o, out_stride, \
+                                 columns, n, ahead, lines, lines_per_block)
+#endif
+
+#define MICRO(n) micro((const float *)x + r0 * x_stride, x_stride, (const float *)panel, o, out_stride, steps, \
+                       columns, n, ahead, lines, lines_per_block)
+
+/* A constant row count per call, so that the accumulators stay in registers. */
+#define BY_ROWS(CALL) switch (last - r0 < ROWS ? last - r0 : ROWS) { \
+    case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; \
+    case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(ROWS); break; }
+
+/* Both GEMMs: inputs ROW_BLOCK rows at a time, threads splitting the panels, each thread prefetching its next
+   panel over its current one's row blocks. A panel is `steps` steps of 192 bytes: 48 floats per input, or 48
+   bfloat16 pairs per input pair. Returns 0 if the bfloat16 rows' scratch cannot be allocated. */
+static inline __attribute__((always_inline)) int panel_matmul(const float *x, int64_t x_stride, const char *panels,
+        float *out, int64_t out_stride, int64_t rows, int64_t out_features, int64_t in_features, const int bf16) {
+    const int64_t count = (out_features + COLUMNS - 1) / COLUMNS, steps = bf16 ? (in_features + 1) / 2 : in_features;
+    const int64_t panel_bytes = steps * COLUMNS * 4, panel_lines = panel_bytes / LINE;
+    uint32_t *rounded = NULL;
+    if (bf16) {
+        rounded = malloc((size_t)((rows < ROW_BLOCK ? rows : ROW_BLOCK) * steps * 4));
+        if (rounded == NULL) return 0;
+    }
     for (int64_t first = 0; first < rows; first += ROW_BLOCK) {
         const int64_t last = rows - first < ROW_BLOCK ? rows : first + ROW_BLOCK;
         const int64_t blocks = (last - first + ROWS - 1) / ROWS;
         /* The next panel's lines, shared out over this panel's row blocks. */
         const int64_t lines_per_block = (panel_lines + blocks - 1) / blocks;
-#pragma omp parallel for schedule(static)
-        for (int64_t p = 0; p < count; ++p) {
-            const float *panel = panels + p * in_features * COLUMNS;
-            const int64_t columns = (p + 1) * COLUMNS <= out_features ? COLUMNS : out_features - p * COLUMNS;
-            const int has_next = p + 1 < count;
-            for (int64_t r0 = first; r0 < last; r0 += ROWS) {
-                const int64_t block = (r0 - first) / ROWS, done = block * lines_per_block;
-                const int64_t lines = !has_next || done >= panel_lines ? 0
-                    : (lines_per_block < panel_lines - done ? lines_per_block : panel_lines - done);
-                const char *ahead = (const char *)(panel + in_features * COLUMNS) + LINE * done;
-                const float *xs = x + r0 * x_stride;
-                float *o = out + r0 * out_stride + p * COLUMNS;
-                switch (last - r0 < ROWS ? last - r0 : ROWS) {
-                case 1: MICRO(1); break;
-                case 2: MICRO(2); break;
-                case 3: MICRO(3); break;
-                case 4: MICRO(4); break;
-                case 5: MICRO(5); break;
-                case 6: MICRO(6); break;
-                case 7: MICRO(7); break;
-                default: MICRO(ROWS); break;
+#pragma omp parallel
+        {
+#ifdef __AVX512BF16__
+            if (bf16) round_rows(x, x_stride, first, last, in_features, steps, rounded);  /* ends in a barrier */
+#endif
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < count; ++p) {
+                const char *panel = panels + p * panel_bytes;
+                const int64_t columns = (p + 1) * COLUMNS <= out_features ? COLUMNS : out_features - p * COLUMNS;
+                const int has_next = p + 1 < count;
+                for (int64_t r0 = first; r0 < last; r0 += ROWS) {
+                    const int64_t block = (r0 - first) / ROWS, done = block * lines_per_block;
+                    const int64_t lines = !has_next || done >= panel_lines ? 0
+                        : (lines_per_block < panel_lines - done ? lines_per_block : panel_lines - done);
+                    const char *ahead = panel + panel_bytes + LINE * done;
+                    float *o = out + r0 * out_stride + p * COLUMNS;
+#ifdef __AVX512BF16__
+                    if (bf16) { BY_ROWS(MICRO_BF16) continue; }
+#endif
+                    BY_ROWS(MICRO)
                 }
             }
         }
     }
+    free(rounded);
+    return 1;
 }
+
+void asyncllm_panel_matmul(const float *x, int64_t x_stride, const float *panels, float *out, int64_t out_stride,
+                           int64_t rows, int64_t out_features, int64_t in_features) {
+    panel_matmul(x, x_stride, (const char *)panels, out, out_stride, rows, out_features, in_features, 0);
+}
+
+#ifdef __AVX512BF16__
+int asyncllm_panel_matmul_bf16(const float *x, int64_t x_stride, const uint16_t *panels, float *out,
+                               int64_t out_stride, int64_t rows, int64_t out_features, int64_t in_features) {
+    return panel_matmul(x, x_stride, (const char *)panels, out, out_stride, rows, out_features, in_features, 1);
+}
+#endif
 """
 
 
@@ -160,6 +272,11 @@ _SIGNATURES: native.Signatures = {
     "asyncllm_panel_pack": ([PTR, PTR, I64, I64], None),
     "asyncllm_panel_matmul": ([PTR, I64, PTR, PTR, I64, I64, I64, I64], None),
 }
+_BFLOAT16_SIGNATURES: native.Signatures = {
+    "asyncllm_panel_pack_bf16": ([PTR, PTR, I64, I64], None),
+    "asyncllm_panel_pack_bf16_from_bf16": ([PTR, PTR, I64, I64], None),
+    "asyncllm_panel_matmul_bf16": ([PTR, I64, PTR, PTR, I64, I64, I64, I64], ctypes.c_int),
+}
 
 
 @functools.cache
@@ -167,6 +284,17 @@ def _library() -> ctypes.CDLL | None:
     if not _has_avx512():
         return None
     return native.load("panel_gemm", _SOURCE, _SIGNATURES)
+
+
+@functools.cache
+def _bfloat16_library() -> ctypes.CDLL | None:
+    library = _library()
+    if library is None or "avx512_bf16" not in native.cpu_flags():
+        return None
+    try:
+        return native.declare(library, _BFLOAT16_SIGNATURES)
+    except AttributeError:  # a compiler that does not define __AVX512BF16__ for this CPU
+        return None
 
 
 @functools.cache
@@ -187,6 +315,26 @@ def available() -> bool:
     return True
 
 
+@functools.cache
+def bfloat16_available() -> bool:
+    """Whether the bfloat16 panels run here (the panels' kernel, AVX512-BF16) and compute what they claim.
+
+    The claim: each output is a float32 sum of the products of the input and the weight both rounded
+    to bfloat16 (checked against float64 on such values once per process, building the kernel if needed).
+    """
+    if _bfloat16_library() is None or not available():
+        return False
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(100, 37, generator=generator)
+    panels = PanelWeight(weight, bfloat16=True)
+    for rows in (1, 9, 300):
+        x = torch.randn(rows, 37, generator=generator)
+        exact = x.bfloat16().double() @ weight.bfloat16().double().T
+        if not torch.allclose(panels.linear(x).double(), exact, rtol=1e-5, atol=1e-5):
+            return False
+    return True
+
+
 def packing_source(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` as the contiguous 2-D float32 CPU tensor a packer reads; ValueError for anything else."""
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
@@ -201,18 +349,33 @@ def check_input(x: torch.Tensor, in_features: int) -> None:
 
 
 class PanelWeight:
-    """A float32 [out_features, in_features] CPU weight packed into column panels for ``panel_matmul``."""
+    """A float32 [out_features, in_features] CPU weight packed into column panels for ``panel_matmul``.
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        library = _library()
+    With ``bfloat16`` the panels hold the weight rounded to bfloat16 (half the bytes; the weight may be
+    bfloat16 itself), and the GEMM multiplies them by the input rounded to bfloat16 too, summing in float32
+    (AVX512-BF16's dot-pair instruction, twice float32's arithmetic rate); the buffer's dtype
+    (``torch.bfloat16``) says which.
+    """
+
+    def __init__(self, weight: torch.Tensor, *, bfloat16: bool = False) -> None:
+        library = _bfloat16_library() if bfloat16 else _library()
         if library is None:
-            raise RuntimeError("the panel GEMM needs an x86 CPU with AVX-512 and a C compiler")
-        source = packing_source(weight)
+            needs = "AVX-512 with AVX512-BF16" if bfloat16 else "AVX-512"
+            raise RuntimeError(f"the panel GEMM needs an x86 CPU with {needs} and a C compiler")
+        from_bfloat16 = bfloat16 and weight.dtype == torch.bfloat16
+        if from_bfloat16 and (weight.device.type != "cpu" or weight.dim() != 2):
+            raise ValueError(f"packing needs a 2-D CPU weight, not {weight.device.type} {tuple(weight.shape)}")
+        source = weight.detach().contiguous() if from_bfloat16 else packing_source(weight)
         self.out_features, self.in_features = (int(size) for size in weight.shape)
-        count = -(-self.out_features // PANEL_COLUMNS) * PANEL_COLUMNS * self.in_features
+        panels = -(-self.out_features // PANEL_COLUMNS) * PANEL_COLUMNS
         # Huge pages where the kernel gives them: every decode step streams every weight.
-        self.buffer = mapped_tensor(count, torch.float32)
-        library.asyncllm_panel_pack(source.data_ptr(), self.buffer.data_ptr(), self.out_features, self.in_features)
+        if bfloat16:
+            self.buffer = mapped_tensor(panels * 2 * -(-self.in_features // 2), torch.bfloat16)
+            pack = library.asyncllm_panel_pack_bf16_from_bf16 if from_bfloat16 else library.asyncllm_panel_pack_bf16
+        else:
+            self.buffer = mapped_tensor(panels * self.in_features, torch.float32)
+            pack = library.asyncllm_panel_pack
+        pack(source.data_ptr(), self.buffer.data_ptr(), self.out_features, self.in_features)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` from the panels; ``x`` is [..., in_features] float32."""
@@ -251,8 +414,10 @@ def matmul_with(
 
 
 def panel_matmul(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` with ``weight`` packed by ``PanelWeight`` into ``panels`` (no checks)."""
-    return matmul_with(panel_matmul_into, x, panels, bias, out_features)
+    """``x @ weight.T (+ bias)`` with ``weight`` packed by ``PanelWeight`` into ``panels`` (no checks); bfloat16
+    panels (by their dtype) multiply in bfloat16."""
+    into = bfloat16_panel_matmul_into if panels.dtype == torch.bfloat16 else panel_matmul_into
+    return matmul_with(into, x, panels, bias, out_features)
 
 
 def panel_matmul_into(
@@ -268,3 +433,19 @@ def panel_matmul_into(
     if library is None:  # panels exist only where the kernel does
         raise RuntimeError("the panel GEMM is unavailable here")
     library.asyncllm_panel_matmul(x, x_stride, panels, out, out_stride, rows, out_features, in_features)
+
+
+def bfloat16_panel_matmul_into(
+    x: int, x_stride: int, rows: int, panels: int, out: int, out_stride: int, out_features: int, in_features: int
+) -> None:
+    """``panel_matmul_into`` for bfloat16 panels (``PanelWeight(..., bfloat16=True)``): the rows are rounded to
+    bfloat16 (into scratch the call allocates), the products summed in float32.
+
+    Raises:
+        MemoryError: The rounded rows' scratch could not be allocated.
+    """
+    library = _bfloat16_library()
+    if library is None:  # bfloat16 panels exist only where the kernel does
+        raise RuntimeError("the bfloat16 panel GEMM is unavailable here")
+    if not library.asyncllm_panel_matmul_bf16(x, x_stride, panels, out, out_stride, rows, out_features, in_features):
+        raise MemoryError(f"no memory for {rows} rows of {in_features} inputs in bfloat16")

@@ -56,6 +56,8 @@ class _Matmul:
     """Address of MKL's packed copy, or 0."""
     out_features: int
     in_features: int
+    bfloat16: bool
+    """The panels hold bfloat16 (``gemm_cpu.PanelWeight(..., bfloat16=True)``)."""
 
     @classmethod
     def of(cls, linear: Linear, *, bias_allowed: bool = False) -> _Matmul | None:
@@ -69,11 +71,14 @@ class _Matmul:
             0 if packed is None else packed.data_ptr(),
             linear.out_features,
             linear.in_features,
+            panels is not None and panels.dtype == torch.bfloat16,
         )
 
     def __call__(self, x: int, x_stride: int, rows: int, out: int, out_stride: int) -> None:
         shape = (self.out_features, self.in_features)
-        if on_panels(bool(self.panels), bool(self.packed), rows):  # the choice ``packed_linear`` makes
+        if self.bfloat16:
+            gemm_cpu.bfloat16_panel_matmul_into(x, x_stride, rows, self.panels, out, out_stride, *shape)
+        elif on_panels(bool(self.panels), bool(self.packed), rows):  # the choice ``packed_linear`` makes
             gemm_cpu.panel_matmul_into(x, x_stride, rows, self.panels, out, out_stride, *shape)
         else:
             packed_matmul_into(x, x_stride, rows, self.packed, out, out_stride, *shape)

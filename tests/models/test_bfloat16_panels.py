@@ -1,0 +1,191 @@
+"""bfloat16 weights on the CPU: the bfloat16 panel GEMM, and the engine's ``dtype="bfloat16"`` built on it.
+
+On a CPU with AVX512-BF16 the engine's bfloat16 keeps its weights' bfloat16 values and multiplies them by
+inputs rounded to bfloat16, summing in float32; everything else is the float32 path
+(``TorchModelRunner.bfloat16_weights``). The kernel is checked against float64 on the rounded values, and
+the model path token for token against HF transformers computing the same way (its weights and its linear
+layers' inputs rounded to bfloat16, ``transformers_greedy(bfloat16_products=True)``).
+"""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncllm import Engine, SamplingParams
+from asyncllm.backends.cpu import _gemm as gemm_cpu
+from asyncllm.backends.cpu import _native as native
+from asyncllm.models._linear import Linear
+from asyncllm.testing.parity import stream_all, transformers_greedy
+from asyncllm.testing.tiny_models import tiny_model_path
+from asyncllm.worker._model_runner import TorchModelRunner
+
+needs_bfloat16_panels = pytest.mark.skipif(
+    not gemm_cpu.bfloat16_available(), reason="needs an x86 CPU with AVX512-BF16 and a C compiler"
+)
+
+UNIT_ROUNDING = 2.0**-24
+"""float32's unit roundoff: a sum of n products is within about n of these, relatively, of the exact sum."""
+
+
+def _exact_and_bound(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact product of the bfloat16-rounded operands (float64) and the float32 summation's error bound."""
+    xr, wr = x.bfloat16().double(), weight.bfloat16().double()
+    terms = x.shape[-1] + 2  # the pair padding, and the bound's own slack
+    gamma = terms * UNIT_ROUNDING / (1 - terms * UNIT_ROUNDING)
+    return xr @ wr.T, gamma * (xr.abs() @ wr.abs().T)
+
+
+def test_bfloat16_panels_available_on_avx512_bf16_machines() -> None:
+    # CI's machines (Zen 4, Sapphire Rapids) have AVX512-BF16: this path must run there, not skip.
+    if platform.machine() in ("x86_64", "AMD64") and "avx512_bf16" in native.cpu_flags():
+        assert gemm_cpu.bfloat16_available()
+
+
+@needs_bfloat16_panels
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17, 64, 255, 256, 257, 600])
+@pytest.mark.parametrize(
+    ("out_features", "in_features"),
+    # whole panels; a partial last panel; odd input widths (a padded last pair), one under a vector's 16
+    [(96, 80), (1024, 512), (49, 37), (100, 15), (8, 1536)],
+)
+def test_bfloat16_panels_sum_the_rounded_products(rows: int, out_features: int, in_features: int) -> None:
+    generator = torch.Generator().manual_seed(rows * 11 + out_features)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator)
+    panels = gemm_cpu.PanelWeight(weight, bfloat16=True)
+    assert panels.buffer.dtype == torch.bfloat16
+    got = panels.linear(x).double()
+    exact, bound = _exact_and_bound(x, weight)
+    assert bool(((got - exact).abs() <= bound).all())
+    # Not the float32 product: the rounding of the operands shows (the check above is not vacuous).
+    assert not torch.allclose(got, (x.double() @ weight.double().T), rtol=1e-5, atol=1e-5)
+
+
+@needs_bfloat16_panels
+def test_bfloat16_panels_take_batched_strided_inputs_and_a_bias() -> None:
+    weight, bias = torch.randn(64, 32), torch.randn(64)
+    panels = gemm_cpu.PanelWeight(weight, bfloat16=True)
+    for x in (torch.randn(3, 5, 32), torch.randn(11, 40)[:, 4:36], torch.randn(32, 9).t()):
+        exact, bound = _exact_and_bound(x.reshape(-1, 32), weight)
+        got = panels.linear(x, bias)
+        assert got.shape == (*x.shape[:-1], 64)
+        difference = (got.reshape(-1, 64).double() - bias.double() - exact).abs()
+        assert bool((difference <= bound + 1e-6).all())  # + the bias's own float32 addition
+
+
+@needs_bfloat16_panels
+def test_bfloat16_panels_keep_non_finite_values() -> None:
+    weight = torch.randn(48, 32)
+    panels = gemm_cpu.PanelWeight(weight, bfloat16=True)
+    x = torch.randn(3, 32)
+    x[1, 5], x[2, 7] = float("nan"), float("inf")
+    got = panels.linear(x)
+    assert bool(got[1].isnan().all()) and not bool(got[2].isfinite().any())
+    assert bool(got[0].isfinite().all())
+
+
+@needs_bfloat16_panels
+def test_linear_packs_bfloat16_panels_only_as_panels() -> None:
+    layer = Linear(48, 40, bias=True)
+    with torch.no_grad():
+        layer.weight.copy_(layer.weight.bfloat16())  # bfloat16 values: packing them is exact
+        x = torch.randn(5, 48)
+        expected, bound = _exact_and_bound(x, layer.weight)
+        assert not Linear(48, 40).pack(release=True, packed_format="mkl", bfloat16=True)
+        assert layer.pack(release=True, bfloat16=True)
+        assert layer.packed_format == "panels" and layer.panel_weight is not None
+        assert layer.panel_weight.dtype == torch.bfloat16 and layer.weight.numel() == 0
+        difference = (layer(x).double() - layer.bias.double() - expected).abs()
+        assert bool((difference <= bound + 1e-6).all())
+
+
+@needs_bfloat16_panels
+def test_runner_loads_bfloat16_weights_on_panels(tiny_cache: Path) -> None:
+    runner = TorchModelRunner(tiny_model_path(tiny_cache, "qwen2"), device="cpu", dtype="bfloat16", kv_cache_blocks=8)
+    info = runner.load()
+    try:
+        model = runner.model
+        assert model is not None and runner.bfloat16_weights
+        assert runner.dtype == torch.float32 and runner.attention_backend == "cpu"
+        assert model.lean is not None and model.greedy_head is None
+        layers = [m for m in model.modules() if isinstance(m, Linear)]
+        assert runner.num_packed_layers == len(layers) == 4 * model.spec.num_layers + 1
+        assert all(m.panel_weight is not None and m.panel_weight.dtype == torch.bfloat16 for m in layers)
+        # every parameter holds a bfloat16 value (norms, biases and the embedding included)
+        for name, param in model.named_parameters():
+            if param.numel():
+                assert torch.equal(param, param.bfloat16().float()), name
+        assert "bfloat16 weights, float32 activations" in info.description
+        assert all(k.dtype == torch.float32 for pair in runner.kv_caches for k in pair)
+    finally:
+        runner.close()
+
+
+def test_runner_keeps_torch_bfloat16_without_panels(tiny_cache: Path) -> None:
+    runner = TorchModelRunner(
+        tiny_model_path(tiny_cache, "llama"), device="cpu", dtype="bfloat16", kv_cache_blocks=8, packed_gemm=False
+    )
+    runner.load()
+    try:
+        assert runner.model is not None and not runner.bfloat16_weights
+        assert runner.dtype == torch.bfloat16 and runner.model.lm_head.weight.dtype == torch.bfloat16
+    finally:
+        runner.close()
+
+
+PROMPT_LENGTHS = (1, 3, 7, 12, 20, 33, 48, 70)
+
+
+def _prompts(vocab_size: int, eos_ids: frozenset[int]) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(4321)
+    allowed = torch.tensor([t for t in range(3, vocab_size) if t not in eos_ids])
+    return [allowed[torch.randint(len(allowed), (n,), generator=generator)].tolist() for n in PROMPT_LENGTHS]
+
+
+@needs_bfloat16_panels
+@pytest.mark.anyio
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("variant", [{}, {"max_num_batched_tokens": 16}])
+async def test_bfloat16_weights_match_transformers(tiny_cache: Path, family: str, variant: dict[str, int]) -> None:
+    model_dir = tiny_model_path(tiny_cache, family)
+    async with Engine.open(model_dir, device="cpu", dtype="bfloat16", **variant) as engine:
+        assert engine._info is not None and "bfloat16 weights" in engine._info.description
+        prompts = _prompts(engine._info.vocab_size, engine._info.eos_token_ids)
+        expected = transformers_greedy(model_dir, tuple(map(tuple, prompts)), 16, bfloat16_products=True)
+        got = await stream_all(engine, prompts, SamplingParams(temperature=0.0, max_tokens=16))
+        stats = engine.statistics()
+    assert got == expected
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+@needs_bfloat16_panels
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_default_model_in_bfloat16_matches_transformers() -> None:
+    from transformers import AutoTokenizer
+
+    from asyncllm.default_model import default_model_path
+
+    model_dir = default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    questions = ("What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.")
+    prompts = [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        )
+        for q in questions
+    ]
+    expected = transformers_greedy(model_dir, tuple(map(tuple, prompts)), 24, bfloat16_products=True)
+    async with Engine.open(device="cpu", dtype="bfloat16", kv_cache_blocks=256) as engine:
+        got = await stream_all(engine, prompts, SamplingParams(temperature=0.0, max_tokens=24))
+        texts = [engine.tokenizer.decode(ids, skip_special_tokens=True) for ids in got]
+    assert got == expected
+    assert "Paris" in texts[0]
+    # The float32 model generates other tokens on these prompts: the comparison sees the rounding.
+    assert transformers_greedy(model_dir, tuple(map(tuple, prompts)), 24) != expected
