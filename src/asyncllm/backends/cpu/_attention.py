@@ -126,6 +126,29 @@ static inline void prefetch_row(const float *row, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)row + b, 0, 2);
 }
 
+/* Query heads whose value accumulators fit in registers beside a value row: 6 at head size 64 (W 16), 2 at 128. */
+#define VALUE_VECTORS (HEAD_DIM / W)
+#define VALUE_HEADS ((28 - VALUE_VECTORS) / VALUE_VECTORS >= 6 ? 6 : (28 - VALUE_VECTORS) / VALUE_VECTORS >= 2 ? 2 : 1)
+
+/* acc[h] += weights[h][p] * value row p for `heads` query heads h and rows p in [p0, p1): per head and lane the
+   same sums, in the same order, as one head at a time (`heads` is a constant at each call: registers). */
+static inline __attribute__((always_inline)) void weigh_values(const float *restrict value, int64_t row_size,
+        const float *restrict weights, int64_t padded, float *restrict acc, int64_t p0, int64_t p1, const int heads) {
+    vec a[VALUE_HEADS][VALUE_VECTORS];
+    for (int h = 0; h < heads; ++h)
+        for (int d = 0; d < VALUE_VECTORS; ++d) a[h][d] = load(acc + h * HEAD_DIM + d * W);
+    for (int64_t p = p0; p < p1; ++p) {
+        vec v[VALUE_VECTORS];
+        for (int d = 0; d < VALUE_VECTORS; ++d) v[d] = load(value + p * row_size + d * W);
+        for (int h = 0; h < heads; ++h) {
+            const vec e = splat(weights[h * padded + p]);
+            for (int d = 0; d < VALUE_VECTORS; ++d) a[h][d] = a[h][d] + e * v[d];
+        }
+    }
+    for (int h = 0; h < heads; ++h)
+        for (int d = 0; d < VALUE_VECTORS; ++d) store(acc + h * HEAD_DIM + d * W, a[h][d]);
+}
+
 /* q: [tokens, q_heads, HEAD_DIM] with row stride q_stride (a view into the fused projection: no copy);
    out: [tokens, q_heads, HEAD_DIM] contiguous; caches: [slots, kv_heads, HEAD_DIM]; rows: [n] the flat-batch row
    of each decode query; tables: [n, max_blocks]; lens: [n] context length, the new token included;
@@ -235,19 +258,26 @@ int asyncllm_paged_decode_f32(const float *q, int64_t q_stride, const float *k_c
                     for (int d = 0; d < HEAD_DIM / W; ++d)
                         store(acc + h * HEAD_DIM + d * W, load(acc + h * HEAD_DIM + d * W) * splat(rescale));
                 }
-                /* Values row by row too; the accumulators live in L1. */
-                for (int64_t p = p0; p < p1; ++p) {
-                    const float *value = values + p * row_size;
-                    for (int64_t g = 0; g < heads_per_task; ++g) {
-                        vec v[HEAD_DIM / W];
-                        for (int d = 0; d < HEAD_DIM / W; ++d) v[d] = load(value + g * HEAD_DIM + d * W);
-                        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-                            const vec e = splat(scores[h * padded + p]);
-                            for (int d = 0; d < HEAD_DIM / W; ++d)
-                                store(acc + h * HEAD_DIM + d * W, load(acc + h * HEAD_DIM + d * W) + e * v[d]);
+                /* Values: per KV head, its query heads' accumulators in registers, VALUE_HEADS at a time,
+                   while the block's value rows pass (from L1 after the first group). */
+                for (int64_t g = 0; g < heads_per_task; ++g)
+                    for (int64_t h = g * group; h < (g + 1) * group; h += VALUE_HEADS) {
+                        const int64_t count = (g + 1) * group - h < VALUE_HEADS ? (g + 1) * group - h : VALUE_HEADS;
+                        const float *value = values + g * HEAD_DIM, *weights = scores + h * padded;
+                        float *into = acc + h * HEAD_DIM;
+                        switch (count) {
+#if VALUE_HEADS >= 6
+                        case 6: weigh_values(value, row_size, weights, padded, into, p0, p1, 6); break;
+                        case 5: weigh_values(value, row_size, weights, padded, into, p0, p1, 5); break;
+                        case 4: weigh_values(value, row_size, weights, padded, into, p0, p1, 4); break;
+                        case 3: weigh_values(value, row_size, weights, padded, into, p0, p1, 3); break;
+#endif
+#if VALUE_HEADS >= 2
+                        case 2: weigh_values(value, row_size, weights, padded, into, p0, p1, 2); break;
+#endif
+                        default: weigh_values(value, row_size, weights, padded, into, p0, p1, 1); break;
                         }
                     }
-                }
             }
             float *oi = out + (rows[i] * q_heads + h0 * group) * HEAD_DIM;
             for (int64_t h = 0; h < width; ++h) {

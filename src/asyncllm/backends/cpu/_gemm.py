@@ -15,7 +15,13 @@ weight vectors loaded and each of the 8 inputs broadcast once. While a thread wo
 prefetches panel p + 1 into L2, spread evenly over its row blocks' steps of the inner loop, so the next
 panel arrives during the arithmetic instead of stalling it. Inputs of more than
 256 rows are done 256 rows at a time, so that the input block stays in L2 as well. Threads (torch's
-OpenMP pool) split the panels.
+OpenMP pool) take the panels two at a time as they come free: on a shared machine a thread that loses its
+core for a while leaves its panels to the others.
+
+bfloat16 panels (``PanelWeight(..., bfloat16=True)``, CPUs with AVX512-BF16): the same panels of 48 columns
+holding pairs of inputs, and a micro-kernel of AVX512-BF16's dot-pair instruction (two bfloat16 products added
+to each float32 lane), on the input rows rounded to bfloat16 once per call: half the weight bytes and twice
+the arithmetic rate of float32.
 
 Numerics: each output is the float32 fused multiply-add chain over the inputs in order, one
 rounding per step (MKL sums in another order; both differ from the exact product by float32
@@ -203,9 +209,11 @@ static void round_rows(const float *x, int64_t x_stride, int64_t first, int64_t 
     case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; \
     case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(ROWS); break; }
 
-/* Both GEMMs: inputs ROW_BLOCK rows at a time, threads splitting the panels, each thread prefetching its next
-   panel over its current one's row blocks. A panel is `steps` steps of 192 bytes: 48 floats per input, or 48
-   bfloat16 pairs per input pair. Returns 0 if the bfloat16 rows' scratch cannot be allocated. */
+/* Both GEMMs: inputs ROW_BLOCK rows at a time, threads taking the panels two at a time as they come free (a
+   thread that loses its core to another process for a while does not hold the others up at the end, as a
+   static split would), each thread prefetching the panel after its current one over that one's row blocks.
+   A panel is `steps` steps of 192 bytes: 48 floats per input, or 48 bfloat16 pairs per input pair. Returns 0
+   if the bfloat16 rows' scratch cannot be allocated. */
 static inline __attribute__((always_inline)) int panel_matmul(const float *x, int64_t x_stride, const char *panels,
         float *out, int64_t out_stride, int64_t rows, int64_t out_features, int64_t in_features, const int bf16) {
     const int64_t count = (out_features + COLUMNS - 1) / COLUMNS, steps = bf16 ? (in_features + 1) / 2 : in_features;
@@ -225,7 +233,7 @@ static inline __attribute__((always_inline)) int panel_matmul(const float *x, in
 #ifdef __AVX512BF16__
             if (bf16) round_rows(x, x_stride, first, last, in_features, steps, rounded);  /* ends in a barrier */
 #endif
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 2)
             for (int64_t p = 0; p < count; ++p) {
                 const char *panel = panels + p * panel_bytes;
                 const int64_t columns = (p + 1) * COLUMNS <= out_features ? COLUMNS : out_features - p * COLUMNS;
