@@ -1,10 +1,11 @@
 """bfloat16 weights on the CPU: the bfloat16 panel GEMM, and the engine's ``dtype="bfloat16"`` built on it.
 
 On a CPU with AVX512-BF16 the engine's bfloat16 keeps its weights' bfloat16 values and multiplies them by
-inputs rounded to bfloat16, summing in float32; everything else is the float32 path
-(``TorchModelRunner.bfloat16_weights``). The kernel is checked against float64 on the rounded values, and
-the model path token for token against HF transformers computing the same way (its weights and its linear
-layers' inputs rounded to bfloat16, ``transformers_greedy(bfloat16_products=True)``).
+inputs rounded to bfloat16, summing in float32, and keeps its KV cache in bfloat16; everything else is the
+float32 path (``TorchModelRunner.bfloat16_weights``, ``kv_dtype``). The kernel is checked against float64 on
+the rounded values, and the model path token for token against HF transformers computing the same way (its
+weights, its linear layers' inputs, its keys and values rounded to bfloat16:
+``transformers_greedy(bfloat16_products=True, bfloat16_kv=True)``).
 """
 
 from __future__ import annotations
@@ -16,11 +17,15 @@ import pytest
 import torch
 
 from asyncllm import Engine, SamplingParams
+from asyncllm.backends.cpu import _attention as attention_cpu
 from asyncllm.backends.cpu import _gemm as gemm_cpu
 from asyncllm.backends.cpu import _native as native
+from asyncllm.backends.torch._attention import write_kv as reference_write_kv
+from asyncllm.executor._runner import SequenceInput
 from asyncllm.models._linear import Linear
-from asyncllm.testing.parity import stream_all, transformers_greedy
+from asyncllm.testing.parity import stream_all, transformers_greedy_margins
 from asyncllm.testing.tiny_models import tiny_model_path
+from asyncllm.worker._input_batch import step_inputs
 from asyncllm.worker._model_runner import TorchModelRunner
 
 needs_bfloat16_panels = pytest.mark.skipif(
@@ -119,8 +124,9 @@ def test_runner_loads_bfloat16_weights_on_panels(tiny_cache: Path) -> None:
         for name, param in model.named_parameters():
             if param.numel():
                 assert torch.equal(param, param.bfloat16().float()), name
-        assert "bfloat16 weights, float32 activations" in info.description
-        assert all(k.dtype == torch.float32 for pair in runner.kv_caches for k in pair)
+        assert "bfloat16 weights and KV cache, float32 activations" in info.description
+        assert runner.kv_dtype == torch.bfloat16
+        assert all(cache.dtype == torch.bfloat16 for pair in runner.kv_caches for cache in pair)
     finally:
         runner.close()
 
@@ -146,6 +152,25 @@ def _prompts(vocab_size: int, eos_ids: frozenset[int]) -> list[list[int]]:
     return [allowed[torch.randint(len(allowed), (n,), generator=generator)].tolist() for n in PROMPT_LENGTHS]
 
 
+NEAR_TIE = 0.02
+"""A logit gap below which another summation order may pick the runner-up token (see ``_assert_same_or_near_tie``)."""
+
+
+def _assert_same_or_near_tie(got: list[list[int]], expected: list[list[int]], margins: list[list[float]]) -> None:
+    """Each prompt's tokens equal transformers', or first differ where its top two logits were within ``NEAR_TIE``.
+
+    Both sides round to bfloat16 at the same points, but sum in float32 in different orders: a sum a last bit
+    apart can round to neighbouring bfloat16 values, a difference of 2**-8 relative, which a near tie turns into
+    the other token (past that token the sequences are different prompts). Anything else is a wrong result.
+    """
+    for index, (ours, theirs, gaps) in enumerate(zip(got, expected, margins, strict=True)):
+        first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        if first is None:
+            assert len(ours) == len(theirs), f"prompt {index}: {len(ours)} tokens against {len(theirs)}"
+            continue
+        assert gaps[first] < NEAR_TIE, f"prompt {index} differs at token {first}, where the gap was {gaps[first]:.4f}"
+
+
 @needs_bfloat16_panels
 @pytest.mark.anyio
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
@@ -153,12 +178,17 @@ def _prompts(vocab_size: int, eos_ids: frozenset[int]) -> list[list[int]]:
 async def test_bfloat16_weights_match_transformers(tiny_cache: Path, family: str, variant: dict[str, int]) -> None:
     model_dir = tiny_model_path(tiny_cache, family)
     async with Engine.open(model_dir, device="cpu", dtype="bfloat16", **variant) as engine:
-        assert engine._info is not None and "bfloat16 weights" in engine._info.description
+        assert engine._info is not None and "bfloat16 weights and KV cache" in engine._info.description
         prompts = _prompts(engine._info.vocab_size, engine._info.eos_token_ids)
-        expected = transformers_greedy(model_dir, tuple(map(tuple, prompts)), 16, bfloat16_products=True)
+        expected, margins = transformers_greedy_margins(
+            model_dir, tuple(map(tuple, prompts)), 16, bfloat16_products=True, bfloat16_kv=True
+        )
         got = await stream_all(engine, prompts, SamplingParams(temperature=0.0, max_tokens=16))
         stats = engine.statistics()
-    assert got == expected
+    exact = sum(ours == theirs for ours, theirs in zip(got, expected))
+    print(f"{family} {variant}: {exact} of {len(prompts)} prompts token for token")
+    _assert_same_or_near_tie(got, expected, margins)
+    assert exact >= len(prompts) - 2
     assert stats.kv_blocks_free == stats.kv_blocks_total
 
 
@@ -181,11 +211,59 @@ async def test_default_model_in_bfloat16_matches_transformers() -> None:
         )
         for q in questions
     ]
-    expected = transformers_greedy(model_dir, tuple(map(tuple, prompts)), 24, bfloat16_products=True)
+    expected, margins = transformers_greedy_margins(
+        model_dir, tuple(map(tuple, prompts)), 24, bfloat16_products=True, bfloat16_kv=True
+    )
     async with Engine.open(device="cpu", dtype="bfloat16", kv_cache_blocks=256) as engine:
         got = await stream_all(engine, prompts, SamplingParams(temperature=0.0, max_tokens=24))
         texts = [engine.tokenizer.decode(ids, skip_special_tokens=True) for ids in got]
-    assert got == expected
+    print("SmolLM2 in bfloat16, token for token:", [ours == theirs for ours, theirs in zip(got, expected)])
+    _assert_same_or_near_tie(got, expected, margins)
     assert "Paris" in texts[0]
-    # The float32 model generates other tokens on these prompts: the comparison sees the rounding.
-    assert transformers_greedy(model_dir, tuple(map(tuple, prompts)), 24) != expected
+
+
+@pytest.mark.skipif(not attention_cpu.bfloat16_kv_available(64), reason="no C compiler: no cpu attention kernels")
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (6, 2, 24)])
+def test_bfloat16_kv_kernels_equal_the_float32_ones_on_the_rounded_cache(
+    heads: int, kv_heads: int, head_dim: int
+) -> None:
+    # Decodes, fresh prompts and chunks after cached history in one step: the bfloat16 cache's kernels read each
+    # value as the float32 it rounds to, so they give the float32 kernels' bits on a cache of those values. The
+    # step's own keys and values are rounded as they are written (in the cache and in place).
+    generator = torch.Generator().manual_seed(head_dim)
+    block_size, blocks = 16, 64
+    cases = [(0, 17), (26, 34), (40, 1), (7, 1), (100, 1), (16, 5)]  # (history, new tokens)
+    free = torch.randperm(blocks, generator=generator).tolist()
+    cache32 = [torch.randn(blocks * block_size, kv_heads, head_dim, generator=generator) for _ in range(2)]
+    cache32 = [c.bfloat16().float() for c in cache32]
+    cache16 = [c.bfloat16() for c in cache32]
+    tokens = sum(new for _, new in cases)
+    q = torch.randn(tokens, heads, head_dim, generator=generator) * 3
+    k, v = (torch.randn(tokens, kv_heads, head_dim, generator=generator) for _ in range(2))
+    sequences = []
+    for request_id, (history, new) in enumerate(cases):
+        table = [free.pop() for _ in range(-(-(history + new) // block_size))]
+        sequences.append(SequenceInput(request_id, [3] * new, history, table, True, SamplingParams()))
+    meta = attention_cpu.build_metadata(step_inputs(sequences, block_size), sliding_window=None)
+    k16, v16 = k.clone(), v.clone()
+    reference_write_kv(*cache16, k16, v16, meta.slot_mapping)  # rounds k16 and v16 in place
+    assert torch.equal(k16, k.bfloat16().float()) and torch.equal(v16, v.bfloat16().float())
+    reference_write_kv(*cache32, k16, v16, meta.slot_mapping)
+    assert torch.equal(cache16[0].float(), cache32[0]) and torch.equal(cache16[1].float(), cache32[1])
+    got = attention_cpu.paged_attention(q, k16, v16, *cache16, meta, head_dim**-0.5)
+    expected = attention_cpu.paged_attention(q, k16, v16, *cache32, meta, head_dim**-0.5)
+    assert torch.equal(got, expected)
+    assert not torch.equal(got, attention_cpu.paged_attention(q, k, v, *cache32, meta, head_dim**-0.5))
+
+
+@needs_bfloat16_panels
+def test_bfloat16_kv_cache_holds_twice_the_blocks(tiny_cache: Path) -> None:
+    counts = {}
+    for dtype in ("float32", "bfloat16"):
+        model_dir = tiny_model_path(tiny_cache, "llama")
+        runner = TorchModelRunner(model_dir, device="cpu", dtype=dtype, kv_cache_memory=1 << 24)
+        try:
+            counts[dtype] = runner.load().num_kv_blocks
+        finally:
+            runner.close()
+    assert counts["bfloat16"] == 2 * counts["float32"]

@@ -357,9 +357,9 @@ def _count_prefill_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     kernel = attention_cpu._prefill_kernel
 
-    def counting(dim: int) -> object:
+    def counting(dim: int, kv_dtype: torch.dtype = torch.float32) -> object:
         calls.append(dim)
-        return kernel(dim)
+        return kernel(dim, kv_dtype)
 
     monkeypatch.setattr(attention_cpu, "_prefill_kernel", counting)
     return calls

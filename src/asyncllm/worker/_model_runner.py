@@ -176,6 +176,10 @@ class TorchModelRunner:
         """On the CPU with ``dtype="bfloat16"``: the weights hold bfloat16 values and the linear layers run on
         bfloat16 panels, while activations, the KV cache and the rest of the arithmetic stay float32
         (``self.dtype``); decided at load (``_bfloat16_on_panels``)."""
+        self.kv_dtype: torch.dtype | None = None
+        """The KV cache's dtype, once loaded: the model's, but bfloat16 beside bfloat16 weights on the cpu
+        attention backend (its kernels read bfloat16 keys and values into float32 arithmetic: half the
+        bytes a decode step streams, twice the tokens a cache holds)."""
         self.timings = RunnerTimings()
         """Seconds spent preparing inputs, in the forward and sampling, over all steps."""
         self.compile_seconds = 0.0
@@ -283,6 +287,12 @@ class TorchModelRunner:
             attn_softcap=spec.attn_softcap,
         )
         self.attention_backend = backend.name
+        self.kv_dtype = dtype
+        if self.bfloat16_weights and backend.name == "cpu":
+            from asyncllm.backends.cpu import _attention as attention_cpu
+
+            if attention_cpu.bfloat16_kv_available(spec.head_dim):
+                self.kv_dtype = torch.bfloat16
         packed = self.switches.packed_gemm
         if packed is not False and device.type == "cpu" and dtype == torch.float32:
             self.num_packed_layers = model.pack_weights(
@@ -332,7 +342,8 @@ class TorchModelRunner:
         hybrid = self._frees_hybrid(spec)
         if hybrid:  # the probe's table covers both groups
             self.sliding_batch = InputBatch(self.block_size, max_num_seqs=self.options.max_num_seqs)
-        num_blocks = self.options.kv_cache_blocks or self._size_kv_cache(model, device, dtype)
+        assert self.kv_dtype is not None
+        num_blocks = self.options.kv_cache_blocks or self._size_kv_cache(model, device, self.kv_dtype)
         sliding_blocks = None
         if hybrid:
             assert spec.sliding_window is not None
@@ -433,7 +444,8 @@ class TorchModelRunner:
 
     def _dtype_description(self) -> str:
         if self.bfloat16_weights:
-            return "bfloat16 weights, float32 activations"
+            kv = " and KV cache" if self.kv_dtype == torch.bfloat16 else ""
+            return f"bfloat16 weights{kv}, float32 activations"
         return str(self.dtype).removeprefix("torch.")
 
     def _load_draft(self, config: Any, model: DecoderForCausalLM, backend_name: str) -> DraftModel:
@@ -555,12 +567,13 @@ class TorchModelRunner:
         return caches
 
     def _zeros(self, shape: tuple[int, int, int]) -> torch.Tensor:
+        dtype = self.kv_dtype or self.dtype
         if self.device.type != "cpu":
-            return torch.zeros(shape, device=self.device, dtype=self.dtype)
+            return torch.zeros(shape, device=self.device, dtype=dtype)
         # On the CPU each KV tensor gets its own anonymous mapping (huge pages where possible; see
         # ``anonymous_mapping``): no memset of a large cache at start-up, resident memory grows
         # with use, and dropping the tensor unmaps it.
-        return mapped_tensor(shape[0] * shape[1] * shape[2], self.dtype).view(shape)
+        return mapped_tensor(shape[0] * shape[1] * shape[2], dtype).view(shape)
 
     def _size_kv_cache(self, model: DecoderForCausalLM, device: torch.device, dtype: torch.dtype) -> int:
         bytes_per_block = self._kv_bytes_per_block(model, dtype)

@@ -138,11 +138,17 @@ def test_lean_forward_rejects_a_cache_it_cannot_read(tiny_llama: Path) -> None:
     embeddings = torch.randn(step.num_tokens, runner.model.spec.hidden_size)
     cos_sin = runner.model.rotary.cos_sin(torch.from_numpy(step.positions.astype(np.int64)), torch.float32)
     strided = [(k.transpose(0, 1), v) for k, v in runner.kv_caches]
-    with pytest.raises(ValueError, match="contiguous float32 KV caches"):
+    with pytest.raises(ValueError, match="contiguous KV caches"):
         runner.model.lean(embeddings, cos_sin, strided, meta)
     narrow_values = [(k, v[:, :1].contiguous()) for k, v in runner.kv_caches]  # the writes would overrun them
-    with pytest.raises(ValueError, match="contiguous float32 KV caches"):
+    with pytest.raises(ValueError, match="contiguous KV caches"):
         runner.model.lean(embeddings, cos_sin, narrow_values, meta)
+    mixed = [(k, v.bfloat16()) for k, v in runner.kv_caches]  # a float32 and a bfloat16 cache
+    with pytest.raises(ValueError, match="of one dtype"):
+        runner.model.lean(embeddings, cos_sin, mixed, meta)
+    doubles = [(k.double(), v.double()) for k, v in runner.kv_caches]
+    with pytest.raises(ValueError, match="float32 or bfloat16 KV caches"):
+        runner.model.lean(embeddings, cos_sin, doubles, meta)
     meta.slot_mapping[0] = runner.kv_caches[0][0].shape[0]  # one past the last slot
     with pytest.raises(ValueError, match="outside the cache"):
         runner.model.lean(embeddings, cos_sin, runner.kv_caches, meta)

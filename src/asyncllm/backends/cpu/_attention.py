@@ -46,9 +46,11 @@ from asyncllm.backends.torch._attention import sdpa as reference_sdpa
 from asyncllm.worker._input_batch import StepInputs
 
 __all__ = [
+    "KV_DTYPES",
     "CpuAttentionMetadata",
     "CpuPrefillChunk",
     "attend_into",
+    "bfloat16_kv_available",
     "build_metadata",
     "native_decode_available",
     "paged_attention",
@@ -88,6 +90,31 @@ static inline vec vselect(ivec mask, vec yes, vec no) {
 
 static inline vec vmax(vec a, vec b) { return vselect(a > b, a, b); }
 
+/* The cache's element: float32, or with KV_BF16 bfloat16 (the upper half of a float32's bits). */
+#if KV_BF16
+typedef uint16_t kv_t;
+typedef uint16_t kv_vec __attribute__((vector_size(W * 2)));
+typedef uint32_t wide_vec __attribute__((vector_size(W * 4)));
+static inline vec load_kv(const kv_t *p) {
+    kv_vec h;
+    memcpy(&h, p, sizeof h);
+    const wide_vec bits = __builtin_convertvector(h, wide_vec) << 16;
+    vec v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+static inline float kv_float(kv_t x) {
+    const uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+#else
+typedef float kv_t;
+static inline vec load_kv(const kv_t *p) { return load(p); }
+static inline float kv_float(kv_t x) { return x; }
+#endif
+
 /* exp(x) for x <= 0 (scores minus their running maximum), W lanes at once: 2^n * e^f with n = round(x / ln 2)
    (the 1.5 * 2^23 shift rounds, and leaves n in the low bits) and |f| <= ln 2 / 2; e^f by its degree-6
    Taylor polynomial (relative error under 2e-7, as libm's expf). x under -87 is clamped there: e^-87 is
@@ -122,7 +149,7 @@ static inline vec vexp(vec x) {
    row computed, that row of the next block, one KV head's keys and values beside that head's scores: fetches
    in bursts (a whole block, or a whole row, at once) fill the line-fill buffers and stall the loads of the
    block being computed. */
-static inline void prefetch_row(const float *row, int64_t bytes) {
+static inline void prefetch_row(const kv_t *row, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)row + b, 0, 2);
 }
 
@@ -132,14 +159,14 @@ static inline void prefetch_row(const float *row, int64_t bytes) {
 
 /* acc[h] += weights[h][p] * value row p for `heads` query heads h and rows p in [p0, p1): per head and lane the
    same sums, in the same order, as one head at a time (`heads` is a constant at each call: registers). */
-static inline __attribute__((always_inline)) void weigh_values(const float *restrict value, int64_t row_size,
+static inline __attribute__((always_inline)) void weigh_values(const kv_t *restrict value, int64_t row_size,
         const float *restrict weights, int64_t padded, float *restrict acc, int64_t p0, int64_t p1, const int heads) {
     vec a[VALUE_HEADS][VALUE_VECTORS];
     for (int h = 0; h < heads; ++h)
         for (int d = 0; d < VALUE_VECTORS; ++d) a[h][d] = load(acc + h * HEAD_DIM + d * W);
     for (int64_t p = p0; p < p1; ++p) {
         vec v[VALUE_VECTORS];
-        for (int d = 0; d < VALUE_VECTORS; ++d) v[d] = load(value + p * row_size + d * W);
+        for (int d = 0; d < VALUE_VECTORS; ++d) v[d] = load_kv(value + p * row_size + d * W);
         for (int h = 0; h < heads; ++h) {
             const vec e = splat(weights[h * padded + p]);
             for (int d = 0; d < VALUE_VECTORS; ++d) a[h][d] = a[h][d] + e * v[d];
@@ -159,7 +186,7 @@ static inline __attribute__((always_inline)) void weigh_values(const float *rest
    each key row of the block (rows in order), per head the exponentials against the running maximum
    (rescaling what was accumulated when the maximum grows), then every head's update from each value row;
    keys and values are read once, each while it is in the L1 cache. */
-int asyncllm_paged_decode_f32(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+int asyncllm_paged_decode_f32(const float *q, int64_t q_stride, const kv_t *k_cache, const kv_t *v_cache,
                               float *out, const int64_t *rows, const int64_t *tables, const int64_t *lens,
                               int64_t n, int64_t q_heads, int64_t kv_heads, int64_t block_size,
                               int64_t max_blocks, int64_t window, float scale, float softcap) {
@@ -174,7 +201,7 @@ int asyncllm_paged_decode_f32(const float *q, int64_t q_stride, const float *k_c
     const int64_t splits = n >= 2 * threads ? 1 : kv_heads;
     const int64_t heads_per_task = kv_heads / splits;
     const int64_t width = heads_per_task * group;
-    const int64_t task_bytes = (int64_t)sizeof(float) * heads_per_task * HEAD_DIM;
+    const int64_t task_bytes = (int64_t)sizeof(kv_t) * heads_per_task * HEAD_DIM;
     const int64_t padded = (block_size + W - 1) / W * W;
     int failed = 0;
 #pragma omp parallel
@@ -210,25 +237,25 @@ int asyncllm_paged_decode_f32(const float *q, int64_t q_stride, const float *k_c
             for (int64_t b = first; b <= last; ++b) {
                 const int64_t p0 = b == first ? start - b * block_size : 0;
                 const int64_t p1 = b == last ? len - b * block_size : block_size;
-                const float *keys = k_cache + (table[b] * block_size * row_size + h0 * HEAD_DIM);
-                const float *values = v_cache + (table[b] * block_size * row_size + h0 * HEAD_DIM);
+                const kv_t *keys = k_cache + (table[b] * block_size * row_size + h0 * HEAD_DIM);
+                const kv_t *values = v_cache + (table[b] * block_size * row_size + h0 * HEAD_DIM);
                 /* Keys row by row, front to back through the block (the order the memory system
                    streams best), every head's score against each row. */
                 const int64_t next = b < last ? table[b + 1] * block_size * row_size + h0 * HEAD_DIM : -1;
-                const float *next_keys = next >= 0 ? k_cache + next : 0;
-                const float *next_values = next >= 0 ? v_cache + next : 0;
+                const kv_t *next_keys = next >= 0 ? k_cache + next : 0;
+                const kv_t *next_values = next >= 0 ? v_cache + next : 0;
                 /* The next block's rows that hold context: the last block's end is the sequence's. */
                 const int64_t next_rows = b + 1 == last ? len - last * block_size : block_size;
                 for (int64_t p = p0; p < p1; ++p) {
-                    const float *key = keys + p * row_size;
+                    const kv_t *key = keys + p * row_size;
                     const int ahead = next_keys && p < next_rows;
                     for (int64_t g = 0; g < heads_per_task; ++g) {
                         /* The next block's row p, a KV head's slice at a time: its keys now, its values after the
                            first query head's score. */
-                        const int64_t slice = p * row_size + g * HEAD_DIM, slice_bytes = HEAD_DIM * sizeof(float);
+                        const int64_t slice = p * row_size + g * HEAD_DIM, slice_bytes = HEAD_DIM * sizeof(kv_t);
                         if (ahead) prefetch_row(next_keys + slice, slice_bytes);
                         vec k[HEAD_DIM / W];
-                        for (int d = 0; d < HEAD_DIM / W; ++d) k[d] = load(key + g * HEAD_DIM + d * W);
+                        for (int d = 0; d < HEAD_DIM / W; ++d) k[d] = load_kv(key + g * HEAD_DIM + d * W);
                         for (int64_t h = g * group; h < (g + 1) * group; ++h) {
                             vec s = load(queries + h * HEAD_DIM) * k[0];
                             for (int d = 1; d < HEAD_DIM / W; ++d) s += load(queries + h * HEAD_DIM + d * W) * k[d];
@@ -263,7 +290,8 @@ int asyncllm_paged_decode_f32(const float *q, int64_t q_stride, const float *k_c
                 for (int64_t g = 0; g < heads_per_task; ++g)
                     for (int64_t h = g * group; h < (g + 1) * group; h += VALUE_HEADS) {
                         const int64_t count = (g + 1) * group - h < VALUE_HEADS ? (g + 1) * group - h : VALUE_HEADS;
-                        const float *value = values + g * HEAD_DIM, *weights = scores + h * padded;
+                        const kv_t *value = values + g * HEAD_DIM;
+                        const float *weights = scores + h * padded;
                         float *into = acc + h * HEAD_DIM;
                         switch (count) {
 #if VALUE_HEADS >= 6
@@ -315,7 +343,7 @@ int asyncllm_causal_prefill_f32(const float *q, int64_t q_stride, const float *k
                                 const int64_t *starts, const int64_t *ends, int64_t chunks, int64_t q_heads,
                                 int64_t kv_heads, int64_t k_stride, int64_t v_stride, float scale,
                                 const int64_t *history, const int64_t *slots, const int64_t *slot_starts,
-                                const float *k_cache, const float *v_cache) {
+                                const kv_t *k_cache, const kv_t *v_cache) {
     const int64_t group = q_heads / kv_heads, cache_row = kv_heads * HEAD_DIM;
     int64_t total = 0, tasks = 0;
     for (int64_t c = 0; c < chunks; ++c) {
@@ -347,12 +375,18 @@ int asyncllm_causal_prefill_f32(const float *q, int64_t q_stride, const float *k
             float *key_dst = keys_r + offsets[c] + g * padded * HEAD_DIM;
             float *value_dst = values_r + offsets[c] + g * padded * HEAD_DIM;
             for (int64_t t = 0; t < len; ++t) {
-                const float *key = hist ? k_cache + slots[slot_starts[c] + t] * cache_row + g * HEAD_DIM
-                                        : k + (starts[c] + t) * k_stride + g * HEAD_DIM;
-                const float *value = hist ? v_cache + slots[slot_starts[c] + t] * cache_row + g * HEAD_DIM
-                                          : v + (starts[c] + t) * v_stride + g * HEAD_DIM;
-                memcpy(key_dst + t * HEAD_DIM, key, sizeof(float) * HEAD_DIM);
-                memcpy(value_dst + t * HEAD_DIM, value, sizeof(float) * HEAD_DIM);
+                if (hist) {
+                    const kv_t *key = k_cache + slots[slot_starts[c] + t] * cache_row + g * HEAD_DIM;
+                    const kv_t *value = v_cache + slots[slot_starts[c] + t] * cache_row + g * HEAD_DIM;
+                    for (int64_t d = 0; d < HEAD_DIM; ++d) {
+                        key_dst[t * HEAD_DIM + d] = kv_float(key[d]);
+                        value_dst[t * HEAD_DIM + d] = kv_float(value[d]);
+                    }
+                } else {
+                    const int64_t row = starts[c] + t;
+                    memcpy(key_dst + t * HEAD_DIM, k + row * k_stride + g * HEAD_DIM, sizeof(float) * HEAD_DIM);
+                    memcpy(value_dst + t * HEAD_DIM, v + row * v_stride + g * HEAD_DIM, sizeof(float) * HEAD_DIM);
+                }
             }
         }
         /* queries_t[d * TILE + i]: the tile's queries (scaled), d-major, so a column is one vector (lanes =
@@ -650,7 +684,7 @@ def attend_into(
     """
     num_decodes = meta.decode_rows.numel()
     if num_decodes:
-        kernel = _kernel(q.shape[-1])
+        kernel = _kernel(q.shape[-1], k_cache.dtype)
         if kernel is None:
             raise RuntimeError("the cpu attention backend needs its C kernel; see native_decode_available()")
         status = kernel(
@@ -676,7 +710,7 @@ def attend_into(
     windowed = sliding and meta.global_prefills is not None
     prefills = meta.prefills if windowed or meta.global_prefills is None else meta.global_prefills
     has_causal = any(c.causal for c in prefills)
-    prefill = _prefill_kernel(q.shape[-1]) if has_causal and softcap is None else None
+    prefill = _prefill_kernel(q.shape[-1], k_cache.dtype) if has_causal and softcap is None else None
     rest: tuple[CpuPrefillChunk, ...] | list[CpuPrefillChunk] = prefills
     if prefill is not None and k.stride(2) == 1 and v.stride(2) == 1 and k.stride(1) == v.stride(1) == k.shape[2]:
         # Causal chunks (from position 0, or after cached history) in the C kernel, all at once.
@@ -698,8 +732,8 @@ def attend_into(
             keys = k[chunk.query_start : chunk.query_end]
             values = v[chunk.query_start : chunk.query_end]
         else:
-            keys = k_cache.index_select(0, chunk.kv_slots)
-            values = v_cache.index_select(0, chunk.kv_slots)
+            keys = k_cache.index_select(0, chunk.kv_slots).to(queries.dtype)
+            values = v_cache.index_select(0, chunk.kv_slots).to(queries.dtype)
         keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
         attended = reference_sdpa(queries, keys, values, chunk.mask, scale, softcap)
         out[chunk.query_start : chunk.query_end] = attended.squeeze(0).transpose(0, 1)
@@ -711,10 +745,14 @@ def _check_inputs(
     # The kernels read raw pointers: what they cannot read must fail here, not as a wild read.
     tensors = {"q": q, "k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache}
     for name, tensor in tensors.items():
-        if tensor.dtype != torch.float32 or tensor.device.type != "cpu" or tensor.dim() != 3:
-            raise ValueError(f"{name} must be a 3-D float32 CPU tensor, got {tensor.dtype} {tuple(tensor.shape)}")
+        dtypes = KV_DTYPES if name.endswith("cache") else (torch.float32,)
+        if tensor.dtype not in dtypes or tensor.device.type != "cpu" or tensor.dim() != 3:
+            kinds = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise ValueError(f"{name} must be a 3-D {kinds} CPU tensor, got {tensor.dtype} {tuple(tensor.shape)}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape):
         raise ValueError("k_cache and v_cache must be contiguous and of one shape")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache and v_cache must be of one dtype, not {k_cache.dtype} and {v_cache.dtype}")
     kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
     if q.shape[2] != head_dim or q.shape[1] % kv_heads or k.shape != v.shape or k.shape[1:] != (kv_heads, head_dim):
         got = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, caches {tuple(k_cache.shape)}"
@@ -728,6 +766,9 @@ def native_decode_available(head_dim: int) -> bool:
 
 _Kernel = Callable[..., int]
 
+KV_DTYPES = (torch.float32, torch.bfloat16)
+"""The cache dtypes the kernels read: float32, or bfloat16 (beside bfloat16 weights: ``TorchModelRunner.kv_dtype``)."""
+
 
 _SIGNATURES: native.Signatures = {
     "asyncllm_paged_decode_f32": ([PTR, I64, *[PTR] * 6, *[I64] * 6, F32, F32], I32),
@@ -736,23 +777,29 @@ _SIGNATURES: native.Signatures = {
 
 
 @functools.cache
-def _library(head_dim: int) -> ctypes.CDLL | None:
+def _library(head_dim: int, bfloat16_kv: bool = False) -> ctypes.CDLL | None:
     if head_dim % 4:
         return None  # the kernels' vectors are 4, 8 or 16 floats wide
     # -ffp-contract=fast lets the multiply-adds be fused (ISO C mode forbids it by default): fewer roundings
     # and instructions in the dot products.
-    source = f"#define HEAD_DIM {head_dim}\n{_SOURCE}"
-    return native.load(f"attention_hd{head_dim}", source, _SIGNATURES, ("-ffp-contract=fast",))
+    source = f"#define HEAD_DIM {head_dim}\n#define KV_BF16 {int(bfloat16_kv)}\n{_SOURCE}"
+    name = f"attention_hd{head_dim}{'_bf16kv' if bfloat16_kv else ''}"
+    return native.load(name, source, _SIGNATURES, ("-ffp-contract=fast",))
 
 
-def _function(head_dim: int, name: str) -> _Kernel | None:
-    library = _library(head_dim)
+def _function(head_dim: int, kv_dtype: torch.dtype, name: str) -> _Kernel | None:
+    library = _library(head_dim, kv_dtype == torch.bfloat16)
     return None if library is None else cast(_Kernel, getattr(library, name))
 
 
-def _kernel(head_dim: int) -> _Kernel | None:
-    return _function(head_dim, "asyncllm_paged_decode_f32")
+def _kernel(head_dim: int, kv_dtype: torch.dtype = torch.float32) -> _Kernel | None:
+    return _function(head_dim, kv_dtype, "asyncllm_paged_decode_f32")
 
 
-def _prefill_kernel(head_dim: int) -> _Kernel | None:
-    return _function(head_dim, "asyncllm_causal_prefill_f32")
+def _prefill_kernel(head_dim: int, kv_dtype: torch.dtype = torch.float32) -> _Kernel | None:
+    return _function(head_dim, kv_dtype, "asyncllm_causal_prefill_f32")
+
+
+def bfloat16_kv_available(head_dim: int) -> bool:
+    """Whether the kernels for a bfloat16 KV cache at ``head_dim`` are built (building them now if needed)."""
+    return _kernel(head_dim, torch.bfloat16) is not None

@@ -151,6 +151,40 @@ int asyncllm_write_kv_f32(float *k_cache, float *v_cache, const float *k, const 
     }
     return 0;
 }
+
+/* float32 to bfloat16, rounded to nearest even (a NaN stays a NaN): the upper half of the rounded bits. */
+static inline uint16_t to_bf16(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, 4);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7FFF + ((bits >> 16) & 1);
+    return (uint16_t)(bits >> 16);
+}
+
+/* Row `row` of n floats to bfloat16 at dst, and the rounded values back into the row: the step's own rows then
+   hold what the cache holds, so attention reads the same keys and values from either. */
+static inline void round_row(uint16_t *dst, float *row, int64_t n) {
+    for (int64_t j = 0; j < n; ++j) {
+        const uint16_t rounded = to_bf16(row[j]);
+        const uint32_t bits = (uint32_t)rounded << 16;
+        dst[j] = rounded;
+        memcpy(row + j, &bits, 4);
+    }
+}
+
+/* asyncllm_write_kv_f32 into a bfloat16 cache ([num_slots, row_floats] bfloat16): each value rounded once, in the
+   cache and in k and v themselves (round_row). Returns 0, or -1 (writing nothing) for a slot outside the cache. */
+int asyncllm_write_kv_bf16(uint16_t *k_cache, uint16_t *v_cache, float *k, float *v, const int64_t *slots,
+                           int64_t tokens, int64_t row_floats, int64_t k_stride, int64_t v_stride, int64_t num_slots) {
+    for (int64_t t = 0; t < tokens; ++t)
+        if (slots[t] < 0 || slots[t] >= num_slots) return -1;
+#pragma omp parallel for schedule(static) if (tokens * row_floats >= PARALLEL_FLOATS)
+    for (int64_t t = 0; t < tokens; ++t) {
+        round_row(k_cache + slots[t] * row_floats, k + t * k_stride, row_floats);
+        round_row(v_cache + slots[t] * row_floats, v + t * v_stride, row_floats);
+    }
+    return 0;
+}
 """
 
 
@@ -158,6 +192,7 @@ _SIGNATURES: native.Signatures = {
     "asyncllm_rms_norm_f32": ([PTR] * 4 + [I64] * 5 + [F32], None),
     "asyncllm_rotary_f32": ([PTR] * 4 + [I64] * 9, None),
     "asyncllm_write_kv_f32": ([PTR] * 5 + [I64] * 5, I32),
+    "asyncllm_write_kv_bf16": ([PTR] * 5 + [I64] * 5, I32),
 }
 
 
@@ -174,7 +209,8 @@ def available() -> bool:
 @functools.cache
 def kernel(name: str) -> Callable[..., int | None]:
     """The raw ``ctypes`` function ``name``: no checks. ``asyncllm_rms_norm_f32`` and ``asyncllm_rotary_f32``
-    return nothing; ``asyncllm_write_kv_f32`` returns 0, or -1 for a slot outside the cache.
+    return nothing; ``asyncllm_write_kv_f32`` (and ``asyncllm_write_kv_bf16``, into a bfloat16 cache, rounding the
+    rows it reads in place too) returns 0, or -1 for a slot outside the cache.
 
     For callers that own the layout of every pointer they pass (``asyncllm.backends.cpu._lean_forward``);
     everyone else calls ``rms_norm``, ``rotary_`` and ``write_kv``. RuntimeError when the kernels are unavailable.

@@ -116,7 +116,10 @@ class LeanCpuForward:
         self._scale = spec.head_dim**-0.5
         self._norm = elementwise_cpu.kernel("asyncllm_rms_norm_f32")
         self._rotate = elementwise_cpu.kernel("asyncllm_rotary_f32")
-        self._write_kv = elementwise_cpu.kernel("asyncllm_write_kv_f32")
+        self._write_kv = {
+            torch.float32: elementwise_cpu.kernel("asyncllm_write_kv_f32"),
+            torch.bfloat16: elementwise_cpu.kernel("asyncllm_write_kv_bf16"),
+        }
         self._buffer = torch.empty(0)  # the layers' scratch (``_scratch``)
         # SiLU times up in one pass where it gives torch's bits (activation_cpu.available), else torch's two.
         self._silu_mul = activation_cpu.silu_mul_into if activation_cpu.available() else None
@@ -193,7 +196,7 @@ class LeanCpuForward:
             meta: The step's cpu attention metadata.
 
         Raises:
-            ValueError: A KV cache is not a contiguous float32 CPU tensor, or the slot mapping is not one
+            ValueError: A KV cache is not a contiguous float32 or bfloat16 CPU tensor, or the slot mapping is not one
                 int64 slot per token inside the cache.
             RuntimeError: An attention kernel could not allocate its scratch memory.
         """
@@ -207,8 +210,11 @@ class LeanCpuForward:
             raise ValueError("the lean forward needs contiguous embeddings")
         cos, sin = cos_sin
         elementwise_cpu.check_slots(meta.slot_mapping, tokens)
-        slots_at, write_kv = meta.slot_mapping.data_ptr(), self._write_kv
+        slots_at, kv_dtype = meta.slot_mapping.data_ptr(), kv_caches[0][0].dtype
+        write_kv = self._write_kv.get(kv_dtype)
         cache_rows, cache_shape = (kv_heads, head_dim), f"[slots, {kv_heads}, {head_dim}]"
+        if write_kv is None:
+            raise ValueError(f"the lean forward needs float32 or bfloat16 KV caches, not {kv_dtype}")
         if cos.stride(-1) != 1 or sin.stride() != cos.stride():
             raise ValueError("the lean forward needs cos and sin rows of one layout, contiguous")
         # Scratch for every layer (rows contiguous), carved from one buffer kept between steps.
@@ -228,9 +234,9 @@ class LeanCpuForward:
         up_at = up.data_ptr()
         for index, (layer, (k_cache, v_cache)) in enumerate(zip(self._layers, kv_caches, strict=True)):
             fits = k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
-            fits = fits and k_cache.shape[1:] == cache_rows and k_cache.dtype == v_cache.dtype == torch.float32
+            fits = fits and k_cache.shape[1:] == cache_rows and k_cache.dtype == v_cache.dtype == kv_dtype
             if not fits:
-                raise ValueError(f"the lean forward needs contiguous float32 KV caches of {cache_shape}")
+                raise ValueError(f"the lean forward needs contiguous KV caches of {cache_shape}, of one dtype")
             if index == 0:  # the embeddings are the residual stream: nothing to add yet
                 norm(normed_at, residual_at, None, layer.input_norm.data_ptr(), tokens, hidden, hidden, hidden, 0, eps)
             else:

@@ -58,7 +58,16 @@ class AttentionMetadata:
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    """Store a step's new keys and values ([tokens, kv_heads, head_dim]) at their slots."""
+    """Store a step's new keys and values ([tokens, kv_heads, head_dim]) at their slots.
+
+    A cache narrower than the rows (bfloat16 beside float32 activations) gets them rounded, and ``k`` and ``v``
+    are rounded in place too: attention then reads the same values from the cache and from the step's rows.
+    """
+    if k_cache.dtype != k.dtype:
+        k_low, v_low = k.to(k_cache.dtype), v.to(v_cache.dtype)
+        k.copy_(k_low)
+        v.copy_(v_low)
+        k, v = k_low, v_low
     k_cache.index_copy_(0, slots, k)
     v_cache.index_copy_(0, slots, v)
 
