@@ -134,10 +134,15 @@ static inline void store_row(float *dst, const float *src, int64_t n) {
 /* The KV write: row t of k and v (row_floats each, rows strided by k_stride, v_stride: views into the fused
    projection) to row slots[t] of k_cache and v_cache ([num_slots, row_floats], contiguous). One copy per row,
    no temporaries. Returns 0, or -1 (writing nothing) when a slot is outside [0, num_slots). */
+static int slots_inside(const int64_t *slots, int64_t tokens, int64_t num_slots) {
+    for (int64_t t = 0; t < tokens; ++t)
+        if (slots[t] < 0 || slots[t] >= num_slots) return 0;
+    return 1;
+}
+
 int asyncllm_write_kv_f32(float *k_cache, float *v_cache, const float *k, const float *v, const int64_t *slots,
                           int64_t tokens, int64_t row_floats, int64_t k_stride, int64_t v_stride, int64_t num_slots) {
-    for (int64_t t = 0; t < tokens; ++t)
-        if (slots[t] < 0 || slots[t] >= num_slots) return -1;
+    if (!slots_inside(slots, tokens, num_slots)) return -1;
 #pragma omp parallel if (tokens * row_floats >= PARALLEL_FLOATS)
     {
 #pragma omp for schedule(static)
@@ -176,8 +181,7 @@ static inline void round_row(uint16_t *dst, float *row, int64_t n) {
    cache and in k and v themselves (round_row). Returns 0, or -1 (writing nothing) for a slot outside the cache. */
 int asyncllm_write_kv_bf16(uint16_t *k_cache, uint16_t *v_cache, float *k, float *v, const int64_t *slots,
                            int64_t tokens, int64_t row_floats, int64_t k_stride, int64_t v_stride, int64_t num_slots) {
-    for (int64_t t = 0; t < tokens; ++t)
-        if (slots[t] < 0 || slots[t] >= num_slots) return -1;
+    if (!slots_inside(slots, tokens, num_slots)) return -1;
 #pragma omp parallel for schedule(static) if (tokens * row_floats >= PARALLEL_FLOATS)
     for (int64_t t = 0; t < tokens; ++t) {
         round_row(k_cache + slots[t] * row_floats, k + t * k_stride, row_floats);
