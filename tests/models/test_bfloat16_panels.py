@@ -143,6 +143,21 @@ def test_runner_keeps_torch_bfloat16_without_panels(tiny_cache: Path) -> None:
         runner.close()
 
 
+@needs_bfloat16_panels
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_moe_model_keeps_its_experts_in_bfloat16(tiny_cache: Path, family: str) -> None:
+    # The stacked experts (most of a MoE model's weights) are no Linear: beside bfloat16 panels they would become
+    # float32, twice the memory dtype="bfloat16" asks for. Such a model stays on torch's bfloat16.
+    runner = TorchModelRunner(tiny_model_path(tiny_cache, family), device="cpu", dtype="bfloat16", kv_cache_blocks=8)
+    runner.load()
+    try:
+        assert runner.model is not None and not runner.bfloat16_weights
+        experts = [param for name, param in runner.model.named_parameters() if ".experts." in name]
+        assert experts and all(param.dtype == torch.bfloat16 for param in experts)
+    finally:
+        runner.close()
+
+
 PROMPT_LENGTHS = (1, 3, 7, 12, 20, 33, 48, 70)
 
 

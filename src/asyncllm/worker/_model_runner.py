@@ -229,9 +229,6 @@ class TorchModelRunner:
 
             device = rank_device(device, self.rank)
         dtype = resolve_dtype(self.options.dtype, device)
-        self.bfloat16_weights = self._bfloat16_on_panels(device, dtype)
-        if self.bfloat16_weights:
-            dtype = torch.float32  # the computation's: the weights load in bfloat16, packing converts the rest
         requested_backend = self.attention_backend
         backend_name = resolve_attention_backend(requested_backend, device, cpu_kernel=True)
         if device.type == "cpu":
@@ -248,6 +245,10 @@ class TorchModelRunner:
             torch.cuda.set_stream(torch.cuda.Stream(device))
         config = load_config(self.model_path) if self._spec is None else None
         spec = self._spec if config is None else model_spec(config)
+        assert spec is not None  # rank 0 reads its config, the other ranks get rank 0's spec
+        self.bfloat16_weights = self._bfloat16_on_panels(device, dtype, spec)
+        if self.bfloat16_weights:
+            dtype = torch.float32  # the computation's: the weights load in bfloat16, packing converts the rest
         if size > 1:
             from asyncllm.executor._ranks import TableSync
             from asyncllm.worker._parallel import open_group
@@ -428,15 +429,17 @@ class TorchModelRunner:
             block_copies=self.ranks is None,  # the ranks' step messages carry no copies
         )
 
-    def _bfloat16_on_panels(self, device: torch.device, dtype: torch.dtype) -> bool:
+    def _bfloat16_on_panels(self, device: torch.device, dtype: torch.dtype, spec: DecoderSpec) -> bool:
         """Whether ``dtype`` bfloat16 runs as bfloat16 weights on bfloat16 panels here (``bfloat16_weights``).
 
         On a CPU with AVX512-BF16 and the panels packed (the default ``packed_gemm``, or "panels"): the
         products run at twice float32's rate there, while torch's bfloat16 path pays for bfloat16
-        element-wise work and has no paged attention kernel. Elsewhere bfloat16 stays torch's.
+        element-wise work and has no paged attention kernel. Elsewhere bfloat16 stays torch's, and so does
+        a MoE model: its stacked experts (most of its weights) are no ``Linear`` and would become float32
+        beside the panels, twice the memory of its bfloat16 weights.
         """
         packed = self.switches.packed_gemm
-        if device.type != "cpu" or dtype != torch.bfloat16 or packed not in (True, "panels"):
+        if device.type != "cpu" or dtype != torch.bfloat16 or packed not in (True, "panels") or spec.moe is not None:
             return False
         from asyncllm.backends.cpu import _gemm as gemm_cpu
 
