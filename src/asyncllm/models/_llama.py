@@ -919,7 +919,7 @@ class DecoderForCausalLM(nn.Module):
         if bfloat16:
             for linear in linears:
                 shared = linear is self.lm_head and self.spec.tie_word_embeddings
-                packed += linear.pack(release=not shared, bfloat16=True)
+                packed += linear.pack(release=not shared, packed_format=packed_format, bfloat16=True)
             self._rest_to_float32()
         else:
             packed = self._pack_float32(linears, packed_format, greedy_head)
