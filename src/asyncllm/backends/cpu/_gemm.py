@@ -328,7 +328,8 @@ def bfloat16_available() -> bool:
     """Whether the bfloat16 panels run here (the panels' kernel, AVX512-BF16) and compute what they claim.
 
     The claim: each output is a float32 sum of the products of the input and the weight both rounded
-    to bfloat16 (checked against float64 on such values once per process, building the kernel if needed).
+    to bfloat16, subnormal values read as zero as AVX512-BF16 reads them (checked against float64 on such
+    values once per process, building the kernel if needed).
     """
     if _bfloat16_library() is None or not available():
         return False
