@@ -23,7 +23,7 @@ from asyncllm.backends.cpu import _native as native
 from asyncllm.backends.torch._attention import write_kv as reference_write_kv
 from asyncllm.executor._runner import SequenceInput
 from asyncllm.models._linear import Linear
-from asyncllm.testing.parity import stream_all, transformers_greedy_margins
+from asyncllm.testing.parity import chat_prompts, stream_all, transformers_greedy_margins
 from asyncllm.testing.tiny_models import tiny_model_path
 from asyncllm.worker._input_batch import step_inputs
 from asyncllm.worker._model_runner import TorchModelRunner
@@ -211,21 +211,11 @@ async def test_bfloat16_weights_match_transformers(tiny_cache: Path, family: str
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_default_model_in_bfloat16_matches_transformers() -> None:
-    from transformers import AutoTokenizer
-
     from asyncllm.default_model import default_model_path
 
     model_dir = default_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     questions = ("What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.")
-    prompts = [
-        list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=True
-            )["input_ids"]
-        )
-        for q in questions
-    ]
+    prompts = chat_prompts(model_dir, questions)
     expected, margins = transformers_greedy_margins(
         model_dir, tuple(map(tuple, prompts)), 24, bfloat16_products=True, bfloat16_kv=True
     )

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoTokenizer
 
 from asyncllm import Engine, SamplingParams
-from asyncllm.testing.parity import stream_all, transformers_greedy
+from asyncllm.testing.parity import chat_prompts, stream_all, transformers_greedy
 from asyncllm.testing.tiny_models import tiny_model_path
 from asyncllm.worker._model_runner import TorchModelRunner
 
@@ -86,15 +86,7 @@ def smollm2_dir() -> Path:
 # and every tiny-model parity test here runs on both backends.
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_default_model_matches_transformers(smollm2_dir: Path) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    prompts = [
-        list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=True
-            )["input_ids"]
-        )
-        for p in REAL_PROMPTS
-    ]
+    prompts = chat_prompts(smollm2_dir, REAL_PROMPTS)
     expected = transformers_greedy(smollm2_dir, tuple(map(tuple, prompts)), 32)
     async with Engine.open(device="cpu", kv_cache_blocks=256) as engine:
         got = await stream_all(engine, prompts, SamplingParams(temperature=0.0, max_tokens=32))

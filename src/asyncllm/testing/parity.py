@@ -9,7 +9,7 @@ engine's for the same prompts, gathered the same way by every family's test.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from functools import cache
 from pathlib import Path
@@ -21,7 +21,7 @@ import torch
 if TYPE_CHECKING:
     from asyncllm import Engine, SamplingParams
 
-__all__ = ["stream_all", "transformers_greedy", "transformers_greedy_margins"]
+__all__ = ["chat_prompts", "stream_all", "transformers_greedy", "transformers_greedy_margins"]
 
 
 def transformers_greedy(
@@ -116,6 +116,21 @@ def _keys_and_values_in_bfloat16(model: torch.nn.Module) -> Iterator[None]:
         family.apply_rotary_pos_emb = rotate
         for hook in hooks:
             hook.remove()
+
+
+def chat_prompts(model_dir: Path, questions: Sequence[str]) -> list[list[int]]:
+    """Each question as one user message through ``model_dir``'s chat template, with the generation prompt: the
+    token ids a chat request would send."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = []
+    for question in questions:
+        encoded: Any = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        prompts.append(list(encoded["input_ids"]))
+    return prompts
 
 
 async def stream_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
