@@ -48,7 +48,9 @@ from asyncllm.worker._graphs import DecodeGraphs, capture_sizes
 from asyncllm.worker._input_batch import InputBatch, StepInputs
 from asyncllm.worker._memory import (
     DEFAULT_CUDA_FRACTION,
+    PREFAULT_ROUND_BYTES,
     KVCacheSizing,
+    Prefault,
     cuda_memory,
     host_available_bytes,
     mapped_tensor,
@@ -110,12 +112,16 @@ class ForwardSwitches:
         greedy_head: With packed panels on a CPU with AMX or AVX512-BF16, greedy rows take their token from
             ``backends.cpu._greedy_head`` (the argmax of the float32 logits, exactly, without computing
             them all); False computes every row's logits (for comparisons).
+        prefault_kv_cache: On the CPU, fault in the whole KV cache on a background thread once it is
+            allocated (``worker._memory.Prefault``), so that steps do not pay for fresh pages; False
+            leaves pages to be faulted in on first use (for comparisons, and tests that measure memory).
     """
 
     fuse_projections: bool = True
     packed_gemm: bool | PackedFormat = True
     fused_norm: bool = True
     greedy_head: bool = True
+    prefault_kv_cache: bool = True
 
 
 class TorchModelRunner:
@@ -189,6 +195,8 @@ class TorchModelRunner:
         the graphs build their metadata with; ``attention_backend`` is then its name."""
         self.model: DecoderForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_prefault: Prefault | None = None
+        """On the CPU: the thread faulting in the serving KV cache (``ForwardSwitches.prefault_kv_cache``)."""
         self.sampler: Sampler | None = None
         self.input_batch = InputBatch(options.block_size, max_num_seqs=options.max_num_seqs)
         self.sliding_batch: InputBatch | None = None
@@ -366,7 +374,7 @@ class TorchModelRunner:
                 spec.sliding_window,
             )
         slots = num_blocks * self.block_size
-        self.kv_caches = self._allocate_kv_cache(num_blocks, sliding_blocks)
+        self.kv_caches = self._allocate_kv_cache(num_blocks, sliding_blocks, prefault=True)
         max_model_len = int(getattr(config, "max_position_embeddings", 2048))
         # Fresh rows (the sizing probe is gone), as wide as the longest table the cache can hold.
         longest = min(max_model_len, self.options.max_model_len or max_model_len, slots)
@@ -545,11 +553,12 @@ class TorchModelRunner:
         return spec.sliding_window is not None and spec.uniform_sliding_window is None
 
     def _allocate_kv_cache(
-        self, num_blocks: int, sliding_blocks: int | None = None
+        self, num_blocks: int, sliding_blocks: int | None = None, *, prefault: bool = False
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A KV cache of ``num_blocks`` blocks for this rank's KV heads (``sliding_blocks`` for the sliding
         layers of a hybrid model with a sliding group); rank 0 has the other ranks allocate theirs too
-        (every rank holds the same blocks, of its own heads)."""
+        (every rank holds the same blocks, of its own heads). With ``prefault`` (the serving cache, not the
+        sizing probe's), a CPU cache starts being faulted in (``kv_prefault``)."""
         assert self.model is not None
         if self.ranks is not None:
             from asyncllm.executor._ranks import AllocateMessage
@@ -557,6 +566,7 @@ class TorchModelRunner:
             self.ranks.send(AllocateMessage(num_blocks, sliding_blocks))
         spec = self.model.spec
         heads = (self.model.local_heads[1], spec.head_dim)
+        self._stop_kv_prefault()
         self.kv_caches = []  # the old cache goes before the new one is allocated
         caches = []
         for index in range(spec.num_layers):
@@ -567,15 +577,28 @@ class TorchModelRunner:
             draft, self.draft.kv_caches = self.draft.model, []
             shape = (num_blocks * self.block_size, draft.local_heads[1], draft.spec.head_dim)
             self.draft.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in range(draft.spec.num_layers)]
+        tensors = [t for pair in caches for t in pair]
+        if self.draft is not None:
+            tensors += [t for pair in self.draft.kv_caches for t in pair]
+        if prefault and tensors and self.device.type == "cpu" and self.switches.prefault_kv_cache:
+            widest = max(t.stride(0) * t.element_size() for t in tensors)
+            # Whole blocks per round, about one huge page of the widest tensor: rows come in block order.
+            rows = max(1, PREFAULT_ROUND_BYTES // widest // self.block_size) * self.block_size
+            self.kv_prefault = Prefault(tensors, rows)
         return caches
+
+    def _stop_kv_prefault(self) -> None:
+        if self.kv_prefault is not None:
+            self.kv_prefault.stop()
+            self.kv_prefault = None
 
     def _zeros(self, shape: tuple[int, int, int]) -> torch.Tensor:
         dtype = self.kv_dtype or self.dtype
         if self.device.type != "cpu":
             return torch.zeros(shape, device=self.device, dtype=dtype)
         # On the CPU each KV tensor gets its own anonymous mapping (huge pages where possible; see
-        # ``anonymous_mapping``): no memset of a large cache at start-up, resident memory grows
-        # with use, and dropping the tensor unmaps it.
+        # ``anonymous_mapping``): no memset of a large cache at start-up (``kv_prefault`` faults the
+        # serving cache in on its own thread), and dropping the tensor unmaps it.
         return mapped_tensor(shape[0] * shape[1] * shape[2], dtype).view(shape)
 
     def _size_kv_cache(self, model: DecoderForCausalLM, device: torch.device, dtype: torch.dtype) -> int:
@@ -1205,7 +1228,7 @@ class TorchModelRunner:
     def allocate(self, num_blocks: int, sliding_blocks: int | None = None) -> None:
         """Replace the KV cache by one of ``num_blocks`` blocks of this rank's KV heads (``sliding_blocks``
         for a hybrid model's sliding layers, which then read each step's sliding tables)."""
-        self.kv_caches = self._allocate_kv_cache(num_blocks, sliding_blocks)
+        self.kv_caches = self._allocate_kv_cache(num_blocks, sliding_blocks, prefault=True)
         self.sliding_batch = None
         if sliding_blocks is not None:
             self.sliding_batch = InputBatch(self.block_size, max_num_seqs=self.options.max_num_seqs)
@@ -1238,6 +1261,7 @@ class TorchModelRunner:
 
             with contextlib.suppress(WorkerDiedError, OSError):  # already gone: the engine ends it
                 self.ranks.send(StopMessage())
+        self._stop_kv_prefault()
         self._hidden = None
         self._tables = None
         self.collectives = None

@@ -1,0 +1,174 @@
+"""The CPU KV cache faulted in on a background thread (``worker._memory.Prefault``)."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncllm.worker import _memory
+from asyncllm.worker._memory import PAGE_BYTES, Prefault, mapped_tensor, prefault_ranges
+from asyncllm.worker._model_runner import TorchModelRunner
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
+
+THREAD = "asyncllm-kv-prefault"
+
+
+def _resident_pages(tensor: torch.Tensor) -> list[bool]:
+    """Per page of ``tensor``'s mapping: resident or not (``mincore(2)``)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    length = -(-tensor.numel() * tensor.element_size() // PAGE_BYTES) * PAGE_BYTES
+    flags = (ctypes.c_ubyte * (length // PAGE_BYTES))()
+    if libc.mincore(tensor.data_ptr(), length, flags) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return [bool(flag & 1) for flag in flags]
+
+
+def _kv_like(rows: int, row_elements: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return mapped_tensor(rows * row_elements, dtype).view(rows, row_elements)
+
+
+def _prefault_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == THREAD]
+
+
+def test_ranges_cover_every_page_in_row_order_across_tensors() -> None:
+    """Round r of every tensor before round r + 1 of any; each range page-aligned, inside its tensor's
+    pages; together they cover every byte."""
+    tensors = [_kv_like(1000, 96), _kv_like(1000, 40, torch.bfloat16), _kv_like(300, 96)]
+    rows = 64
+    ranges = list(prefault_ranges(tensors, rows))
+    owners = []
+    for address, length in ranges:
+        assert address % PAGE_BYTES == 0 and length % PAGE_BYTES == 0 and length > 0
+        owner = next(
+            i for i, t in enumerate(tensors) if t.data_ptr() <= address < t.data_ptr() + t.numel() * t.element_size()
+        )
+        tensor = tensors[owner]
+        mapped_end = tensor.data_ptr() + -(-tensor.numel() * tensor.element_size() // PAGE_BYTES) * PAGE_BYTES
+        assert address + length <= mapped_end
+        # The middle row: a range reaches less than a page into its neighbours, and every round here
+        # is at least a page long.
+        middle_row = (address + length // 2 - tensor.data_ptr()) // (tensor.stride(0) * tensor.element_size())
+        owners.append((owner, middle_row // rows))
+    # Rounds: 16 of 64 rows (the longest tensor has 1000); the short one drops out after its 5th.
+    rounds = [round_index for _, round_index in owners]
+    assert rounds == sorted(rounds)
+    assert [owner for owner, round_index in owners if round_index == 0] == [0, 1, 2]
+    assert len(ranges) == 16 + 16 + 5
+    for index, tensor in enumerate(tensors):
+        covered = set()
+        for (address, length), (owner, _) in zip(ranges, owners):
+            if owner == index:
+                first_page = (address - tensor.data_ptr()) // PAGE_BYTES
+                covered.update(range(first_page, first_page + length // PAGE_BYTES))
+        assert covered == set(range(len(_resident_pages(tensor))))
+    with pytest.raises(ValueError, match="rows_per_round"):
+        list(prefault_ranges(tensors, 0))
+
+
+def test_prefault_makes_every_page_resident_and_never_changes_contents() -> None:
+    """While the thread runs, another thread writes rows (as the forward does): every written value
+    survives, the rest stays zero, and every page ends resident."""
+    tensors = [_kv_like(4096, 512), _kv_like(4096, 512)]  # 8 MiB each
+    assert not all(_resident_pages(tensors[0]))
+    written = list(range(0, 4096, 7))
+
+    def write() -> None:
+        for row in written:
+            for tensor in tensors:
+                tensor[row] = float(row + 1)
+
+    writer = threading.Thread(target=write)
+    prefault = Prefault(tensors, rows_per_round=256)
+    writer.start()
+    writer.join()
+    assert prefault.wait()
+    assert prefault.completed
+    assert prefault.faulted_bytes >= sum(t.numel() * t.element_size() for t in tensors)
+    for tensor in tensors:
+        assert all(_resident_pages(tensor))
+        expected = torch.zeros(4096)
+        expected[written] = torch.tensor(written, dtype=torch.float32) + 1
+        assert torch.equal(tensor[:, 0], expected)
+        assert torch.equal(tensor, expected[:, None].expand_as(tensor))
+
+
+def test_stop_ends_and_joins_the_thread() -> None:
+    tensors = [_kv_like(1 << 16, 1024)]  # 256 MiB: many rounds
+    prefault = Prefault(tensors, rows_per_round=512)
+    prefault.stop()
+    assert not _prefault_threads()
+    assert prefault.wait(0)
+    if not prefault.completed:  # stopped part-way: the pages after it are left to be faulted in on use
+        assert prefault.faulted_bytes < tensors[0].numel() * tensors[0].element_size()
+
+
+@pytest.mark.parametrize(
+    ("code", "level", "message"),
+    [(errno.EINVAL, logging.DEBUG, "lacks MADV_POPULATE_WRITE"), (errno.ENOMEM, logging.WARNING, "stopped")],
+)
+def test_a_refusal_ends_the_thread_and_says_why(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, code: int, level: int, message: str
+) -> None:
+    """A kernel before 5.14 refuses the advice (EINVAL): said at debug level; running out of memory is a
+    warning. Either way the pages are left to be faulted in on use."""
+    calls: list[tuple[int, int, int]] = []
+
+    def refuse(address: int, length: int, advice: int) -> int:
+        calls.append((address, length, advice))
+        ctypes.set_errno(code)
+        return -1
+
+    monkeypatch.setattr(_memory, "_libc_madvise", lambda: refuse)
+    caplog.set_level(logging.DEBUG, logger="asyncllm")
+    prefault = Prefault([_kv_like(1024, 1024)], rows_per_round=64)
+    assert prefault.wait()
+    assert not prefault.completed and prefault.faulted_bytes == 0
+    assert len(calls) == 1 and calls[0][2] == _memory.MADV_POPULATE_WRITE
+    assert [r.levelno for r in caplog.records if message in r.getMessage()] == [level]
+
+
+def test_the_runner_prefaults_its_cpu_kv_cache_and_joins_at_close(tiny_llama: Path) -> None:
+    runner = TorchModelRunner(tiny_llama, device="cpu", kv_cache_blocks=512)
+    try:
+        runner.load()
+        assert runner.kv_prefault is not None
+        assert runner.kv_prefault.wait()
+        assert runner.kv_prefault.completed
+        for keys, values in runner.kv_caches:
+            assert all(_resident_pages(keys)) and all(_resident_pages(values))
+    finally:
+        runner.close()
+    assert runner.kv_prefault is None
+    assert not _prefault_threads()
+
+
+def test_the_switch_leaves_pages_to_first_use(tiny_llama: Path) -> None:
+    runner = TorchModelRunner(tiny_llama, device="cpu", kv_cache_blocks=512, prefault_kv_cache=False)
+    try:
+        runner.load()
+        assert runner.kv_prefault is None
+        keys = runner.kv_caches[0][0]
+        assert not all(_resident_pages(keys))
+    finally:
+        runner.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_closing_an_engine_joins_a_prefault_in_progress(tiny_llama: Path) -> None:
+    """An engine closed at once, while its 512 MiB cache is still being faulted in: the thread goes with it."""
+    from asyncllm import Engine
+
+    async with Engine.open(tiny_llama, device="cpu", kv_cache_memory=512 << 20):
+        pass
+    assert not _prefault_threads()
