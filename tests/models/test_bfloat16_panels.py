@@ -116,7 +116,7 @@ def test_runner_loads_bfloat16_weights_on_panels(tiny_cache: Path) -> None:
         model = runner.model
         assert model is not None and runner.bfloat16_weights
         assert runner.dtype == torch.float32 and runner.attention_backend == "cpu"
-        assert model.lean is not None and model.greedy_head is None
+        assert model.lean is not None and isinstance(model.greedy_head, gemm_cpu.PanelArgmaxHead)
         layers = [m for m in model.modules() if isinstance(m, Linear)]
         assert runner.num_packed_layers == len(layers) == 4 * model.spec.num_layers + 1
         assert all(m.panel_weight is not None and m.panel_weight.dtype == torch.bfloat16 for m in layers)
@@ -127,6 +127,78 @@ def test_runner_loads_bfloat16_weights_on_panels(tiny_cache: Path) -> None:
         assert "bfloat16 weights and KV cache, float32 activations" in info.description
         assert runner.kv_dtype == torch.bfloat16
         assert all(cache.dtype == torch.bfloat16 for pair in runner.kv_caches for cache in pair)
+    finally:
+        runner.close()
+
+
+@pytest.mark.parametrize("bfloat16", [True, False])
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 33, 257])
+@pytest.mark.parametrize(("out_features", "valid"), [(96, 96), (1000, 1000), (1000, 990), (49, 3)])
+def test_panel_argmax_is_the_argmax_of_the_panel_outputs(
+    bfloat16: bool, rows: int, out_features: int, valid: int
+) -> None:
+    """The fused argmax (nothing stored) gives ``linear(x)[:, :valid].argmax(-1)`` of the same panels: padding
+    columns past ``valid`` never count, even where they would win."""
+    if not (gemm_cpu.bfloat16_available() if bfloat16 else gemm_cpu.available()):
+        pytest.skip("needs the panel GEMM (AVX-512; AVX512-BF16 for bfloat16)")
+    generator = torch.Generator().manual_seed(rows * out_features + valid)
+    weight = torch.randn(out_features, 40, generator=generator)
+    weight[valid:] *= 100  # padding that would win if it counted
+    panels = gemm_cpu.PanelWeight(weight, bfloat16=bfloat16)
+    x = torch.randn(rows, 40, generator=generator)
+    expected = panels.linear(x)[:, :valid].argmax(-1)
+    assert torch.equal(panels.argmax(x, valid), expected)
+    assert torch.equal(gemm_cpu.PanelArgmaxHead(panels.buffer, out_features, valid).argmax(x), expected)
+
+
+@pytest.mark.parametrize("bfloat16", [True, False])
+def test_panel_argmax_takes_the_first_of_equal_values_and_leaves_nan_rows(bfloat16: bool) -> None:
+    """Ties go to the first column, within a panel and across panels (as torch.argmax); -0 equals +0; an
+    infinite output wins; a row with a NaN output comes back -1 (the logits path decides it)."""
+    if not (gemm_cpu.bfloat16_available() if bfloat16 else gemm_cpu.available()):
+        pytest.skip("needs the panel GEMM (AVX-512; AVX512-BF16 for bfloat16)")
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(200, 16, generator=generator) * 0.01
+    best = torch.ones(16)
+    for column in (150, 7, 20, 100):  # equal winners: within panel 0, and in panels 2 and 3
+        weight[column] = best
+    panels = gemm_cpu.PanelWeight(weight, bfloat16=bfloat16)
+    x = torch.ones(5, 16)
+    x[1] *= 1e38  # outputs overflow to +inf in the winners (and to +-inf elsewhere): the first +inf wins
+    x[2] = 0.0  # every output +0 or -0 (all equal): column 0
+    x[3, 4] = float("nan")
+    x[4] = -x[4]  # the winners are now the smallest
+    tokens = panels.argmax(x)
+    logits = panels.linear(x)
+    assert tokens[0] == 7 == logits[0].argmax()
+    assert tokens[1] == 7 == logits[1].argmax()
+    assert tokens[2] == 0 == logits[2].argmax()
+    assert tokens[3] == -1 and bool(logits[3].isnan().any())
+    assert tokens[4] == logits[4].argmax()
+    with pytest.raises(ValueError, match="valid"):
+        panels.argmax(x, 0)
+    with pytest.raises(ValueError, match="input"):
+        panels.argmax(x[:, :8])
+
+
+@needs_bfloat16_panels
+def test_bfloat16_greedy_head_gives_the_argmax_of_the_logits(tiny_cache: Path) -> None:
+    """Beside bfloat16 panels the greedy head is the output projection's fused argmax: for any hidden states,
+    the argmax of the model's logits; ``greedy_head=False`` leaves every row to the logits."""
+    model_dir = tiny_model_path(tiny_cache, "llama")
+    runner = TorchModelRunner(model_dir, device="cpu", dtype="bfloat16", kv_cache_blocks=8)
+    runner.load()
+    try:
+        model = runner.model
+        assert model is not None and model.greedy_head is not None
+        hidden = torch.randn(70, model.spec.hidden_size, generator=torch.Generator().manual_seed(0)) * 3
+        assert torch.equal(model.greedy_head.argmax(hidden), model.logits(hidden).argmax(-1))
+    finally:
+        runner.close()
+    runner = TorchModelRunner(model_dir, device="cpu", dtype="bfloat16", kv_cache_blocks=8, greedy_head=False)
+    runner.load()
+    try:
+        assert runner.model is not None and runner.model.greedy_head is None
     finally:
         runner.close()
 

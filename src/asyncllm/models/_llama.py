@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.backends import AttentionBackend, TorchAttentionBackend
+from asyncllm.backends.cpu import _gemm as gemm_cpu
 from asyncllm.backends.cpu import _greedy_head as greedy_head_cpu
 from asyncllm.backends.cpu import _lean_forward as lean_cpu
 from asyncllm.models._linear import Linear, PackedFormat, best_packed_format
@@ -724,9 +725,11 @@ class DecoderForCausalLM(nn.Module):
         """With fused norms on a backend that ``runs_lean_forward`` (cpu), run ``lean`` (when built)
         instead of the modules: the same bits, less Python per layer. False runs the modules (for A/B
         comparisons and tests)."""
-        self.greedy_head: greedy_head_cpu.GreedyHead | None = None
-        """Greedy tokens without the full logits (``backends.cpu._greedy_head``), built by ``pack_weights``
-        where it applies; the same tokens as the argmax of ``logits``. None: the logits decide."""
+        self.greedy_head: greedy_head_cpu.GreedyHead | gemm_cpu.PanelArgmaxHead | None = None
+        """Greedy tokens without the full logits, built by ``pack_weights`` where it applies: float32's bounded
+        head (``backends.cpu._greedy_head``), or beside bfloat16 panels the argmax fused into the output
+        projection (``gemm_cpu.PanelArgmaxHead``); the same tokens as the argmax of ``logits``. None: the logits
+        decide."""
 
     @property
     def backend(self) -> AttentionBackend[Any]:
@@ -909,8 +912,10 @@ class DecoderForCausalLM(nn.Module):
         packs its linear layers but builds neither ``lean`` nor ``greedy_head``.
         With ``bfloat16`` (a model loaded in bfloat16 or float32) every layer, the output projection included,
         goes to bfloat16 panels (``Linear.pack``; ``packed_format`` must be None or "panels"), every other
-        parameter to float32 (the model then computes in float32 but for its matmuls' products), and no greedy
-        head is built: every row's logits come from the same bfloat16 products, which are cheap already.
+        parameter to float32 (the model then computes in float32 but for its matmuls' products), and with
+        ``greedy_head`` the greedy rows' argmax is fused into the output projection's panels
+        (``gemm_cpu.PanelArgmaxHead``; float32's bounded head would save little over products this cheap,
+        but the [rows, vocab] logits' writing and reading is saved).
         Returns the number of layers packed (0 where unavailable).
         """
         linears = [m for m in self.modules() if isinstance(m, Linear)]
@@ -921,6 +926,7 @@ class DecoderForCausalLM(nn.Module):
                 shared = linear is self.lm_head and self.spec.tie_word_embeddings
                 packed += linear.pack(release=not shared, packed_format=packed_format, bfloat16=True)
             self._rest_to_float32()
+            self.greedy_head = self._panel_argmax_head() if greedy_head else None
         else:
             packed = self._pack_float32(linears, packed_format, greedy_head)
         # The lean forward and the greedy head assume a whole Llama layer and a whole output projection:
@@ -930,6 +936,18 @@ class DecoderForCausalLM(nn.Module):
             self.greedy_head = None
         self.lean = lean_cpu.LeanCpuForward.for_model(self) if packed and whole else None
         return packed
+
+    def _panel_argmax_head(self) -> gemm_cpu.PanelArgmaxHead | None:
+        """Greedy rows' argmax fused into the output projection's panels, where its logits are those panels'
+        outputs alone: no bias, soft-cap or scaling between them (a monotonic map can still round distinct
+        logits to one value, whose first column the logits' argmax would then take)."""
+        head = self.lm_head
+        if head.panel_weight is None or head.bias is not None or self.spec.final_softcap is not None:
+            return None
+        if self.spec.logits_scaling != 1.0:
+            return None
+        valid = min(self.spec.vocab_size, head.out_features)
+        return gemm_cpu.PanelArgmaxHead(head.panel_weight, head.out_features, valid)
 
     def _rest_to_float32(self) -> None:
         """Make every bfloat16 parameter left (norms, biases, embeddings, beside bfloat16 panels) float32: the

@@ -111,7 +111,9 @@ class ForwardSwitches:
             (``DecoderForCausalLM.fused_norm``). False keeps torch's element-wise ops (for comparisons).
         greedy_head: With packed panels on a CPU with AMX or AVX512-BF16, greedy rows take their token from
             ``backends.cpu._greedy_head`` (the argmax of the float32 logits, exactly, without computing
-            them all); False computes every row's logits (for comparisons).
+            them all); beside bfloat16 panels, from the output projection's GEMM with the argmax fused in
+            (``gemm_cpu.PanelArgmaxHead``: no logits stored). False computes every row's logits (for
+            comparisons).
         prefault_kv_cache: On the CPU, fault in the whole KV cache on a background thread once it is
             allocated (``worker._memory.Prefault``), so that steps do not pay for fresh pages; False
             leaves pages to be faulted in on first use (for comparisons, and tests that measure memory).

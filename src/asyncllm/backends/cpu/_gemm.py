@@ -51,6 +51,7 @@ from asyncllm.worker._memory import mapped_tensor
 __all__ = [
     "PANEL_COLUMNS",
     "MatmulInto",
+    "PanelArgmaxHead",
     "PanelWeight",
     "available",
     "bfloat16_available",
@@ -58,6 +59,7 @@ __all__ = [
     "check_input",
     "matmul_with",
     "packing_source",
+    "panel_argmax",
     "panel_matmul",
     "panel_matmul_into",
 ]
@@ -67,6 +69,7 @@ PANEL_COLUMNS = 48
 
 _SOURCE = r"""
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -98,12 +101,58 @@ static inline __attribute__((always_inline)) void store_block(__m512 acc[ROWS][V
     }
 }
 
+/* Greedy rows need only each row's largest output: the micro-kernels can reduce their block to that
+   instead of storing it (no [rows, out_features] logits written, then read again by an argmax). */
+typedef struct {
+    float *values;     /* [rows, stride]: per row and panel, the largest output (NaN if any output was NaN) */
+    int32_t *indices;  /* [rows, stride]: the first column holding it; -1 where no column of the panel counts */
+    int64_t stride;    /* the panel count */
+    int64_t valid;     /* columns from this one on do not count (padding past a vocabulary) */
+} argmax_target;
+
+/* Per row r < rows of a panel whose first column is first_column: the largest of its outputs in columns below
+   target->valid, and the first column holding it, with NaN reported as the value. Equal values (+0 and -0
+   included) go to the first column, as torch.argmax gives. */
+static inline __attribute__((always_inline)) void argmax_block(__m512 acc[ROWS][VECTORS],
+        const argmax_target *target, int64_t row0, int64_t panel, int64_t first_column, int64_t columns,
+        const int rows) {
+    const int64_t counted = target->valid - first_column < columns ? target->valid - first_column : columns;
+    __mmask16 masks[VECTORS];
+    for (int v = 0; v < VECTORS; ++v) {
+        const int64_t left = counted - 16 * v;
+        masks[v] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+    }
+    for (int r = 0; r < rows; ++r) {
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        __mmask16 unordered = 0;
+        for (int v = 0; v < VECTORS; ++v) {
+            unordered |= _mm512_mask_cmp_ps_mask(masks[v], acc[r][v], acc[r][v], _CMP_UNORD_Q);
+            top = _mm512_mask_max_ps(top, masks[v], top, acc[r][v]);
+        }
+        const float best = _mm512_reduce_max_ps(top);
+        int32_t index = -1;
+        for (int v = 0; v < VECTORS && index < 0; ++v) {
+            const unsigned hit = _mm512_mask_cmp_ps_mask(masks[v], acc[r][v], _mm512_set1_ps(best), _CMP_EQ_OQ);
+            if (hit) index = (int32_t)(first_column + 16 * v + __builtin_ctz(hit));
+        }
+        const int64_t at = (row0 + r) * target->stride + panel;
+        target->values[at] = unordered ? NAN : best;
+        target->indices[at] = index;
+    }
+}
+
+/* A block's outputs: stored, or with a target reduced to each row's largest (argmax_block). */
+#define FINISH_BLOCK(acc, out, out_stride, columns, rows) do { \
+        if (target) argmax_block(acc, target, row0, panel_index, panel_index * COLUMNS, columns, rows); \
+        else store_block(acc, out, out_stride, columns, rows); } while (0)
+
 /* out[r, 0:columns] = x[r, :] . panel for r < rows. While computing, prefetch `lines` cache lines from
    `ahead` into L2, evenly: `rate` lines per `in_features` input columns, a running remainder carrying the
    fractions, so the fetches neither bunch up nor leave the end of the block without any. */
 static inline __attribute__((always_inline)) void micro(const float *restrict x, int64_t x_stride,
         const float *restrict panel, float *restrict out, int64_t out_stride, int64_t in_features, int64_t columns,
-        const int rows, const char *restrict ahead, int64_t lines, int64_t rate) {
+        const int rows, const char *restrict ahead, int64_t lines, int64_t rate, const argmax_target *target,
+        int64_t row0, int64_t panel_index) {
     __m512 acc[ROWS][VECTORS];
     int64_t owed = in_features - 1; /* in units of 1 / in_features lines; the first line goes at once */
     for (int r = 0; r < rows; ++r)
@@ -120,7 +169,7 @@ static inline __attribute__((always_inline)) void micro(const float *restrict x,
             for (int v = 0; v < VECTORS; ++v) acc[r][v] = _mm512_fmadd_ps(a, w[v], acc[r][v]);
         }
     }
-    store_block(acc, out, out_stride, columns, rows);
+    FINISH_BLOCK(acc, out, out_stride, columns, rows);
 }
 
 #ifdef __AVX512BF16__
@@ -164,7 +213,8 @@ void asyncllm_panel_pack_bf16_from_bf16(const uint16_t *weight, uint16_t *panels
    instruction per vector (two products added to each float32 sum). `x` holds the rows' pairs, `pairs` each. */
 static inline __attribute__((always_inline)) void micro_bf16(const uint32_t *restrict x, int64_t pairs,
         const uint16_t *restrict panel, float *restrict out, int64_t out_stride, int64_t columns,
-        const int rows, const char *restrict ahead, int64_t lines, int64_t rate) {
+        const int rows, const char *restrict ahead, int64_t lines, int64_t rate, const argmax_target *target,
+        int64_t row0, int64_t panel_index) {
     __m512 acc[ROWS][VECTORS];
     int64_t owed = pairs - 1;
     for (int r = 0; r < rows; ++r)
@@ -181,7 +231,7 @@ static inline __attribute__((always_inline)) void micro_bf16(const uint32_t *res
             for (int v = 0; v < VECTORS; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, w[v]);
         }
     }
-    store_block(acc, out, out_stride, columns, rows);
+    FINISH_BLOCK(acc, out, out_stride, columns, rows);
 }
 
 /* Rows first..last of x to bfloat16 (round to nearest even), each padded with a zero to whole pairs. */
@@ -198,11 +248,11 @@ static void round_rows(const float *x, int64_t x_stride, int64_t first, int64_t 
     }
 }
 #define MICRO_BF16(n) micro_bf16(rounded + (r0 - first) * steps, steps, (const uint16_t *)panel, o, out_stride, \
-                                 columns, n, ahead, lines, lines_per_block)
+                                 columns, n, ahead, lines, lines_per_block, target, r0, p)
 #endif
 
 #define MICRO(n) micro((const float *)x + r0 * x_stride, x_stride, (const float *)panel, o, out_stride, steps, \
-                       columns, n, ahead, lines, lines_per_block)
+                       columns, n, ahead, lines, lines_per_block, target, r0, p)
 
 /* A constant row count per call, so that the accumulators stay in registers. */
 #define BY_ROWS(CALL) switch (last - r0 < ROWS ? last - r0 : ROWS) { \
@@ -215,7 +265,8 @@ static void round_rows(const float *x, int64_t x_stride, int64_t first, int64_t 
    A panel is `steps` steps of 192 bytes: 48 floats per input, or 48 bfloat16 pairs per input pair. Returns 0
    if the bfloat16 rows' scratch cannot be allocated. */
 static inline __attribute__((always_inline)) int panel_matmul(const float *x, int64_t x_stride, const char *panels,
-        float *out, int64_t out_stride, int64_t rows, int64_t out_features, int64_t in_features, const int bf16) {
+        float *out, int64_t out_stride, int64_t rows, int64_t out_features, int64_t in_features, const int bf16,
+        const argmax_target *target) {
     const int64_t count = (out_features + COLUMNS - 1) / COLUMNS, steps = bf16 ? (in_features + 1) / 2 : in_features;
     const int64_t panel_bytes = steps * COLUMNS * 4, panel_lines = panel_bytes / LINE;
     uint32_t *rounded = NULL;
@@ -243,7 +294,7 @@ static inline __attribute__((always_inline)) int panel_matmul(const float *x, in
                     const int64_t lines = !has_next || done >= panel_lines ? 0
                         : (lines_per_block < panel_lines - done ? lines_per_block : panel_lines - done);
                     const char *ahead = panel + panel_bytes + LINE * done;
-                    float *o = out + r0 * out_stride + p * COLUMNS;
+                    float *o = target ? NULL : out + r0 * out_stride + p * COLUMNS;
 #ifdef __AVX512BF16__
                     if (bf16) { BY_ROWS(MICRO_BF16) continue; }
 #endif
@@ -258,13 +309,56 @@ static inline __attribute__((always_inline)) int panel_matmul(const float *x, in
 
 void asyncllm_panel_matmul(const float *x, int64_t x_stride, const float *panels, float *out, int64_t out_stride,
                            int64_t rows, int64_t out_features, int64_t in_features) {
-    panel_matmul(x, x_stride, (const char *)panels, out, out_stride, rows, out_features, in_features, 0);
+    panel_matmul(x, x_stride, (const char *)panels, out, out_stride, rows, out_features, in_features, 0, NULL);
+}
+
+/* tokens[r] = the first column below `valid` where x[r] . weight.T is largest (what torch.argmax of the GEMM's
+   outputs gives), or -1 where an output of the row is NaN; the outputs themselves are never stored. Returns 0
+   if scratch memory ran out. */
+static int panel_argmax(const float *x, int64_t x_stride, const char *panels, int64_t *tokens, int64_t rows,
+                        int64_t out_features, int64_t in_features, int64_t valid, const int bf16) {
+    const int64_t count = (out_features + COLUMNS - 1) / COLUMNS;
+    argmax_target target = {malloc((size_t)(rows * count) * sizeof(float)),
+                            malloc((size_t)(rows * count) * sizeof(int32_t)), count, valid};
+    int ok = target.values && target.indices
+        && panel_matmul(x, x_stride, panels, NULL, 0, rows, out_features, in_features, bf16, &target);
+    for (int64_t r = 0; ok && r < rows; ++r) {
+        const float *values = target.values + r * count;
+        const int32_t *indices = target.indices + r * count;
+        float best = -INFINITY;
+        int64_t token = -1;
+        for (int64_t p = 0; p < count; ++p) {
+            if (isnan(values[p])) {
+                token = -1;
+                break;
+            }
+            /* Strictly larger: among equal values the earlier panel's column stays. */
+            if (indices[p] >= 0 && (token < 0 || values[p] > best)) {
+                best = values[p];
+                token = indices[p];
+            }
+        }
+        tokens[r] = token;
+    }
+    free(target.values);
+    free(target.indices);
+    return ok;
+}
+
+int asyncllm_panel_argmax(const float *x, int64_t x_stride, const float *panels, int64_t *tokens, int64_t rows,
+                          int64_t out_features, int64_t in_features, int64_t valid) {
+    return panel_argmax(x, x_stride, (const char *)panels, tokens, rows, out_features, in_features, valid, 0);
 }
 
 #ifdef __AVX512BF16__
 int asyncllm_panel_matmul_bf16(const float *x, int64_t x_stride, const uint16_t *panels, float *out,
                                int64_t out_stride, int64_t rows, int64_t out_features, int64_t in_features) {
-    return panel_matmul(x, x_stride, (const char *)panels, out, out_stride, rows, out_features, in_features, 1);
+    return panel_matmul(x, x_stride, (const char *)panels, out, out_stride, rows, out_features, in_features, 1, NULL);
+}
+
+int asyncllm_panel_argmax_bf16(const float *x, int64_t x_stride, const uint16_t *panels, int64_t *tokens,
+                               int64_t rows, int64_t out_features, int64_t in_features, int64_t valid) {
+    return panel_argmax(x, x_stride, (const char *)panels, tokens, rows, out_features, in_features, valid, 1);
 }
 #endif
 """
@@ -279,11 +373,13 @@ def _has_avx512() -> bool:
 _SIGNATURES: native.Signatures = {
     "asyncllm_panel_pack": ([PTR, PTR, I64, I64], None),
     "asyncllm_panel_matmul": ([PTR, I64, PTR, PTR, I64, I64, I64, I64], None),
+    "asyncllm_panel_argmax": ([PTR, I64, PTR, PTR, I64, I64, I64, I64], ctypes.c_int),
 }
 _BFLOAT16_SIGNATURES: native.Signatures = {
     "asyncllm_panel_pack_bf16": ([PTR, PTR, I64, I64], None),
     "asyncllm_panel_pack_bf16_from_bf16": ([PTR, PTR, I64, I64], None),
     "asyncllm_panel_matmul_bf16": ([PTR, I64, PTR, PTR, I64, I64, I64, I64], ctypes.c_int),
+    "asyncllm_panel_argmax_bf16": ([PTR, I64, PTR, PTR, I64, I64, I64, I64], ctypes.c_int),
 }
 
 
@@ -390,6 +486,71 @@ class PanelWeight:
         """``F.linear(x, weight, bias)`` from the panels; ``x`` is [..., in_features] float32."""
         check_input(x, self.in_features)
         return panel_matmul(x, self.buffer, bias, self.out_features)
+
+    def argmax(self, x: torch.Tensor, valid: int | None = None) -> torch.Tensor:
+        """``panel_argmax`` of ``x`` over these panels: ``linear(x)[:, :valid].argmax(-1)``, outputs never stored."""
+        return panel_argmax(x, self.buffer, self.out_features, self.out_features if valid is None else valid)
+
+
+class PanelArgmaxHead:
+    """Greedy tokens from an output projection on panels, its argmax fused into the GEMM (``panel_argmax``).
+
+    A greedy row needs only its largest logit's column: the [rows, vocab] logits are never written, nor
+    read again by an argmax. The same panels compute the logits of every other row, so the token equals
+    the argmax of the row's logits exactly. The model's ``greedy_head`` where the output projection runs on
+    bfloat16 panels (its float32 panels have ``_greedy_head``'s cheaper bound).
+
+    Args:
+        panels: The output projection's ``PanelWeight`` buffer (float32 or bfloat16).
+        out_features: Its output columns.
+        valid: Columns that count (the vocabulary; beyond it, padding).
+    """
+
+    def __init__(self, panels: torch.Tensor, out_features: int, valid: int) -> None:
+        self.panels, self.out_features, self.valid = panels, out_features, valid
+
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows] int64 tokens for [rows, hidden] float32 states; -1 in a row with a NaN logit (the caller's
+        logits path decides it, as torch would)."""
+        return panel_argmax(hidden, self.panels, self.out_features, self.valid)
+
+
+def panel_argmax(x: torch.Tensor, panels: torch.Tensor, out_features: int, valid: int) -> torch.Tensor:
+    """[rows] int64: per row of ``x`` ([rows, in_features] float32), the first of the columns below ``valid`` where
+    ``x @ weight.T`` (``weight`` packed into ``panels`` by ``PanelWeight``) is largest, as torch.argmax of the
+    panel GEMM's outputs gives, without storing them; -1 in a row with a NaN output (torch would return the
+    NaN's column).
+
+    Raises:
+        ValueError: ``x`` is not [rows, in_features] float32 on the CPU, or ``valid`` is out of range.
+        MemoryError: The call's scratch memory could not be allocated.
+    """
+    bfloat16 = panels.dtype == torch.bfloat16
+    in_features = x.shape[-1]
+    steps = 2 * -(-in_features // 2) if bfloat16 else in_features  # bfloat16 panels hold whole input pairs
+    if panels.numel() != -(-out_features // PANEL_COLUMNS) * PANEL_COLUMNS * steps:
+        raise ValueError(
+            f"input of width {in_features} does not fit these panels ({panels.numel()} values, {out_features} outputs)"
+        )
+    check_input(x, in_features)
+    if x.dim() != 2:
+        raise ValueError(f"expected [rows, {in_features}] input, got {tuple(x.shape)}")
+    if not 0 < valid <= out_features:
+        raise ValueError(f"valid must be in [1, {out_features}], got {valid}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows = x.shape[0]
+    tokens = torch.empty(rows, dtype=torch.int64)
+    if rows == 0:
+        return tokens
+    library = _bfloat16_library() if bfloat16 else _library()
+    if library is None:  # panels exist only where the kernel does
+        raise RuntimeError("the panel GEMM is unavailable here")
+    argmax = library.asyncllm_panel_argmax_bf16 if bfloat16 else library.asyncllm_panel_argmax
+    ok = argmax(x.data_ptr(), x.stride(0), panels.data_ptr(), tokens.data_ptr(), rows, out_features, in_features, valid)
+    if not ok:
+        raise MemoryError(f"no memory for the argmax of {rows} rows")
+    return tokens
 
 
 MatmulInto = Callable[[int, int, int, int, int, int, int, int], None]
