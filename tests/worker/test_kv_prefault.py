@@ -5,8 +5,11 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
+import os
 import sys
 import threading
+import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -81,9 +84,12 @@ def test_prefault_makes_every_page_resident_and_never_changes_contents() -> None
     tensors = [_kv_like(4096, 512), _kv_like(4096, 512)]  # 8 MiB each
     assert not all(_resident_pages(tensors[0]))
     written = list(range(0, 4096, 7))
+    for row in written[::2]:  # some rows before the thread starts: whatever order the threads run in
+        for tensor in tensors:
+            tensor[row] = float(row + 1)
 
     def write() -> None:
-        for row in written:
+        for row in written[1::2]:
             for tensor in tensors:
                 tensor[row] = float(row + 1)
 
@@ -169,6 +175,60 @@ async def test_closing_an_engine_joins_a_prefault_in_progress(tiny_llama: Path) 
     """An engine closed at once, while its 512 MiB cache is still being faulted in: the thread goes with it."""
     from asyncllm import Engine
 
-    async with Engine.open(tiny_llama, device="cpu", kv_cache_memory=512 << 20):
-        pass
+    async with Engine.open(tiny_llama, device="cpu", kv_cache_memory=512 << 20) as engine:
+        assert engine._core is not None and getattr(engine._core.runner, "kv_prefault", None) is not None
     assert not _prefault_threads()
+
+
+def test_off_linux_the_thread_renices_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only Linux sets one thread's niceness through ``setpriority(PRIO_PROCESS, tid)``: elsewhere a thread id
+    is no process id (on macOS it could name another process of the user), so nothing is reniced there."""
+    calls: list[tuple[int, ...]] = []
+    monkeypatch.setattr(sys, "platform", "darwin")
+    monkeypatch.setattr(os, "setpriority", lambda *args: calls.append(args))
+    prefault = Prefault([_kv_like(64, 1024)], rows_per_round=16)
+    assert prefault.wait()
+    assert calls == []
+    assert not prefault.completed and prefault.faulted_bytes == 0
+
+
+def test_an_ended_thread_holds_no_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused (or stopped) part-way, the thread lets go of the tensors even while its ``Prefault`` is kept."""
+
+    def refuse(address: int, length: int, advice: int) -> int:
+        ctypes.set_errno(errno.EINVAL)
+        return -1
+
+    monkeypatch.setattr(_memory, "_libc_madvise", lambda: refuse)
+    tensor = _kv_like(1024, 1024)
+    ref = weakref.ref(tensor)
+    prefault = Prefault([tensor], rows_per_round=64)
+    assert prefault.wait()
+    del tensor
+    assert ref() is None
+    assert prefault is not None  # still referenced
+
+
+def test_a_load_that_fails_after_allocating_stops_the_prefault(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine never closes a runner whose load raised: the load itself stops the thread it started."""
+    from asyncllm.worker import _compile
+
+    def slow(address: int, length: int, advice: int) -> int:
+        time.sleep(0.05)  # the thread is still running when the load fails
+        return 0
+
+    def fail(model: object) -> float:
+        raise RuntimeError("no C compiler")
+
+    monkeypatch.setattr(_memory, "_libc_madvise", lambda: slow)
+    monkeypatch.setattr(_compile, "compile_dense_parts", fail)
+    runner = TorchModelRunner(tiny_llama, device="cpu", attention_backend="torch", compile=True, kv_cache_blocks=4096)
+    try:
+        with pytest.raises(RuntimeError, match="no C compiler"):
+            runner.load()
+        assert runner.kv_prefault is None
+        assert not _prefault_threads()
+    finally:
+        runner.close()

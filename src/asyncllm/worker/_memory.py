@@ -148,12 +148,14 @@ class Prefault:
         self._thread.start()
 
     def _run(self) -> None:
-        with contextlib.suppress(OSError, AttributeError):  # lower priority where the platform has it
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREFAULT_NICENESS)
-        madvise = _libc_madvise()
-        if madvise is None:
-            return
         try:
+            madvise = _libc_madvise()
+            if madvise is None:
+                return
+            # Only Linux gives each thread a niceness of its own, set through its id; elsewhere a thread id
+            # is no process id (on macOS it could even be another process's), so nothing is reniced there.
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREFAULT_NICENESS)
             for address, length in self._ranges:
                 if self._stopping.is_set():
                     return
@@ -167,7 +169,8 @@ class Prefault:
                 self.faulted_bytes += length
             self.completed = True
         finally:
-            self._tensors = []
+            # The suspended generator holds the tensors too (stopped or refused part-way): both go.
+            self._tensors, self._ranges = [], iter(())
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the thread has ended (or ``timeout`` seconds); True when it has."""

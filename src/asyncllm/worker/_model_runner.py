@@ -331,12 +331,14 @@ class TorchModelRunner:
         Raises:
             WorkerDiedError: Another rank exited during the load.
         """
-        if self.ranks is None:
-            return self._load()
         try:
             return self._load()
-        except RuntimeError as exc:  # a collective or pipe that failed: say which rank died, if one did
-            failure = self.ranks.explain(exc)
+        except BaseException as exc:
+            # The engine never closes a runner whose load failed: a prefault started with the cache ends here.
+            self._stop_kv_prefault()
+            if self.ranks is None or not isinstance(exc, RuntimeError):
+                raise
+            failure = self.ranks.explain(exc)  # a collective or pipe that failed: say which rank died, if one did
             if failure is exc:
                 raise
             raise failure from exc
