@@ -170,7 +170,7 @@ def test_speculation_sizes_the_cache_for_its_verification_rows(tiny_cache: Path)
     for method in (None, "ngram", "draft_model"):
         draft = {"speculative_model": str(model)} if method == "draft_model" else {}
         runner = TorchModelRunner(  # no prefault: its thread's pages would count in the step's peak
-            model, device="cpu", kv_cache_memory=64 << 20, speculative_method=method, prefault_kv_cache=False,
+            model, device="cpu", kv_cache_memory=64 << 20, speculative_method=method, kv_cache_prefault=False,
             **options, **draft,
         )
         try:

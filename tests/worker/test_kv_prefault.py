@@ -8,7 +8,6 @@ import logging
 import os
 import sys
 import threading
-import time
 import weakref
 from pathlib import Path
 
@@ -159,7 +158,7 @@ def test_the_runner_prefaults_its_cpu_kv_cache_and_joins_at_close(tiny_llama: Pa
 
 
 def test_the_switch_leaves_pages_to_first_use(tiny_llama: Path) -> None:
-    runner = TorchModelRunner(tiny_llama, device="cpu", kv_cache_blocks=512, prefault_kv_cache=False)
+    runner = TorchModelRunner(tiny_llama, device="cpu", kv_cache_blocks=512, kv_cache_prefault=False)
     try:
         runner.load()
         assert runner.kv_prefault is None
@@ -212,17 +211,35 @@ def test_an_ended_thread_holds_no_tensor(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_a_load_that_fails_after_allocating_stops_the_prefault(
     tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The engine never closes a runner whose load raised: the load itself stops the thread it started."""
+    """The engine never closes a runner whose load raised: the load itself stops the thread it started, while
+    that thread is still inside its first range (held there until ``stop()`` is called)."""
     from asyncllm.worker import _compile
 
-    def slow(address: int, length: int, advice: int) -> int:
-        time.sleep(0.05)  # the thread is still running when the load fails
+    entered, release = threading.Event(), threading.Event()
+    started: list[Prefault] = []
+
+    def held(address: int, length: int, advice: int) -> int:
+        entered.set()
+        release.wait()
         return 0
 
+    original_init, original_stop = Prefault.__init__, Prefault.stop
+
+    def recording_init(self: Prefault, *args: object, **kwargs: object) -> None:
+        started.append(self)
+        original_init(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    def releasing_stop(self: Prefault) -> None:
+        release.set()
+        original_stop(self)
+
     def fail(model: object) -> float:
+        assert entered.wait(timeout=60)  # the prefault is running when the load fails
         raise RuntimeError("no C compiler")
 
-    monkeypatch.setattr(_memory, "_libc_madvise", lambda: slow)
+    monkeypatch.setattr(_memory, "_libc_madvise", lambda: held)
+    monkeypatch.setattr(Prefault, "__init__", recording_init)
+    monkeypatch.setattr(Prefault, "stop", releasing_stop)
     monkeypatch.setattr(_compile, "compile_dense_parts", fail)
     runner = TorchModelRunner(tiny_llama, device="cpu", attention_backend="torch", compile=True, kv_cache_blocks=4096)
     try:
@@ -230,5 +247,59 @@ def test_a_load_that_fails_after_allocating_stops_the_prefault(
             runner.load()
         assert runner.kv_prefault is None
         assert not _prefault_threads()
+        assert len(started) == 1 and not started[0].completed  # stopped part-way, not run to the end
     finally:
         runner.close()
+
+
+def test_the_prefault_stops_while_too_little_memory_would_be_left(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cache planned larger than what is free now stays partly unfaulted rather than pushing out the rest."""
+    monkeypatch.setattr(_memory, "host_available_bytes", lambda: _memory.PREFAULT_RESERVE_BYTES + (1 << 20))
+    caplog.set_level(logging.WARNING, logger="asyncllm")
+    tensor = _kv_like(4096, 1024)  # 16 MiB, one range per round of 1024 rows (4 MiB)
+    prefault = Prefault([tensor], rows_per_round=1024)
+    assert prefault.wait()
+    assert not prefault.completed and prefault.faulted_bytes == 0
+    assert not any(_resident_pages(tensor))
+    assert any("less than 512 MiB" in r.getMessage() for r in caplog.records)
+
+
+def _cgroup(root: Path, relative: str, files: dict[str, str]) -> None:
+    directory = root / relative
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (directory / name).write_text(text)
+
+
+def test_cgroup_memory_headroom_reads_the_tightest_limit(tmp_path: Path) -> None:
+    """cgroup v2: limit less usage in the process's cgroup and its ancestors, the smallest; "max" is no limit."""
+    root, membership = tmp_path / "cg", tmp_path / "self-cgroup"
+    membership.write_text("0::/app/worker\n")
+    _cgroup(root, "", {"memory.max": "max", "memory.current": "5000000000"})
+    _cgroup(root, "app", {"memory.max": str(8 << 30), "memory.current": str(3 << 30)})
+    _cgroup(root, "app/worker", {"memory.max": str(6 << 30), "memory.current": str(2 << 30)})
+    assert _memory.cgroup_memory_headroom(root, membership) == 4 << 30
+    (root / "app" / "worker" / "memory.max").write_text("max")
+    assert _memory.cgroup_memory_headroom(root, membership) == 5 << 30
+    (root / "app" / "memory.max").write_text("max\n")
+    assert _memory.cgroup_memory_headroom(root, membership) is None
+
+
+def test_cgroup_v1_memory_headroom_and_its_unlimited_value(tmp_path: Path) -> None:
+    root, membership = tmp_path / "cg", tmp_path / "self-cgroup"
+    membership.write_text("4:memory:/jobs/one\n3:cpu,cpuacct:/\n")
+    _cgroup(root, "memory/jobs/one", {"memory.limit_in_bytes": str(2 << 30), "memory.usage_in_bytes": str(3 << 30)})
+    _cgroup(root, "memory", {"memory.limit_in_bytes": "9223372036854771712", "memory.usage_in_bytes": "1"})
+    assert _memory.cgroup_memory_headroom(root, membership) == 0  # over its limit: nothing left, not negative
+    (root / "memory" / "jobs" / "one" / "memory.limit_in_bytes").write_text("9223372036854771712")
+    assert _memory.cgroup_memory_headroom(root, membership) is None
+    assert _memory.cgroup_memory_headroom(root, tmp_path / "missing") is None
+
+
+def test_available_memory_is_the_containers_where_it_allows_less(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_memory, "cgroup_memory_headroom", lambda: None)
+    host = _memory.host_available_bytes()
+    monkeypatch.setattr(_memory, "cgroup_memory_headroom", lambda: 123 << 20)
+    assert _memory.host_available_bytes() == min(host, 123 << 20)

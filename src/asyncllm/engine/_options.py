@@ -84,6 +84,14 @@ class EngineOptions:
         quarter of what is left (at most 4 GiB) on the CPU, 0.9 of the device on CUDA. The block count
         and the concurrency it allows at max_model_len are logged."""),
     )
+    kv_cache_prefault: bool = field(
+        default=True,
+        metadata=_doc("""On the CPU, make the whole KV cache resident on a background thread once it is allocated
+        (lower priority; Linux 5.14+), so that steps never pay for first touches of fresh memory, which on
+        virtual machines can stall a step for hundreds of milliseconds; it stops while less than 512 MiB of
+        the host's (or the container's) memory would be left. False leaves pages to be faulted in as the
+        cache fills: resident memory grows with use."""),
+    )
     seed: int | None = field(
         default=None, metadata=_doc("Seed of the generator that unseeded sampling requests share.")
     )

@@ -143,10 +143,12 @@ class LogitsMessage(msgspec.Struct, frozen=True, array_like=True, tag="logits"):
 
 class AllocateMessage(msgspec.Struct, frozen=True, array_like=True, tag="allocate"):
     """Replace the KV cache by one of ``num_blocks`` blocks (the rank's KV heads); ``sliding_blocks`` for
-    a hybrid model's sliding layers (``RunnerInfo.sliding_group``), None: every layer has ``num_blocks``."""
+    a hybrid model's sliding layers (``RunnerInfo.sliding_group``), None: every layer has ``num_blocks``;
+    ``prefault``: the serving cache (not the sizing probe's), faulted in where the options say."""
 
     num_blocks: int
     sliding_blocks: int | None = None
+    prefault: bool = False
 
 
 class StopMessage(msgspec.Struct, frozen=True, array_like=True, tag="stop"):

@@ -85,17 +85,18 @@ def cgroup_cpu_limit(
         _, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
         if controllers == "":  # cgroup v2's unified hierarchy
-            for directory in _self_and_ancestors(cgroup_root, path):
+            for directory in self_and_ancestors(cgroup_root, path):
                 limits.extend(_v2_limit(directory / "cpu.max"))
         elif "cpu" in controllers.split(","):
-            for directory in _self_and_ancestors(cgroup_root / controllers, path):
+            for directory in self_and_ancestors(cgroup_root / controllers, path):
                 limits.extend(_v1_limit(directory))
-            for directory in _self_and_ancestors(cgroup_root / "cpu", path):  # mounted as "cpu" alone
+            for directory in self_and_ancestors(cgroup_root / "cpu", path):  # mounted as "cpu" alone
                 limits.extend(_v1_limit(directory))
     return min(limits) if limits else None
 
 
-def _self_and_ancestors(root: Path, path: str) -> list[Path]:
+def self_and_ancestors(root: Path, path: str) -> list[Path]:
+    """A cgroup's directory under ``root`` for ``path`` (from ``/proc/self/cgroup``), then each ancestor's."""
     parts = [part for part in path.split("/") if part and part != ".."]
     return [root.joinpath(*parts[:depth]) for depth in range(len(parts), -1, -1)]
 

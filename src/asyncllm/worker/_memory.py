@@ -23,6 +23,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -77,6 +78,11 @@ PREFAULT_ROUND_BYTES = 2 << 20
 """A prefault round faults in about this much of the widest tensor: one transparent huge page."""
 PREFAULT_NICENESS = 10
 """The prefault thread's niceness: it yields the cores to the engine's and the application's threads."""
+PREFAULT_RESERVE_BYTES = 512 << 20
+"""The prefault stops while less than this would be left of the memory available (``host_available_bytes``):
+a cache planned too large for what is free now stays partly unfaulted rather than pushing out everything else."""
+PREFAULT_CHECK_BYTES = 64 << 20
+"""How much the prefault faults in between two looks at the memory available."""
 
 
 def prefault_ranges(tensors: Sequence[torch.Tensor], rows_per_round: int) -> Iterator[tuple[int, int]]:
@@ -131,9 +137,10 @@ class Prefault:
         tensors: CPU tensors over anonymous mappings (``mapped_tensor``): rows in the first dimension.
         rows_per_round: Rows of each tensor per round (``prefault_ranges``).
 
-    The thread ends when every page is resident, at ``stop()``, or at the first refusal (a kernel before
-    5.14 lacks the advice: logged at debug level; no memory left: a warning), which leaves the rest to be
-    faulted in on use. ``stop()`` returns once the thread has ended: within one round of one tensor.
+    The thread ends when every page is resident, at ``stop()``, when less than ``PREFAULT_RESERVE_BYTES`` of
+    memory would be left (a warning), or at the first refusal (a kernel before 5.14 lacks the advice: logged
+    at debug level; no memory left: a warning), which leaves the rest to be faulted in on use. ``stop()``
+    returns once the thread has ended: within one round of one tensor.
     """
 
     def __init__(self, tensors: Sequence[torch.Tensor], rows_per_round: int) -> None:
@@ -156,9 +163,21 @@ class Prefault:
             # is no process id (on macOS it could even be another process's), so nothing is reniced there.
             with contextlib.suppress(OSError):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREFAULT_NICENESS)
+            unchecked = PREFAULT_CHECK_BYTES  # look before the first range
             for address, length in self._ranges:
                 if self._stopping.is_set():
                     return
+                unchecked += length
+                if unchecked >= PREFAULT_CHECK_BYTES:
+                    unchecked = 0
+                    if host_available_bytes() - length < PREFAULT_RESERVE_BYTES:
+                        logger.warning(
+                            "prefaulting the KV cache stopped with %d MiB resident: less than %d MiB of memory would "
+                            "be left (the rest is faulted in on use)",
+                            self.faulted_bytes >> 20,
+                            PREFAULT_RESERVE_BYTES >> 20,
+                        )
+                        return
                 if madvise(address, length, MADV_POPULATE_WRITE) != 0:
                     code = ctypes.get_errno()
                     if code == errno.EINVAL:
@@ -195,17 +214,68 @@ def _status_kib(field: str) -> int | None:
 
 
 def host_available_bytes() -> int:
-    """Memory the kernel could give this process now (``MemAvailable``), in bytes."""
+    """Memory the kernel could give this process now, in bytes: ``MemAvailable``, or less where the process's
+    cgroup (a container) allows less (``cgroup_memory_headroom``): inside a container ``MemAvailable`` is
+    the host's."""
+    available = None
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    available = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    import os
+    if available is None:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    headroom = cgroup_memory_headroom()
+    return available if headroom is None else min(available, headroom)
 
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+def cgroup_memory_headroom(
+    cgroup_root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")
+) -> int | None:
+    """What this process's cgroup may still allocate, in bytes (its limit less its usage), or None when unlimited.
+
+    Reads cgroup v2's ``memory.max`` and ``memory.current`` or v1's ``memory.limit_in_bytes`` and
+    ``memory.usage_in_bytes``, in the process's own cgroup and each ancestor (the tightest wins, as the kernel
+    applies them all). Usage counts the page cache the kernel could reclaim, so this errs low.
+
+    Args:
+        cgroup_root: Where the cgroup filesystem is mounted.
+        membership: The ``/proc/<pid>/cgroup`` file that names the process's cgroups.
+    """
+    from asyncllm.worker._cpu_threads import self_and_ancestors
+
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        return None
+    headrooms: list[int] = []
+    for line in lines:
+        _, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if controllers == "":  # cgroup v2's unified hierarchy
+            for directory in self_and_ancestors(cgroup_root, path):
+                headrooms.extend(_headroom(directory / "memory.max", directory / "memory.current"))
+        elif "memory" in controllers.split(","):
+            for directory in self_and_ancestors(cgroup_root / controllers, path):
+                headrooms.extend(_headroom(directory / "memory.limit_in_bytes", directory / "memory.usage_in_bytes"))
+    return max(0, min(headrooms)) if headrooms else None
+
+
+_UNLIMITED_V1 = 1 << 60
+"""cgroup v1 writes "no limit" as a page-rounded ``LONG_MAX``."""
+
+
+def _headroom(limit_file: Path, usage_file: Path) -> list[int]:
+    try:
+        limit = limit_file.read_text().strip()
+        if limit == "max" or int(limit) >= _UNLIMITED_V1:
+            return []
+        return [int(limit) - int(usage_file.read_text().strip())]
+    except (OSError, ValueError):
+        return []
 
 
 def reset_peak_rss() -> bool:

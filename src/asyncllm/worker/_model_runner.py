@@ -114,16 +114,12 @@ class ForwardSwitches:
             them all); beside bfloat16 panels, from the output projection's GEMM with the argmax fused in
             (``gemm_cpu.PanelArgmaxHead``: no logits stored). False computes every row's logits (for
             comparisons).
-        prefault_kv_cache: On the CPU, fault in the whole KV cache on a background thread once it is
-            allocated (``worker._memory.Prefault``), so that steps do not pay for fresh pages; False
-            leaves pages to be faulted in on first use (for comparisons, and tests that measure memory).
     """
 
     fuse_projections: bool = True
     packed_gemm: bool | PackedFormat = True
     fused_norm: bool = True
     greedy_head: bool = True
-    prefault_kv_cache: bool = True
 
 
 class TorchModelRunner:
@@ -198,7 +194,7 @@ class TorchModelRunner:
         self.model: DecoderForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_prefault: Prefault | None = None
-        """On the CPU: the thread faulting in the serving KV cache (``ForwardSwitches.prefault_kv_cache``)."""
+        """On the CPU: the thread faulting in the serving KV cache (``EngineOptions.kv_cache_prefault``)."""
         self.sampler: Sampler | None = None
         self.input_batch = InputBatch(options.block_size, max_num_seqs=options.max_num_seqs)
         self.sliding_batch: InputBatch | None = None
@@ -567,7 +563,7 @@ class TorchModelRunner:
         if self.ranks is not None:
             from asyncllm.executor._ranks import AllocateMessage
 
-            self.ranks.send(AllocateMessage(num_blocks, sliding_blocks))
+            self.ranks.send(AllocateMessage(num_blocks, sliding_blocks, prefault))
         spec = self.model.spec
         heads = (self.model.local_heads[1], spec.head_dim)
         self._stop_kv_prefault()
@@ -584,7 +580,7 @@ class TorchModelRunner:
         tensors = [t for pair in caches for t in pair]
         if self.draft is not None:
             tensors += [t for pair in self.draft.kv_caches for t in pair]
-        if prefault and tensors and self.device.type == "cpu" and self.switches.prefault_kv_cache:
+        if prefault and tensors and self.device.type == "cpu" and self.options.kv_cache_prefault:
             widest = max(t.stride(0) * t.element_size() for t in tensors)
             # Whole blocks per round, about one huge page of the widest tensor: rows come in block order.
             rows = max(1, PREFAULT_ROUND_BYTES // widest // self.block_size) * self.block_size
@@ -1229,10 +1225,11 @@ class TorchModelRunner:
         """Meet the other ranks and load this rank's shard (no KV cache: rank 0 says its size)."""
         self._load_model()
 
-    def allocate(self, num_blocks: int, sliding_blocks: int | None = None) -> None:
+    def allocate(self, num_blocks: int, sliding_blocks: int | None = None, *, prefault: bool = False) -> None:
         """Replace the KV cache by one of ``num_blocks`` blocks of this rank's KV heads (``sliding_blocks``
-        for a hybrid model's sliding layers, which then read each step's sliding tables)."""
-        self.kv_caches = self._allocate_kv_cache(num_blocks, sliding_blocks, prefault=True)
+        for a hybrid model's sliding layers, which then read each step's sliding tables); ``prefault``: the
+        serving cache (``_allocate_kv_cache``)."""
+        self.kv_caches = self._allocate_kv_cache(num_blocks, sliding_blocks, prefault=prefault)
         self.sliding_batch = None
         if sliding_blocks is not None:
             self.sliding_batch = InputBatch(self.block_size, max_num_seqs=self.options.max_num_seqs)

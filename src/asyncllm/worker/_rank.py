@@ -90,7 +90,7 @@ def serve(commands: Connection, status: Connection) -> None:
         elif isinstance(message, LogitsMessage):
             runner.gather_logits(message.rows)
         elif isinstance(message, AllocateMessage):
-            runner.allocate(message.num_blocks, message.sliding_blocks)
+            runner.allocate(message.num_blocks, message.sliding_blocks, prefault=message.prefault)
         elif isinstance(message, StopMessage):
             collectives = runner.collectives
             report = RankReport(
