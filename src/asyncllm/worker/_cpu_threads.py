@@ -76,23 +76,39 @@ def cgroup_cpu_limit(
         cgroup_root: Where the cgroup filesystem is mounted.
         membership: The ``/proc/<pid>/cgroup`` file that names the process's cgroups.
     """
+    limits: list[float] = []
+    for version, directory in cgroup_directories("cpu", cgroup_root, membership):
+        limits.extend(_v2_limit(directory / "cpu.max") if version == 2 else _v1_limit(directory))
+    return min(limits) if limits else None
+
+
+def cgroup_directories(
+    controller: str, cgroup_root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")
+) -> list[tuple[int, Path]]:
+    """``(version, directory)`` of this process's cgroup and each of its ancestors where ``controller``'s files
+    are: 2 for cgroup v2's unified hierarchy, 1 for the v1 hierarchy that has the controller (under its
+    mount's name, e.g. ``cpu,cpuacct``, and under the controller's own name, where it is mounted alone).
+    Empty where ``membership`` cannot be read.
+
+    Args:
+        controller: "cpu", "memory", ...
+        cgroup_root: Where the cgroup filesystem is mounted.
+        membership: The ``/proc/<pid>/cgroup`` file that names the process's cgroups.
+    """
     try:
         lines = membership.read_text().splitlines()
     except OSError:
-        return None
-    limits: list[float] = []
+        return []
+    found: list[tuple[int, Path]] = []
     for line in lines:
         _, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
-        if controllers == "":  # cgroup v2's unified hierarchy
-            for directory in self_and_ancestors(cgroup_root, path):
-                limits.extend(_v2_limit(directory / "cpu.max"))
-        elif "cpu" in controllers.split(","):
-            for directory in self_and_ancestors(cgroup_root / controllers, path):
-                limits.extend(_v1_limit(directory))
-            for directory in self_and_ancestors(cgroup_root / "cpu", path):  # mounted as "cpu" alone
-                limits.extend(_v1_limit(directory))
-    return min(limits) if limits else None
+        if controllers == "":
+            found += [(2, directory) for directory in self_and_ancestors(cgroup_root, path)]
+        elif controller in controllers.split(","):
+            mounts = [controllers] if controllers == controller else [controllers, controller]
+            found += [(1, directory) for mount in mounts for directory in self_and_ancestors(cgroup_root / mount, path)]
+    return found
 
 
 def self_and_ancestors(root: Path, path: str) -> list[Path]:

@@ -245,22 +245,14 @@ def cgroup_memory_headroom(
         cgroup_root: Where the cgroup filesystem is mounted.
         membership: The ``/proc/<pid>/cgroup`` file that names the process's cgroups.
     """
-    from asyncllm.worker._cpu_threads import self_and_ancestors
+    from asyncllm.worker._cpu_threads import cgroup_directories
 
-    try:
-        lines = membership.read_text().splitlines()
-    except OSError:
-        return None
     headrooms: list[int] = []
-    for line in lines:
-        _, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if controllers == "":  # cgroup v2's unified hierarchy
-            for directory in self_and_ancestors(cgroup_root, path):
-                headrooms.extend(_headroom(directory / "memory.max", directory / "memory.current"))
-        elif "memory" in controllers.split(","):
-            for directory in self_and_ancestors(cgroup_root / controllers, path):
-                headrooms.extend(_headroom(directory / "memory.limit_in_bytes", directory / "memory.usage_in_bytes"))
+    for version, directory in cgroup_directories("memory", cgroup_root, membership):
+        if version == 2:
+            headrooms.extend(_headroom(directory / "memory.max", directory / "memory.current"))
+        else:
+            headrooms.extend(_headroom(directory / "memory.limit_in_bytes", directory / "memory.usage_in_bytes"))
     return max(0, min(headrooms)) if headrooms else None
 
 
