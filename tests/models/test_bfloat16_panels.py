@@ -203,6 +203,28 @@ def test_bfloat16_greedy_head_gives_the_argmax_of_the_logits(tiny_cache: Path) -
         runner.close()
 
 
+def test_float32_without_the_bounded_head_takes_the_fused_argmax(
+    tiny_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On AVX-512 without AVX512-BF16 or AMX (the bounded head's units) float32's greedy rows take the fused
+    argmax; the output projection keeps its panels alone, so rows past 64 get their logits from them too."""
+    if not gemm_cpu.available():
+        pytest.skip("needs the panel GEMM (AVX-512)")
+    from asyncllm.backends.cpu import _greedy_head as greedy_head_cpu
+
+    monkeypatch.setattr(greedy_head_cpu, "available", lambda: False)
+    runner = TorchModelRunner(tiny_model_path(tiny_cache, "llama"), device="cpu", kv_cache_blocks=8)
+    runner.load()
+    try:
+        model = runner.model
+        assert model is not None and isinstance(model.greedy_head, gemm_cpu.PanelArgmaxHead)
+        assert model.lm_head.packed_format == "panels"
+        hidden = torch.randn(70, model.spec.hidden_size, generator=torch.Generator().manual_seed(1)) * 3
+        assert torch.equal(model.greedy_head.argmax(hidden), model.logits(hidden).argmax(-1))
+    finally:
+        runner.close()
+
+
 def test_runner_keeps_torch_bfloat16_without_panels(tiny_cache: Path) -> None:
     runner = TorchModelRunner(
         tiny_model_path(tiny_cache, "llama"), device="cpu", dtype="bfloat16", kv_cache_blocks=8, packed_gemm=False

@@ -937,14 +937,17 @@ class DecoderForCausalLM(nn.Module):
         self.lean = lean_cpu.LeanCpuForward.for_model(self) if packed and whole else None
         return packed
 
+    def _logits_are_the_head_outputs(self) -> bool:
+        """Whether ``logits`` are the output projection's outputs alone: no bias, soft-cap or scaling between
+        them (a monotonic map can still round distinct logits to one value, whose first column the logits'
+        argmax would then take)."""
+        spec = self.spec
+        return self.lm_head.bias is None and spec.final_softcap is None and spec.logits_scaling == 1.0
+
     def _panel_argmax_head(self) -> gemm_cpu.PanelArgmaxHead | None:
-        """Greedy rows' argmax fused into the output projection's panels, where its logits are those panels'
-        outputs alone: no bias, soft-cap or scaling between them (a monotonic map can still round distinct
-        logits to one value, whose first column the logits' argmax would then take)."""
+        """Greedy rows' argmax fused into the output projection's panels, where its logits are those outputs."""
         head = self.lm_head
-        if head.panel_weight is None or head.bias is not None or self.spec.final_softcap is not None:
-            return None
-        if self.spec.logits_scaling != 1.0:
+        if head.panel_weight is None or not self._logits_are_the_head_outputs():
             return None
         valid = min(self.spec.vocab_size, head.out_features)
         return gemm_cpu.PanelArgmaxHead(head.panel_weight, head.out_features, valid)
@@ -970,8 +973,10 @@ class DecoderForCausalLM(nn.Module):
                 return 0
         # Not under a final soft-cap: monotonic, but tanh's saturation can round distinct logits to one
         # value, and the argmax of the capped logits (HF's) then takes the first of them.
-        with_head = greedy_head and packed_format in ("both", "panels") and greedy_head_cpu.available()
-        with_head = with_head and self.spec.final_softcap is None
+        on_panels = greedy_head and packed_format in ("both", "panels")
+        with_head = on_panels and greedy_head_cpu.available() and self.spec.final_softcap is None
+        # Where the bound cannot run (AVX-512 without AVX512-BF16 or AMX): the argmax fused into the panels.
+        fused = on_panels and not greedy_head_cpu.available() and self._logits_are_the_head_outputs()
         packed = 0
         for module in linears:
             shared = module is self.lm_head and self.spec.tie_word_embeddings
@@ -981,6 +986,10 @@ class DecoderForCausalLM(nn.Module):
                 self.greedy_head = _greedy_head(module)
                 if self.greedy_head is None and not shared and module.packed:
                     module.release()
+            elif module is self.lm_head and fused:
+                # Panels alone: every row's logits then come from the arithmetic the fused argmax runs.
+                packed += module.pack(release=not shared, packed_format="panels")
+                self.greedy_head = self._panel_argmax_head()
             else:
                 packed += module.pack(release=not shared, packed_format=packed_format)
         return packed
