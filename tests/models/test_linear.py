@@ -179,11 +179,15 @@ def test_runner_packs_every_linear_layer(tiny_llama, packed_gemm: bool | str) ->
     assert len(layers) == 4 * runner.model.spec.num_layers + 1
     assert runner.num_packed_layers == (len(layers) if expected else 0)
     model = runner.model
-    # Beside a greedy head the output projection keeps the panels alone (backends.cpu._greedy_head).
+    # Beside a greedy head the output projection keeps the panels alone: the bounded head where AMX or
+    # AVX512-BF16 runs (backends.cpu._greedy_head), elsewhere the argmax fused into the panels.
     head_format = "panels" if model.greedy_head is not None else expected
     assert all(m.packed == bool(expected) and m.packed_format == expected for m in layers if m is not model.lm_head)
     assert model.lm_head.packed_format == head_format
-    assert (model.greedy_head is not None) == (greedy_head_cpu.available() and expected in ("both", "panels"))
+    assert (model.greedy_head is not None) == (expected in ("both", "panels"))
+    if model.greedy_head is not None:
+        head_type = greedy_head_cpu.GreedyHead if greedy_head_cpu.available() else gemm_cpu.PanelArgmaxHead
+        assert isinstance(model.greedy_head, head_type)
     assert runner.packed_format == expected
     assert (f"{expected} GEMM" in info.description) == bool(expected)
     assert not any(key.endswith("packed_weight") for key in runner.model.state_dict())  # not persistent
