@@ -181,6 +181,40 @@ def test_panel_argmax_takes_the_first_of_equal_values_and_leaves_nan_rows(bfloat
         panels.argmax(x[:, :8])
 
 
+@pytest.mark.parametrize("bfloat16", [True, False])
+def test_panel_argmax_leaves_a_row_with_one_nan_output_and_ignores_nan_padding(bfloat16: bool) -> None:
+    """One NaN among larger outputs (0 * inf in one column) sends the row to the logits path, where torch takes
+    the NaN's column; a NaN past ``valid`` (padding) does not count. The NaN would otherwise be lost in the
+    maximum (AVX-512's max returns its second operand beside a NaN)."""
+    if not (gemm_cpu.bfloat16_available() if bfloat16 else gemm_cpu.available()):
+        pytest.skip("needs the panel GEMM (AVX-512; AVX512-BF16 for bfloat16)")
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.rand(200, 16, generator=generator) + 1.0  # positive: an infinite input gives +inf outputs
+    weight[37, 5] = 0.0  # column 37: 0 * inf, NaN (in the middle vector of panel 0)
+    weight[195, 6] = 0.0  # column 195: past valid
+    panels = gemm_cpu.PanelWeight(weight, bfloat16=bfloat16)
+    x = torch.ones(3, 16)
+    x[0, 5] = float("inf")  # +inf everywhere but column 37: NaN
+    x[1, 6] = float("inf")  # +inf everywhere but padding column 195: NaN
+    logits = panels.linear(x)[:, :190]
+    assert logits[0].isnan().nonzero().flatten().tolist() == [37] and not logits[1].isnan().any()
+    assert panels.argmax(x, 190).tolist() == [-1, 0, int(logits[2].argmax())]
+    assert logits[0].argmax() == 37 and logits[1].argmax() == 0
+
+
+@needs_bfloat16_panels
+def test_panel_argmax_checks_the_input_width_bfloat16_pairs_hide() -> None:
+    """bfloat16 panels of an even width hold as many pairs as one less: the width is checked, as ``linear`` does."""
+    panels = gemm_cpu.PanelWeight(torch.randn(100, 40), bfloat16=True)
+    x = torch.randn(3, 39)
+    with pytest.raises(ValueError, match="input"):
+        panels.linear(x)
+    with pytest.raises(ValueError, match="input"):
+        panels.argmax(x)
+    with pytest.raises(ValueError, match="input"):
+        gemm_cpu.PanelArgmaxHead(panels.buffer, 100, 100, 40).argmax(x)
+
+
 @needs_bfloat16_panels
 def test_bfloat16_greedy_head_gives_the_argmax_of_the_logits(tiny_cache: Path) -> None:
     """Beside bfloat16 panels the greedy head is the output projection's fused argmax: for any hidden states,

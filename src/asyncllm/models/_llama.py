@@ -906,9 +906,10 @@ class DecoderForCausalLM(nn.Module):
         call the packed weights); never with CUDA graphs. The unpacked weights are released
         (except the tied output embedding, which the input embedding still reads), and ``lean`` is
         built where it applies. With ``greedy_head`` and panels in the format, ``greedy_head`` is
-        built where AMX or AVX512-BF16 runs (``backends.cpu._greedy_head``); the output projection then keeps the
-        panels alone, so its logits come from the arithmetic the head reproduces at every row count,
-        and its float32 weight, which the head reads. A rank's shard of a tensor-parallel model
+        built where AMX or AVX512-BF16 runs (``backends.cpu._greedy_head``), elsewhere the argmax fused into the
+        output projection's panels (``gemm_cpu.PanelArgmaxHead``); the output projection then keeps the
+        panels alone, so its logits come from the arithmetic the head reproduces at every row count
+        (and, for the bounded head, its float32 weight, which the head reads). A rank's shard of a tensor-parallel model
         packs its linear layers but builds neither ``lean`` nor ``greedy_head``.
         With ``bfloat16`` (a model loaded in bfloat16 or float32) every layer, the output projection included,
         goes to bfloat16 panels (``Linear.pack``; ``packed_format`` must be None or "panels"), every other
@@ -950,7 +951,7 @@ class DecoderForCausalLM(nn.Module):
         if head.panel_weight is None or not self._logits_are_the_head_outputs():
             return None
         valid = min(self.spec.vocab_size, head.out_features)
-        return gemm_cpu.PanelArgmaxHead(head.panel_weight, head.out_features, valid)
+        return gemm_cpu.PanelArgmaxHead(head.panel_weight, head.out_features, valid, head.in_features)
 
     def _rest_to_float32(self) -> None:
         """Make every bfloat16 parameter left (norms, biases, embeddings, beside bfloat16 panels) float32: the

@@ -489,7 +489,8 @@ class PanelWeight:
 
     def argmax(self, x: torch.Tensor, valid: int | None = None) -> torch.Tensor:
         """``panel_argmax`` of ``x`` over these panels: ``linear(x)[:, :valid].argmax(-1)``, outputs never stored."""
-        return panel_argmax(x, self.buffer, self.out_features, self.out_features if valid is None else valid)
+        valid = self.out_features if valid is None else valid
+        return panel_argmax(x, self.buffer, self.out_features, valid, in_features=self.in_features)
 
 
 class PanelArgmaxHead:
@@ -498,35 +499,42 @@ class PanelArgmaxHead:
     A greedy row needs only its largest logit's column: the [rows, vocab] logits are never written, nor
     read again by an argmax. The same panels compute the logits of every other row, so the token equals
     the argmax of the row's logits exactly. The model's ``greedy_head`` where the output projection runs on
-    bfloat16 panels (its float32 panels have ``_greedy_head``'s cheaper bound).
+    bfloat16 panels, and on float32 panels where ``_greedy_head``'s cheaper bound cannot run (no AMX or
+    AVX512-BF16).
 
     Args:
         panels: The output projection's ``PanelWeight`` buffer (float32 or bfloat16).
         out_features: Its output columns.
         valid: Columns that count (the vocabulary; beyond it, padding).
+        in_features: Its input width (None: the input's own, which bfloat16 panels of an even width cannot
+            tell from one less).
     """
 
-    def __init__(self, panels: torch.Tensor, out_features: int, valid: int) -> None:
-        self.panels, self.out_features, self.valid = panels, out_features, valid
+    def __init__(self, panels: torch.Tensor, out_features: int, valid: int, in_features: int | None = None) -> None:
+        self.panels, self.out_features, self.valid, self.in_features = panels, out_features, valid, in_features
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows] int64 tokens for [rows, hidden] float32 states; -1 in a row with a NaN logit (the caller's
         logits path decides it, as torch would)."""
-        return panel_argmax(hidden, self.panels, self.out_features, self.valid)
+        return panel_argmax(hidden, self.panels, self.out_features, self.valid, in_features=self.in_features)
 
 
-def panel_argmax(x: torch.Tensor, panels: torch.Tensor, out_features: int, valid: int) -> torch.Tensor:
+def panel_argmax(
+    x: torch.Tensor, panels: torch.Tensor, out_features: int, valid: int, *, in_features: int | None = None
+) -> torch.Tensor:
     """[rows] int64: per row of ``x`` ([rows, in_features] float32), the first of the columns below ``valid`` where
     ``x @ weight.T`` (``weight`` packed into ``panels`` by ``PanelWeight``) is largest, as torch.argmax of the
     panel GEMM's outputs gives, without storing them; -1 in a row with a NaN output (torch would return the
-    NaN's column).
+    NaN's column). ``in_features``: the weight's width, checked against ``x``'s (None: ``x``'s own, checked
+    against the panels' size only, which bfloat16 panels of an even width share with one less).
 
     Raises:
         ValueError: ``x`` is not [rows, in_features] float32 on the CPU, or ``valid`` is out of range.
         MemoryError: The call's scratch memory could not be allocated.
     """
     bfloat16 = panels.dtype == torch.bfloat16
-    in_features = x.shape[-1]
+    if in_features is None:
+        in_features = x.shape[-1]
     steps = 2 * -(-in_features // 2) if bfloat16 else in_features  # bfloat16 panels hold whole input pairs
     if panels.numel() != -(-out_features // PANEL_COLUMNS) * PANEL_COLUMNS * steps:
         raise ValueError(
