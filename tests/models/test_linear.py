@@ -194,6 +194,30 @@ def test_runner_packs_every_linear_layer(tiny_llama, packed_gemm: bool | str) ->
     runner.close()
 
 
+@pytest.mark.parametrize("bounded", [True, False])
+def test_no_greedy_head_packing_where_no_head_runs(tiny_cache, monkeypatch, bounded: bool) -> None:  # type: ignore[no-untyped-def]
+    """A model whose layer is not Llama's (olmo2) gets no greedy head: its output projection keeps the format asked
+    for and gives back its float32 weight, as if ``greedy_head`` were off (neither head's packing for nothing)."""
+    from asyncllm.testing.tiny_models import tiny_model_path
+    from asyncllm.worker._model_runner import TorchModelRunner
+
+    if not format_available("both"):
+        pytest.skip("both packed formats are unavailable here")
+    if bounded and not greedy_head_cpu.available():
+        pytest.skip("the bounded head's units (AMX or AVX512-BF16) are unavailable here")
+    if not bounded:
+        monkeypatch.setattr(greedy_head_cpu, "available", lambda *args: False)
+    path = tiny_model_path(tiny_cache, "olmo2", tie_word_embeddings=False)
+    runner = TorchModelRunner(path, device="cpu", dtype="float32", kv_cache_blocks=8, packed_gemm="both")
+    runner.load()
+    try:
+        model = runner.model
+        assert model is not None and not model.spec.llama_layer and model.greedy_head is None
+        assert model.lm_head.packed_format == "both" and model.lm_head.weight.numel() == 0
+    finally:
+        runner.close()
+
+
 def test_gemm_benchmark_quick(tiny_llama, load_benchmark, capsys) -> None:  # type: ignore[no-untyped-def]
     forward = load_benchmark("forward")
     assert forward.main(["--gemm", "--quick", "--repeats", "1", "--model", str(tiny_llama)]) == 0

@@ -921,6 +921,11 @@ class DecoderForCausalLM(nn.Module):
         """
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         self.greedy_head = None
+        # The lean forward and the greedy head assume a whole Llama layer and a whole output projection:
+        # neither runs on a rank's shard (the lean forward has no all-reduce, the head no gather). Elsewhere no
+        # head is built, nor is the output projection packed for one (panels alone, a float32 copy kept).
+        whole = self.spec.llama_layer and not self.parallel.sharded
+        greedy_head = greedy_head and whole
         packed = 0
         if bfloat16:
             for linear in linears:
@@ -930,11 +935,6 @@ class DecoderForCausalLM(nn.Module):
             self.greedy_head = self._panel_argmax_head() if greedy_head else None
         else:
             packed = self._pack_float32(linears, packed_format, greedy_head)
-        # The lean forward and the greedy head assume a whole Llama layer and a whole output projection:
-        # neither runs on a rank's shard (the lean forward has no all-reduce, the head no gather).
-        whole = self.spec.llama_layer and not self.parallel.sharded
-        if not whole:
-            self.greedy_head = None
         self.lean = lean_cpu.LeanCpuForward.for_model(self) if packed and whole else None
         return packed
 
