@@ -259,6 +259,20 @@ def test_float32_without_the_bounded_head_takes_the_fused_argmax(
         runner.close()
 
 
+def test_the_fused_head_leaves_every_row_undecided_without_scratch_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No scratch memory: every row -1, for the logits path to decide (as the bounded head does), not a failed step."""
+    if not gemm_cpu.available():
+        pytest.skip("needs the panel GEMM (AVX-512)")
+    panels = gemm_cpu.PanelWeight(torch.randn(100, 16))
+
+    def no_memory(*args: object, **kwargs: object) -> torch.Tensor:
+        raise MemoryError("no memory for the argmax of 3 rows")
+
+    monkeypatch.setattr(gemm_cpu, "panel_argmax", no_memory)
+    head = gemm_cpu.PanelArgmaxHead(panels.buffer, 100, 100, in_features=16)
+    assert head.argmax(torch.randn(3, 16)).tolist() == [-1, -1, -1]
+
+
 def test_runner_keeps_torch_bfloat16_without_panels(tiny_cache: Path) -> None:
     runner = TorchModelRunner(
         tiny_model_path(tiny_cache, "llama"), device="cpu", dtype="bfloat16", kv_cache_blocks=8, packed_gemm=False

@@ -111,9 +111,9 @@ class ForwardSwitches:
             (``DecoderForCausalLM.fused_norm``). False keeps torch's element-wise ops (for comparisons).
         greedy_head: With packed panels on a CPU with AMX or AVX512-BF16, greedy rows take their token from
             ``backends.cpu._greedy_head`` (the argmax of the float32 logits, exactly, without computing
-            them all); beside bfloat16 panels, from the output projection's GEMM with the argmax fused in
-            (``gemm_cpu.PanelArgmaxHead``: no logits stored). False computes every row's logits (for
-            comparisons).
+            them all); beside bfloat16 panels, and in float32 on AVX-512 without those units, from the
+            output projection's GEMM with the argmax fused in (``gemm_cpu.PanelArgmaxHead``: no logits
+            stored). False computes every row's logits (for comparisons).
     """
 
     fuse_projections: bool = True

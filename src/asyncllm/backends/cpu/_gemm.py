@@ -515,8 +515,12 @@ class PanelArgmaxHead:
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows] int64 tokens for [rows, hidden] float32 states; -1 in a row with a NaN logit (the caller's
-        logits path decides it, as torch would)."""
-        return panel_argmax(hidden, self.panels, self.out_features, self.valid, in_features=self.in_features)
+        logits path decides it, as torch would), and in every row where the call's scratch memory could not
+        be allocated (as ``_greedy_head.GreedyHead`` leaves them)."""
+        try:
+            return panel_argmax(hidden, self.panels, self.out_features, self.valid, in_features=self.in_features)
+        except MemoryError:
+            return torch.full((hidden.shape[0],), -1, dtype=torch.int64)
 
 
 def panel_argmax(
