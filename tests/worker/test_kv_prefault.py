@@ -303,3 +303,12 @@ def test_available_memory_is_the_containers_where_it_allows_less(monkeypatch: py
     host = _memory.host_available_bytes()
     monkeypatch.setattr(_memory, "cgroup_memory_headroom", lambda: 123 << 20)
     assert _memory.host_available_bytes() == min(host, 123 << 20)
+
+
+def test_the_option_must_be_a_bool() -> None:
+    """A non-bool (a string from a config file, say) is refused at open, naming the option."""
+    from asyncllm.engine._options import EngineOptions
+
+    with pytest.raises(ValueError, match="kv_cache_prefault must be a bool"):
+        EngineOptions.from_keywords(kv_cache_prefault="no")
+    assert EngineOptions.from_keywords(kv_cache_prefault=False).kv_cache_prefault is False

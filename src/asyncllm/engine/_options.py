@@ -257,7 +257,7 @@ class EngineOptions:
             raise ValueError(
                 f"attention_backend must be 'auto', 'torch', 'cpu' or 'triton', got {self.attention_backend!r}"
             )
-        for name in ("compile", "enforce_eager", "async_scheduling", "enable_prefix_caching"):
+        for name in ("compile", "enforce_eager", "async_scheduling", "enable_prefix_caching", "kv_cache_prefault"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
