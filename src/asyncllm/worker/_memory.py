@@ -125,7 +125,7 @@ class Prefault:
     """Faults in every page of some CPU tensors on a background thread, so that no step pays for it later.
 
     An anonymous mapping's pages cost nothing until first written; then the kernel zeroes each one (a 2 MiB
-    huge page at once), and a virtual machine's host may back it first, which has measured 0.4 GB/s here.
+    huge page at once), and a virtual machine's host may have to back it first, which is far slower still.
     The KV cache's block pool hands out never-used blocks before it reuses any, so without this a serving
     engine keeps writing into fresh pages, on the device thread, in the middle of a step (one block can
     start a fresh huge page in every layer's keys and values at once). This thread pays that cost up front,
