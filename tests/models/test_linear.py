@@ -91,6 +91,35 @@ def test_panels_match_f_linear(rows: int, out_features: int, in_features: int) -
 
 
 @needs_panels
+@pytest.mark.parametrize("bfloat16", [False, True])
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+def test_panels_give_every_thread_count_the_same_outputs(bfloat16: bool, threads: int) -> None:
+    # Threads claim panels one at a time (and one ahead): every panel must be computed exactly once, by
+    # whichever thread, whether there are fewer panels than threads (1), or a few more (5, 7 with a partial one).
+    if bfloat16 and not gemm_cpu.bfloat16_available():
+        pytest.skip("bfloat16 panels need AVX512-BF16")
+    generator = torch.Generator().manual_seed(threads)
+    before = torch.get_num_threads()
+    for out_features in (40, 240, 300):
+        weight = torch.randn(out_features, 72, generator=generator)
+        panels = gemm_cpu.PanelWeight(weight, bfloat16=bfloat16)
+        x = torch.randn(37, 72, generator=generator)
+        try:
+            torch.set_num_threads(1)
+            alone, alone_tokens = panels.linear(x), panels.argmax(x)
+            torch.set_num_threads(threads)
+            shared, shared_tokens = panels.linear(x), panels.argmax(x)
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(shared, alone)  # each output the same chain of operations, in the same order
+        assert torch.equal(shared_tokens, alone_tokens)
+        assert torch.equal(alone_tokens, alone.argmax(-1))
+        expected = weight.to(torch.bfloat16).float() if bfloat16 else weight
+        reference = x.to(torch.bfloat16).float() if bfloat16 else x
+        torch.testing.assert_close(alone, F.linear(reference, expected), rtol=1e-4, atol=1e-3)
+
+
+@needs_panels
 def test_panels_take_batched_and_strided_inputs() -> None:
     weight = torch.randn(64, 32)
     panels = gemm_cpu.PanelWeight(weight)

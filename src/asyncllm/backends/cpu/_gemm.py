@@ -12,11 +12,13 @@ passes over it.
 
 The micro-kernel computes 8 rows x 48 columns: 24 vector accumulators, per input column three
 weight vectors loaded and each of the 8 inputs broadcast once. While a thread works on panel p it
-prefetches panel p + 1 into L2, spread evenly over its row blocks' steps of the inner loop, so the next
+prefetches its next panel into L2, spread evenly over its row blocks' steps of the inner loop, so the next
 panel arrives during the arithmetic instead of stalling it. Inputs of more than
 256 rows are done 256 rows at a time, so that the input block stays in L2 as well. Threads (torch's
-OpenMP pool) take the panels two at a time as they come free: on a shared machine a thread that loses its
-core for a while leaves its panels to the others.
+OpenMP pool) claim panels one at a time from a shared counter, each claiming its next panel as it starts
+one: the claimed panel is the one it prefetches (with threads taking consecutive panels, panel p + 1 is
+usually another thread's), and on a shared machine a thread that loses its core for a while holds two
+panels at most and leaves the rest to the others.
 
 bfloat16 panels (``PanelWeight(..., bfloat16=True)``, CPUs with AVX512-BF16): the same panels of 48 columns
 holding pairs of inputs, and a micro-kernel of AVX512-BF16's dot-pair instruction (two bfloat16 products added
@@ -259,9 +261,10 @@ static void round_rows(const float *x, int64_t x_stride, int64_t first, int64_t 
     case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; \
     case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(ROWS); break; }
 
-/* Both GEMMs: inputs ROW_BLOCK rows at a time, threads taking the panels two at a time as they come free (a
+/* Both GEMMs: inputs ROW_BLOCK rows at a time, threads claiming panels one at a time from a shared counter (a
    thread that loses its core to another process for a while does not hold the others up at the end, as a
-   static split would), each thread prefetching the panel after its current one over that one's row blocks.
+   static split would), each claiming its next panel when it starts one and prefetching it over the current
+   one's row blocks.
    A panel is `steps` steps of 192 bytes: 48 floats per input, or 48 bfloat16 pairs per input pair. Returns 0
    if the bfloat16 rows' scratch cannot be allocated. */
 static inline __attribute__((always_inline)) int panel_matmul(const float *x, int64_t x_stride, const char *panels,
@@ -279,27 +282,31 @@ static inline __attribute__((always_inline)) int panel_matmul(const float *x, in
         const int64_t blocks = (last - first + ROWS - 1) / ROWS;
         /* The next panel's lines, shared out over this panel's row blocks. */
         const int64_t lines_per_block = (panel_lines + blocks - 1) / blocks;
+        int64_t unclaimed = 0;  /* the next panel no thread has claimed */
 #pragma omp parallel
         {
 #ifdef __AVX512BF16__
             if (bf16) round_rows(x, x_stride, first, last, in_features, steps, rounded);  /* ends in a barrier */
 #endif
-#pragma omp for schedule(dynamic, 2)
-            for (int64_t p = 0; p < count; ++p) {
+            int64_t p = __atomic_fetch_add(&unclaimed, 1, __ATOMIC_RELAXED);
+            while (p < count) {
+                /* The panel after this one is claimed now, so that it is the one prefetched. */
+                const int64_t q = __atomic_fetch_add(&unclaimed, 1, __ATOMIC_RELAXED);
                 const char *panel = panels + p * panel_bytes;
                 const int64_t columns = (p + 1) * COLUMNS <= out_features ? COLUMNS : out_features - p * COLUMNS;
-                const int has_next = p + 1 < count;
+                const int has_next = q < count;
                 for (int64_t r0 = first; r0 < last; r0 += ROWS) {
                     const int64_t block = (r0 - first) / ROWS, done = block * lines_per_block;
                     const int64_t lines = !has_next || done >= panel_lines ? 0
                         : (lines_per_block < panel_lines - done ? lines_per_block : panel_lines - done);
-                    const char *ahead = panel + panel_bytes + LINE * done;
+                    const char *ahead = has_next ? panels + q * panel_bytes + LINE * done : panel;
                     float *o = target ? NULL : out + r0 * out_stride + p * COLUMNS;
 #ifdef __AVX512BF16__
                     if (bf16) { BY_ROWS(MICRO_BF16) continue; }
 #endif
                     BY_ROWS(MICRO)
                 }
+                p = q;
             }
         }
     }
