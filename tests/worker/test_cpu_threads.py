@@ -1,17 +1,26 @@
-"""CPU threads: the count follows the CPUs the process may use (affinity, cgroup quota), and the OpenMP
-runtime torch loads gets a short spin-wait (checked in the runtime's own report of its settings)."""
+"""CPU threads: the count follows the CPUs the process may use (affinity, cgroup quota), and the governor
+drops threads while other work holds the CPUs and adds them back when CPUs are idle."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from asyncllm.executor._runner import SequenceInput, StepBatch
+from asyncllm.sampling_params import SamplingParams
 from asyncllm.worker import _cpu_threads
-from asyncllm.worker._cpu_threads import OPENMP_SPIN_COUNT, cgroup_cpu_limit, default_cpu_threads, usable_cpus
+from asyncllm.worker._cpu_threads import (
+    ThreadGovernor,
+    cgroup_cpu_limit,
+    default_cpu_threads,
+    read_idle_seconds,
+    read_schedstat,
+    usable_cpus,
+)
+from asyncllm.worker._model_runner import TorchModelRunner
 
 
 def _write(path: Path, text: str) -> None:
@@ -76,45 +85,133 @@ def test_thread_count_follows_affinity_and_quota(monkeypatch: pytest.MonkeyPatch
     assert usable_cpus() == 3 and default_cpu_threads() == 3
 
 
-def _openmp_settings(code: str, **env: str) -> tuple[str, str]:
-    """Run ``code`` in a fresh interpreter; return its stdout and the OpenMP runtime's report of its settings."""
-    chosen = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
-    environment = {k: v for k, v in os.environ.items() if k not in chosen}
-    environment.update(env, OMP_DISPLAY_ENV="VERBOSE")
-    done = subprocess.run(
-        [sys.executable, "-c", code + "\nimport torch; torch.ones(8).sum()"],
-        env=environment, capture_output=True, text=True, timeout=120, check=True,
-    )
-    return done.stdout, done.stderr
+class _Machine:
+    """What the governor reads, scripted: a clock, the device thread's schedstat, the CPUs' idle seconds."""
+
+    def __init__(self) -> None:
+        self.now, self.on_cpu, self.waiting, self.idle = 0.0, 0, 0, 0.0
+
+    def advance(self, seconds: float, *, waiting_share: float, idle_cpus: float, busy: float = 1.0) -> None:
+        """``seconds`` pass; the device thread wants a CPU ``busy`` of them and waits ``waiting_share`` of that."""
+        wanted = seconds * busy * 1e9
+        self.now += seconds
+        self.waiting += int(wanted * waiting_share)
+        self.on_cpu += int(wanted * (1 - waiting_share))
+        self.idle += idle_cpus * seconds
+
+    def governor(self, most: int) -> ThreadGovernor:
+        return ThreadGovernor(
+            most,
+            period=2.0,
+            clock=lambda: self.now,
+            schedstat=lambda: (self.on_cpu, self.waiting),
+            idle_seconds=lambda: self.idle,
+        )
 
 
-def _spin_count(report: str) -> str:
-    for line in report.splitlines():
-        if line.strip().startswith("GOMP_SPINCOUNT"):
-            return line.split("=", 1)[1].strip().strip("'")
-    pytest.skip("torch's OpenMP runtime is not GNU's (no GOMP_SPINCOUNT in its report)")
+def test_the_governor_keeps_every_thread_while_the_device_thread_gets_its_cpus() -> None:
+    machine = _Machine()
+    governor = machine.governor(2)
+    assert governor.threads() == 2
+    for _ in range(5):  # alone beside a load client: the device thread waits 15-20% of the time it wants a CPU
+        machine.advance(2.5, waiting_share=0.2, idle_cpus=0.1)
+        assert governor.threads() == 2
+    assert governor.last_wait_share == pytest.approx(0.2)
 
 
-def test_importing_asyncllm_before_torch_gives_openmp_a_short_spin() -> None:
-    stdout, report = _openmp_settings(
-        "import asyncllm\nfrom asyncllm.worker._cpu_threads import prepare_openmp_wait_policy\n"
-        "print(prepare_openmp_wait_policy())"
-    )
-    assert stdout.split() == ["environment"]  # the import set it; a second call sees it
-    assert _spin_count(report) == str(OPENMP_SPIN_COUNT)
+def test_the_governor_drops_a_thread_per_period_under_contention_and_never_below_one() -> None:
+    machine = _Machine()
+    governor = machine.governor(3)
+    governor.threads()
+    machine.advance(1.0, waiting_share=0.6, idle_cpus=0.0)
+    assert governor.threads() == 3  # half a period: no decision yet
+    machine.advance(1.5, waiting_share=0.6, idle_cpus=0.0)
+    assert governor.threads() == 2
+    machine.advance(2.5, waiting_share=0.5, idle_cpus=0.0)
+    assert governor.threads() == 1
+    machine.advance(2.5, waiting_share=0.5, idle_cpus=0.0)
+    assert governor.threads() == 1
 
 
-def test_torch_first_keeps_the_runtime_default_and_says_so() -> None:
-    stdout, report = _openmp_settings(
-        "import torch\nfrom asyncllm.worker._cpu_threads import prepare_openmp_wait_policy\n"
-        "print(prepare_openmp_wait_policy())"
-    )
-    assert stdout.strip() == "too late"
-    assert _spin_count(report) != str(OPENMP_SPIN_COUNT)
+def test_the_governor_adds_threads_back_only_for_idle_cpus() -> None:
+    machine = _Machine()
+    governor = machine.governor(2)
+    governor.threads()
+    machine.advance(2.5, waiting_share=0.5, idle_cpus=0.0)
+    assert governor.threads() == 1
+    # One thread beside a busy process waits little, but no CPU is idle: a second thread would collapse again.
+    for _ in range(3):
+        machine.advance(2.5, waiting_share=0.12, idle_cpus=0.05)
+        assert governor.threads() == 1
+    machine.advance(2.5, waiting_share=0.05, idle_cpus=0.8)  # the other process left
+    assert governor.threads() == 2
+    machine.advance(2.5, waiting_share=0.05, idle_cpus=0.8)
+    assert governor.threads() == 2  # never above the configured count
 
 
-def test_the_environment_s_own_wait_policy_is_left_alone() -> None:
-    code = "import asyncllm, os\nprint(os.environ.get('GOMP_SPINCOUNT'))"
-    stdout, report = _openmp_settings(code, OMP_WAIT_POLICY="ACTIVE")
-    assert stdout.split() == ["None"]
-    assert "OMP_WAIT_POLICY = 'ACTIVE'" in report
+def test_the_governor_decides_nothing_from_a_period_the_device_thread_slept() -> None:
+    machine = _Machine()
+    governor = machine.governor(2)
+    governor.threads()
+    machine.advance(2.5, waiting_share=0.9, idle_cpus=0.0, busy=0.05)  # no steps ran: a few waits mean nothing
+    assert governor.threads() == 2
+    assert governor.last_wait_share is None
+
+
+def test_the_governor_keeps_its_count_where_the_kernel_reports_no_schedstat() -> None:
+    governor = ThreadGovernor(2, schedstat=lambda: None)
+    assert [governor.threads() for _ in range(3)] == [2, 2, 2]
+    assert ThreadGovernor(1).threads() == 1
+    with pytest.raises(ValueError, match="at least 1"):
+        ThreadGovernor(0)
+
+
+def test_the_governor_reads_this_thread_and_these_cpus() -> None:
+    if not Path("/proc/thread-self/schedstat").exists():
+        pytest.skip("no schedstat here")
+    on_cpu, waiting = read_schedstat() or (0, 0)
+    sum(range(2_000_000))  # some CPU time on this thread, counted at its next pass through the scheduler
+    os.sched_yield()
+    later = read_schedstat()
+    assert later is not None and later[0] > on_cpu and later[1] >= waiting
+    idle = read_idle_seconds()
+    assert idle is not None and idle >= 0
+
+
+def _greedy(runner: TorchModelRunner, prompt: list[int], steps: int) -> list[int]:
+    """Greedy tokens of ``prompt`` straight through ``execute`` (on this thread, as the device thread would)."""
+    params, table, out = SamplingParams(temperature=0.0), list(range(8)), []
+    sequence = SequenceInput(0, prompt, 0, table, True, params)
+    for _ in range(steps):
+        out.append(runner.execute(StepBatch([sequence], [])).sampled_token_ids[0])
+        sequence = SequenceInput(0, [out[-1]], len(prompt) + len(out) - 1, table, True, params)
+    return out
+
+
+def test_the_runner_applies_the_governor_s_count_before_each_step(tiny_llama, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(_cpu_threads, "usable_cpus", lambda: 2)
+    before = torch.get_num_threads()
+    runner = TorchModelRunner(tiny_llama, device="cpu", kv_cache_blocks=16, block_size=4)  # the automatic count
+    runner.load()
+    try:
+        governor = runner.thread_governor
+        assert governor is not None and governor.most == 2
+        alone = _greedy(runner, [3, 5, 7, 11], 6)
+        assert torch.get_num_threads() == 2
+        governor.current, governor.most = 1, 1  # as if a period had found the CPUs taken, and kept them so
+        runner.sampler.forget([0])
+        runner.input_batch.remove([0])
+        shared = _greedy(runner, [3, 5, 7, 11], 6)
+        assert torch.get_num_threads() == 1
+        assert shared == alone  # no result depends on the thread count
+    finally:
+        runner.close()
+        torch.set_num_threads(before)
+    explicit = TorchModelRunner(tiny_llama, device="cpu", num_threads=2, kv_cache_blocks=16, block_size=4)
+    explicit.load()
+    try:
+        assert explicit.thread_governor is None  # an explicit count is kept as it is
+    finally:
+        explicit.close()
+        torch.set_num_threads(before)

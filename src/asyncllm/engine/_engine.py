@@ -53,7 +53,6 @@ from asyncllm.executor._runner import ModelRunner, Pooling, RunnerInfo
 from asyncllm.outputs import Completion, Embedding, EngineStatistics, FinishReason, Logprobs, Sample, StreamChunk
 from asyncllm.sampling_params import SamplingParams
 from asyncllm.structured import GrammarBackend, GrammarCompiler
-from asyncllm.worker._cpu_threads import OPENMP_SPIN_COUNT, prepare_openmp_wait_policy
 
 if TYPE_CHECKING:
     from asyncllm.executor._ranks import RankProcesses
@@ -153,8 +152,6 @@ class Engine:
     async def _start(self, stack: AsyncExitStack) -> None:
         runner, tokenizer = self._runner, self._tokenizer
         model_path = None
-        if runner is None:
-            _note_openmp_wait_policy(prepare_openmp_wait_policy())
         if runner is None or tokenizer is None:
             model_path = await anyio.to_thread.run_sync(_resolve_model, self.options.model, self.options.revision)
             if runner is None:
@@ -990,23 +987,6 @@ def _grammar_compiler(tokenizer: Tokenizer, info: RunnerInfo, cache_size: int) -
         return LLGuidanceBackend(tokenizer, info.vocab_size, info.eos_token_ids)
 
     return GrammarCompiler(make_backend, cache_size=cache_size)
-
-
-_told_about_wait_policy = False
-
-
-def _note_openmp_wait_policy(state: str) -> None:
-    """Say once per process when torch was loaded before the short OpenMP spin-wait could be set."""
-    global _told_about_wait_policy
-    if state != "too late" or _told_about_wait_policy:
-        return
-    _told_about_wait_policy = True
-    logger.info(
-        "torch was loaded before asyncllm, so its OpenMP threads spin-wait for milliseconds (the runtime's "
-        "default), which stalls the CPU forward when other processes share the cores; import asyncllm "
-        "first, or set GOMP_SPINCOUNT=%d in the environment (docs/performance.md, 'Sharing the machine')",
-        OPENMP_SPIN_COUNT,
-    )
 
 
 def _resolve_model(model: str | os.PathLike[str] | None, revision: str | None) -> Path:

@@ -151,9 +151,9 @@ class EngineOptions:
         metadata=_doc("""torch's intra-op threads for the forward on the CPU (set at start-up on the device
         thread; torch's count is per process). None: OMP_NUM_THREADS if set, else the CPUs the
         process may use (its affinity mask, capped by its cgroup's CPU quota), less one from 8 on
-        (the spare one runs the event loop). The threads wait with a short spin
-        (``GOMP_SPINCOUNT``, set when asyncllm is imported before torch), so other processes on the
-        machine do not stall them (docs/performance.md, "Sharing the machine")."""),
+        (the spare one runs the event loop), and fewer while other work holds those CPUs (the
+        thread governor: docs/performance.md, "Sharing the machine"). An explicit count is kept as it
+        is."""),
     )
     max_logprobs: int = field(
         default=20,

@@ -1,4 +1,4 @@
-"""The CPU threads the device thread computes with: how many, and how they wait.
+"""The CPU threads the device thread computes with: how many, and how many while others share the machine.
 
 An engine embedded in an application shares its machine: with the event loop, the application's own
 work, a load generator, other containers. Two choices keep the forward from collapsing there:
@@ -6,19 +6,14 @@ work, a load generator, other containers. Two choices keep the forward from coll
 - **How many.** ``usable_cpus()`` counts the CPUs this process may really run on: its affinity mask,
   capped by its cgroup's CPU quota (a container limited to 2 CPUs on a 64-core host sees 64 cores
   in its affinity mask; 64 threads sharing a 2-CPU quota are throttled together at every barrier).
-- **How they wait.** Between two parallel regions, and at each region's closing barrier, an idle
-  OpenMP thread spins before it sleeps. GNU OpenMP (the runtime of torch's Linux CPU builds) spins
-  for 300,000 iterations by default, milliseconds of a core. When another process holds a core,
-  the team's slowest thread is descheduled and the others burn their time slices spinning for it,
-  which also takes the CPU from the thread they are waiting for: every one of the hundreds of
-  parallel regions in a step pays for it. ``prepare_openmp_wait_policy()`` shortens the spin
-  (``GOMP_SPINCOUNT``, and ``KMP_BLOCKTIME`` for Intel's runtime) so that a waiting thread gives
-  its core back within tens of microseconds: long enough to cover the gap between two regions of
-  one step when the engine runs alone, short enough to yield when it does not.
+- **How many while others run.** Between two parallel regions, and at each region's closing barrier, an
+  idle OpenMP thread spins before it sleeps (GNU OpenMP, the runtime of torch's Linux CPU builds: 300,000
+  iterations by default). Alone, that spin is what keeps a step fast: the threads never sleep between the
+  hundreds of regions of a step. When another process holds a core, the team's slowest thread is
+  descheduled and the others spin for it at every barrier, which also takes the CPU from the thread they
+  wait for. ``ThreadGovernor`` watches for that (the device thread waiting for a CPU) and drops a thread
+  while it lasts; one thread meets no barrier. The spin itself is left at the runtime's default.
 
-The OpenMP runtime reads its wait policy once, when torch's library is loaded: the policy must be
-in the environment before the process's first ``import torch``. ``import asyncllm`` and
-``Engine.open`` set it when torch is not loaded yet and the environment does not already choose one.
 The measurements behind the choices are in docs/performance.md ("Sharing the machine").
 """
 
@@ -27,40 +22,14 @@ from __future__ import annotations
 import logging
 import math
 import os
-import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-OPENMP_SPIN_COUNT = 1000
-"""``GOMP_SPINCOUNT`` set by ``prepare_openmp_wait_policy``: spin iterations before an idle GNU OpenMP
-thread sleeps (libgomp's own default: 300,000)."""
-
-INTEL_OPENMP_BLOCKTIME_MS = 0
-"""``KMP_BLOCKTIME`` set by ``prepare_openmp_wait_policy``, for a process that loads Intel's OpenMP
-runtime in place of GNU's: milliseconds spent spinning before sleeping (Intel's default: 200)."""
-
-_WAIT_POLICY_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
-
 RESERVE_CORE_FROM = 8
 """From this many usable CPUs on, the automatic thread count leaves one to the event loop."""
-
-
-def prepare_openmp_wait_policy() -> str:
-    """Put a short OpenMP spin-wait into the environment, if it can still take effect.
-
-    Returns:
-        What is in effect, for the start-up log: ``"set"`` (this call set it), ``"environment"`` (the
-        environment already chose a policy: left alone), or ``"too late"`` (torch is loaded already,
-        with the runtime's default).
-    """
-    if any(name in os.environ for name in _WAIT_POLICY_VARIABLES):
-        return "environment"
-    if "torch" in sys.modules:
-        return "too late"
-    os.environ["GOMP_SPINCOUNT"] = str(OPENMP_SPIN_COUNT)
-    os.environ["KMP_BLOCKTIME"] = str(INTEL_OPENMP_BLOCKTIME_MS)
-    return "set"
 
 
 def cgroup_cpu_limit(
@@ -174,3 +143,129 @@ def configure_cpu_threads(requested: int | None) -> int:
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return threads
+
+
+GOVERNOR_PERIOD_S = 1.0
+"""How long ``ThreadGovernor`` measures between two decisions."""
+
+GOVERNOR_DROP_ABOVE = 0.35
+"""``ThreadGovernor`` drops a thread when the device thread spent more than this share of the time it wanted a
+CPU waiting for one."""
+
+GOVERNOR_ADD_IDLE_CPUS = 0.5
+"""``ThreadGovernor`` adds a thread back when the CPUs this process may use were idle this many CPUs' worth of
+a period, on average."""
+
+
+def read_schedstat() -> tuple[int, int] | None:
+    """The calling thread's nanoseconds on a CPU and waiting, runnable, for one (``/proc/thread-self/schedstat``);
+    None where the kernel does not report them."""
+    try:
+        with open("/proc/thread-self/schedstat", encoding="ascii") as stats:
+            fields = stats.read().split()
+        return int(fields[0]), int(fields[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def read_idle_seconds() -> float | None:
+    """Seconds the CPUs in this process's affinity mask have been idle, summed (``/proc/stat``); None where
+    unreadable."""
+    try:
+        cpus = {f"cpu{index}" for index in os.sched_getaffinity(0)}
+        ticks = 0
+        with open("/proc/stat", encoding="ascii") as stat:
+            for line in stat:
+                fields = line.split()
+                if fields and fields[0] in cpus:
+                    ticks += int(fields[4]) + int(fields[5])  # idle, iowait
+        return ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+class ThreadGovernor:
+    """Fewer compute threads while other work holds the cores, and more again when they are free.
+
+    OpenMP's threads meet at a barrier hundreds of times a step. Alone, a long spin-wait there is the fast
+    choice: the threads never sleep between two regions. When other processes hold the cores, one thread of
+    the team is descheduled at almost every barrier and the others spin for it, and the forward collapses.
+    The governor measures, per period, the share of the time the device thread (the team's master) wanted a
+    CPU that it spent waiting for one: above ``GOVERNOR_DROP_ABOVE`` it drops a thread (one thread meets no
+    barrier). It adds one back, up to ``most``, when the process's CPUs were idle at least
+    ``GOVERNOR_ADD_IDLE_CPUS`` of a CPU on average: a CPU free for the thread, which a waiting share cannot
+    tell (one thread beside a busy process waits little, yet a second would collapse again).
+
+    Call ``threads()`` on the device thread before each step and apply a changed count there
+    (``torch.set_num_threads`` is per thread). The count changes no result: every CPU kernel computes each
+    output the same way at any thread count.
+
+    Args:
+        most: The configured thread count, the most the governor uses.
+        period: Seconds measured between two decisions.
+        clock: Monotonic seconds (tests pass their own, as for the next two).
+        schedstat: The calling thread's (on-CPU, runnable-waiting) nanoseconds so far, None where unknown;
+            where it is None the governor keeps ``most``.
+        idle_seconds: The process's CPUs' idle seconds so far, summed; None where unknown (no thread is
+            added back then).
+    """
+
+    def __init__(
+        self,
+        most: int,
+        *,
+        period: float = GOVERNOR_PERIOD_S,
+        clock: Callable[[], float] = time.monotonic,
+        schedstat: Callable[[], tuple[int, int] | None] = read_schedstat,
+        idle_seconds: Callable[[], float | None] = read_idle_seconds,
+    ) -> None:
+        if most < 1:
+            raise ValueError(f"most must be at least 1, got {most}")
+        self.most = most
+        self.current = most
+        self.period = period
+        self._clock = clock
+        self._schedstat = schedstat
+        self._idle_seconds = idle_seconds
+        self._since: tuple[float, int, int, float | None] | None = None
+        self.last_wait_share: float | None = None
+        """The waiting share of the last period that decided (None before one did)."""
+
+    def threads(self) -> int:
+        """The thread count for the next step, from the period that ended (if one did) since the last call."""
+        if self.most == 1:
+            return 1
+        stats = self._schedstat()
+        if stats is None:
+            return self.current
+        now, idle = self._clock(), self._idle_seconds()
+        if self._since is None:
+            self._since = (now, *stats, idle)
+            return self.current
+        start, start_cpu, start_wait, start_idle = self._since
+        elapsed = now - start
+        if elapsed < self.period:
+            return self.current
+        self._since = (now, *stats, idle)
+        wanted = (stats[0] - start_cpu + stats[1] - start_wait) / 1e9
+        if wanted < 0.1 * elapsed:  # the device thread mostly slept (no steps): nothing measured
+            return self.current
+        share = (stats[1] - start_wait) / 1e9 / wanted
+        self.last_wait_share = share
+        idle_cpus = None if idle is None or start_idle is None else (idle - start_idle) / elapsed
+        if share > GOVERNOR_DROP_ABOVE and self.current > 1:
+            self.current -= 1
+            logger.info(
+                "other work holds the CPUs (the device thread waited for one %.0f%% of the time): %d compute threads",
+                100 * share,
+                self.current,
+            )
+        elif (
+            share <= GOVERNOR_DROP_ABOVE
+            and self.current < self.most
+            and idle_cpus is not None
+            and idle_cpus >= GOVERNOR_ADD_IDLE_CPUS
+        ):
+            self.current += 1
+            logger.info("the CPUs are free again: %d compute threads", self.current)
+        return self.current

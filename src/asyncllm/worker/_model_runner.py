@@ -66,6 +66,7 @@ from asyncllm.worker._weights import checkpoint_tensors, load_config, load_eos_t
 
 if TYPE_CHECKING:
     from asyncllm.executor._ranks import RankProcesses, TableSync
+    from asyncllm.worker._cpu_threads import ThreadGovernor
     from asyncllm.worker._parallel import ProcessGroupCollectives
 
 logger = logging.getLogger("asyncllm")
@@ -170,7 +171,10 @@ class TorchModelRunner:
         self.attention_backend = options.attention_backend
         """The attention backend's name: the option, then what it resolved to at load."""
         self.num_threads = options.num_threads
-        """torch's threads on the CPU: the option, then the count set at load."""
+        """torch's threads on the CPU: the option, then the count set at load (the governor's most)."""
+        self.thread_governor: ThreadGovernor | None = None
+        """On the CPU with the automatic thread count: fewer threads while other work holds the CPUs, set before
+        each step (an explicit ``num_threads`` or ``OMP_NUM_THREADS`` is kept as it is)."""
         self.num_packed_layers = 0
         """Linear layers running from packed weights (0: all on ``F.linear``)."""
         self.packed_format: PackedFormat | None = None
@@ -238,12 +242,14 @@ class TorchModelRunner:
         requested_backend = self.attention_backend
         backend_name = resolve_attention_backend(requested_backend, device, cpu_kernel=True)
         if device.type == "cpu":
-            from asyncllm.worker._cpu_threads import configure_cpu_threads, default_cpu_threads
+            from asyncllm.worker._cpu_threads import ThreadGovernor, configure_cpu_threads, default_cpu_threads
 
             threads = self.options.num_threads
             if threads is None and size > 1 and not os.environ.get("OMP_NUM_THREADS"):
                 threads = max(1, default_cpu_threads() // size)  # the ranks share the host's CPUs
             self.num_threads = configure_cpu_threads(threads)
+            if threads is None and not os.environ.get("OMP_NUM_THREADS") and self.num_threads > 1:
+                self.thread_governor = ThreadGovernor(self.num_threads)
         if device.type == "cuda":
             # This runs on the device thread, and torch's current stream is per thread: every later
             # call of this runner (all on the same thread) issues its work to this one stream.
@@ -777,6 +783,10 @@ class TorchModelRunner:
             RuntimeError: A placeholder for a request ``after`` did not sample.
         """
         assert self.model is not None and self.sampler is not None, "load() first"
+        if self.thread_governor is not None:
+            threads = self.thread_governor.threads()
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
         self.sampler.forget(batch.finished_request_ids)
         self.input_batch.remove(batch.finished_request_ids)
         if self.sliding_batch is not None:
