@@ -245,10 +245,11 @@ class TorchModelRunner:
             from asyncllm.worker._cpu_threads import ThreadGovernor, configure_cpu_threads, default_cpu_threads
 
             threads = self.options.num_threads
-            if threads is None and size > 1 and not os.environ.get("OMP_NUM_THREADS"):
+            automatic = threads is None and not os.environ.get("OMP_NUM_THREADS")
+            if automatic and size > 1:
                 threads = max(1, default_cpu_threads() // size)  # the ranks share the host's CPUs
             self.num_threads = configure_cpu_threads(threads)
-            if threads is None and not os.environ.get("OMP_NUM_THREADS") and self.num_threads > 1:
+            if automatic and self.num_threads > 1:
                 self.thread_governor = ThreadGovernor(self.num_threads)
         if device.type == "cuda":
             # This runs on the device thread, and torch's current stream is per thread: every later
