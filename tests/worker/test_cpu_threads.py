@@ -119,26 +119,37 @@ def test_the_governor_keeps_every_thread_while_the_device_thread_gets_its_cpus()
     assert governor.last_wait_share == pytest.approx(0.2)
 
 
-def test_the_governor_drops_a_thread_per_period_under_contention_and_never_below_one() -> None:
+def test_the_governor_drops_a_thread_per_two_periods_of_contention_and_never_below_one() -> None:
     machine = _Machine()
     governor = machine.governor(3)
     governor.threads()
     machine.advance(1.0, waiting_share=0.6, idle_cpus=0.0)
     assert governor.threads() == 3  # half a period: no decision yet
     machine.advance(1.5, waiting_share=0.6, idle_cpus=0.0)
+    assert governor.threads() == 3  # one period over: a burst, perhaps
+    machine.advance(2.5, waiting_share=0.6, idle_cpus=0.0)
     assert governor.threads() == 2
-    machine.advance(2.5, waiting_share=0.5, idle_cpus=0.0)
-    assert governor.threads() == 1
-    machine.advance(2.5, waiting_share=0.5, idle_cpus=0.0)
-    assert governor.threads() == 1
+    for expected in (2, 1, 1, 1):
+        machine.advance(2.5, waiting_share=0.5, idle_cpus=0.0)
+        assert governor.threads() == expected
+
+
+def test_a_burst_of_one_period_drops_no_thread() -> None:
+    machine = _Machine()
+    governor = machine.governor(2)
+    governor.threads()
+    for share in (0.45, 0.2, 0.42, 0.15, 0.5, 0.3):  # a wave of requests now and then, alone
+        machine.advance(2.5, waiting_share=share, idle_cpus=0.1)
+        assert governor.threads() == 2
 
 
 def test_the_governor_adds_threads_back_only_for_idle_cpus() -> None:
     machine = _Machine()
     governor = machine.governor(2)
     governor.threads()
-    machine.advance(2.5, waiting_share=0.5, idle_cpus=0.0)
-    assert governor.threads() == 1
+    for expected in (2, 1):
+        machine.advance(2.5, waiting_share=0.5, idle_cpus=0.0)
+        assert governor.threads() == expected
     # One thread beside a busy process waits little, but no CPU is idle: a second thread would collapse again.
     for _ in range(3):
         machine.advance(2.5, waiting_share=0.12, idle_cpus=0.05)

@@ -152,6 +152,10 @@ GOVERNOR_DROP_ABOVE = 0.35
 """``ThreadGovernor`` drops a thread when the device thread spent more than this share of the time it wanted a
 CPU waiting for one."""
 
+GOVERNOR_DROP_AFTER = 2
+"""``ThreadGovernor`` drops a thread after this many periods in a row above ``GOVERNOR_DROP_ABOVE``: a burst of
+the engine's own work (a wave of requests arriving, parsed and tokenized on the event loop) is no other load."""
+
 GOVERNOR_ADD_IDLE_CPUS = 0.5
 """``ThreadGovernor`` adds a thread back when the CPUs this process may use were idle this many CPUs' worth of
 a period, on average."""
@@ -191,10 +195,11 @@ class ThreadGovernor:
     choice: the threads never sleep between two regions. When other processes hold the cores, one thread of
     the team is descheduled at almost every barrier and the others spin for it, and the forward collapses.
     The governor measures, per period, the share of the time the device thread (the team's master) wanted a
-    CPU that it spent waiting for one: above ``GOVERNOR_DROP_ABOVE`` it drops a thread (one thread meets no
-    barrier). It adds one back, up to ``most``, when the process's CPUs were idle at least
-    ``GOVERNOR_ADD_IDLE_CPUS`` of a CPU on average: a CPU free for the thread, which a waiting share cannot
-    tell (one thread beside a busy process waits little, yet a second would collapse again).
+    CPU that it spent waiting for one: above ``GOVERNOR_DROP_ABOVE`` for ``GOVERNOR_DROP_AFTER`` periods in a
+    row it drops a thread (one thread meets no barrier). It adds one back, up to ``most``, when the process's
+    CPUs were idle at least ``GOVERNOR_ADD_IDLE_CPUS`` of a CPU on average: a CPU free for the thread, which a
+    waiting share cannot tell (one thread beside a busy process waits little, yet a second would collapse
+    again).
 
     Call ``threads()`` on the device thread before each step and apply a changed count there
     (``torch.set_num_threads`` is per thread). The count changes no result: every CPU kernel computes each
@@ -228,6 +233,7 @@ class ThreadGovernor:
         self._schedstat = schedstat
         self._idle_seconds = idle_seconds
         self._since: tuple[float, int, int, float | None] | None = None
+        self._periods_over = 0
         self.last_wait_share: float | None = None
         """The waiting share of the last period that decided (None before one did)."""
 
@@ -253,7 +259,9 @@ class ThreadGovernor:
         share = (stats[1] - start_wait) / 1e9 / wanted
         self.last_wait_share = share
         idle_cpus = None if idle is None or start_idle is None else (idle - start_idle) / elapsed
-        if share > GOVERNOR_DROP_ABOVE and self.current > 1:
+        self._periods_over = self._periods_over + 1 if share > GOVERNOR_DROP_ABOVE else 0
+        if self._periods_over >= GOVERNOR_DROP_AFTER and self.current > 1:
+            self._periods_over = 0
             self.current -= 1
             logger.info(
                 "other work holds the CPUs (the device thread waited for one %.0f%% of the time): %d compute threads",
