@@ -169,6 +169,21 @@ def test_the_governor_decides_nothing_from_a_period_the_device_thread_slept() ->
     assert governor.last_wait_share is None
 
 
+def test_the_governor_reads_its_counters_once_a_period_not_once_a_step() -> None:
+    machine, reads = _Machine(), []
+    governor = ThreadGovernor(
+        2,
+        period=1.0,
+        clock=lambda: machine.now,
+        schedstat=lambda: reads.append("schedstat") or (machine.on_cpu, machine.waiting),  # type: ignore[func-returns-value]
+        idle_seconds=lambda: reads.append("idle") or machine.idle,  # type: ignore[func-returns-value]
+    )
+    for _ in range(50):  # 50 steps of 50 ms: 2.5 periods
+        machine.advance(0.05, waiting_share=0.1, idle_cpus=0.1)
+        governor.threads()
+    assert reads.count("schedstat") == reads.count("idle") == 3  # the first call, then once per period
+
+
 def test_the_governor_keeps_its_count_where_the_kernel_reports_no_schedstat() -> None:
     governor = ThreadGovernor(2, schedstat=lambda: None)
     assert [governor.threads() for _ in range(3)] == [2, 2, 2]

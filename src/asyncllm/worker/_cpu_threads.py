@@ -241,17 +241,18 @@ class ThreadGovernor:
         """The thread count for the next step, from the period that ended (if one did) since the last call."""
         if self.most == 1:
             return 1
+        now = self._clock()
+        if self._since is not None and now - self._since[0] < self.period:
+            return self.current  # mid-period: no files read (this runs before every step)
         stats = self._schedstat()
         if stats is None:
             return self.current
-        now, idle = self._clock(), self._idle_seconds()
+        idle = self._idle_seconds()
         if self._since is None:
             self._since = (now, *stats, idle)
             return self.current
         start, start_cpu, start_wait, start_idle = self._since
         elapsed = now - start
-        if elapsed < self.period:
-            return self.current
         self._since = (now, *stats, idle)
         wanted = (stats[0] - start_cpu + stats[1] - start_wait) / 1e9
         if wanted < 0.1 * elapsed:  # the device thread mostly slept (no steps): nothing measured
