@@ -166,6 +166,28 @@ def test_the_governor_keeps_its_count_where_the_kernel_reports_no_schedstat() ->
         ThreadGovernor(0)
 
 
+def test_the_governor_reads_nothing_between_two_decisions() -> None:
+    # /proc/stat has a line per CPU and one per interrupt: on a large host reading it costs the device thread
+    # far more than a step's bookkeeping should, so it is read once a period, not before every step.
+    machine, reads = _Machine(), {"schedstat": 0, "idle": 0}
+
+    def schedstat() -> tuple[int, int]:
+        reads["schedstat"] += 1
+        return machine.on_cpu, machine.waiting
+
+    def idle_seconds() -> float:
+        reads["idle"] += 1
+        return machine.idle
+
+    governor = ThreadGovernor(2, period=2.0, clock=lambda: machine.now, schedstat=schedstat, idle_seconds=idle_seconds)
+    governor.threads()
+    for _ in range(51):  # steps of 40 ms under contention
+        machine.advance(0.04, waiting_share=0.6, idle_cpus=0.0)
+        governor.threads()
+    assert governor.threads() == 1  # the decision after 2 s still came
+    assert reads == {"schedstat": 2, "idle": 2}
+
+
 def test_the_governor_reads_this_thread_and_these_cpus() -> None:
     if not Path("/proc/thread-self/schedstat").exists():
         pytest.skip("no schedstat here")

@@ -235,17 +235,20 @@ class ThreadGovernor:
         """The thread count for the next step, from the period that ended (if one did) since the last call."""
         if self.most == 1:
             return 1
+        now = self._clock()
+        # Nothing is read between two decisions: /proc/stat has a line per CPU and per interrupt, long to
+        # produce and parse on a large host, and this runs on the device thread before every step.
+        if self._since is not None and now - self._since[0] < self.period:
+            return self.current
         stats = self._schedstat()
         if stats is None:
             return self.current
-        now, idle = self._clock(), self._idle_seconds()
+        idle = self._idle_seconds()
         if self._since is None:
             self._since = (now, *stats, idle)
             return self.current
         start, start_cpu, start_wait, start_idle = self._since
         elapsed = now - start
-        if elapsed < self.period:
-            return self.current
         self._since = (now, *stats, idle)
         wanted = (stats[0] - start_cpu + stats[1] - start_wait) / 1e9
         if wanted < 0.1 * elapsed:  # the device thread mostly slept (no steps): nothing measured
