@@ -188,6 +188,29 @@ def test_the_governor_reads_nothing_between_two_decisions() -> None:
     assert reads == {"schedstat": 2, "idle": 2}
 
 
+def test_the_governor_drops_no_thread_it_could_not_add_back() -> None:
+    # Without an idle reading no thread ever comes back: a passing burst of other work would leave the engine
+    # on fewer threads for good.
+    machine = _Machine()
+    governor = ThreadGovernor(
+        2, period=2.0, clock=lambda: machine.now, schedstat=lambda: (machine.on_cpu, machine.waiting),
+        idle_seconds=lambda: None,
+    )  # fmt: skip
+    governor.threads()
+    machine.advance(2.5, waiting_share=0.6, idle_cpus=0.0)
+    assert governor.threads() == 2
+    assert governor.last_wait_share == pytest.approx(0.6)
+
+
+def test_the_idle_reading_is_unknown_where_proc_stat_lacks_a_cpu_of_the_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    # LXCFS shows a container its CPUs renumbered from cpu0 while the affinity mask keeps the host's numbers: a
+    # CPU of the mask missing from /proc/stat would read as never idle, and no thread would come back.
+    if read_idle_seconds() is None:
+        pytest.skip("no /proc/stat here")
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 4093})
+    assert read_idle_seconds() is None
+
+
 def test_the_governor_reads_this_thread_and_these_cpus() -> None:
     if not Path("/proc/thread-self/schedstat").exists():
         pytest.skip("no schedstat here")

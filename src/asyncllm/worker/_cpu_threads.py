@@ -170,16 +170,18 @@ def read_schedstat() -> tuple[int, int] | None:
 
 def read_idle_seconds() -> float | None:
     """Seconds the CPUs in this process's affinity mask have been idle, summed (``/proc/stat``); None where
-    unreadable."""
+    unreadable, or where ``/proc/stat`` lacks a CPU of the mask (LXCFS numbers a container's CPUs from 0 while
+    the mask keeps the host's: a missing CPU would count as never idle)."""
     try:
         cpus = {f"cpu{index}" for index in os.sched_getaffinity(0)}
-        ticks = 0
+        ticks, found = 0, 0
         with open("/proc/stat", encoding="ascii") as stat:
             for line in stat:
                 fields = line.split()
                 if fields and fields[0] in cpus:
                     ticks += int(fields[4]) + int(fields[5])  # idle, iowait
-        return ticks / os.sysconf("SC_CLK_TCK")
+                    found += 1
+        return ticks / os.sysconf("SC_CLK_TCK") if found == len(cpus) else None
     except (OSError, ValueError, IndexError, AttributeError):
         return None
 
@@ -206,8 +208,8 @@ class ThreadGovernor:
         clock: Monotonic seconds (tests pass their own, as for the next two).
         schedstat: The calling thread's (on-CPU, runnable-waiting) nanoseconds so far, None where unknown;
             where it is None the governor keeps ``most``.
-        idle_seconds: The process's CPUs' idle seconds so far, summed; None where unknown (no thread is
-            added back then).
+        idle_seconds: The process's CPUs' idle seconds so far, summed; None where unknown (the governor then
+            keeps its count: it drops no thread it could not add back).
     """
 
     def __init__(
@@ -256,6 +258,8 @@ class ThreadGovernor:
         share = (stats[1] - start_wait) / 1e9 / wanted
         self.last_wait_share = share
         idle_cpus = None if idle is None or start_idle is None else (idle - start_idle) / elapsed
+        if idle_cpus is None:  # a thread dropped now could never be added back: the count stays
+            return self.current
         if share > GOVERNOR_DROP_ABOVE and self.current > 1:
             self.current -= 1
             logger.info(
