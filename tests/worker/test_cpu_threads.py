@@ -16,6 +16,7 @@ from asyncllm.worker._cpu_threads import (
     ThreadGovernor,
     cgroup_cpu_limit,
     default_cpu_threads,
+    read_cpu_quota,
     read_idle_seconds,
     read_schedstat,
     usable_cpus,
@@ -106,6 +107,7 @@ class _Machine:
             clock=lambda: self.now,
             schedstat=lambda: (self.on_cpu, self.waiting),
             idle_seconds=lambda: self.idle,
+            cpu_quota=lambda: None,
         )
 
 
@@ -179,7 +181,10 @@ def test_the_governor_reads_nothing_between_two_decisions() -> None:
         reads["idle"] += 1
         return machine.idle
 
-    governor = ThreadGovernor(2, period=2.0, clock=lambda: machine.now, schedstat=schedstat, idle_seconds=idle_seconds)
+    governor = ThreadGovernor(
+        2, period=2.0, clock=lambda: machine.now, schedstat=schedstat, idle_seconds=idle_seconds,
+        cpu_quota=lambda: None,
+    )  # fmt: skip
     governor.threads()
     for _ in range(51):  # steps of 40 ms under contention
         machine.advance(0.04, waiting_share=0.6, idle_cpus=0.0)
@@ -194,7 +199,7 @@ def test_the_governor_drops_no_thread_it_could_not_add_back() -> None:
     machine = _Machine()
     governor = ThreadGovernor(
         2, period=2.0, clock=lambda: machine.now, schedstat=lambda: (machine.on_cpu, machine.waiting),
-        idle_seconds=lambda: None,
+        idle_seconds=lambda: None, cpu_quota=lambda: None,
     )  # fmt: skip
     governor.threads()
     machine.advance(2.5, waiting_share=0.6, idle_cpus=0.0)
@@ -209,6 +214,46 @@ def test_the_idle_reading_is_unknown_where_proc_stat_lacks_a_cpu_of_the_mask(mon
         pytest.skip("no /proc/stat here")
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 4093})
     assert read_idle_seconds() is None
+
+
+def test_the_governor_under_a_cpu_quota_counts_only_what_the_quota_leaves_idle() -> None:
+    # A 2-CPU container on a 64-core host: its affinity mask holds the host's CPUs, mostly idle, while
+    # another process in the container takes what the dropped thread left of the quota.
+    machine, used = _Machine(), [0.0]
+    governor = ThreadGovernor(
+        2, period=2.0, clock=lambda: machine.now, schedstat=lambda: (machine.on_cpu, machine.waiting),
+        idle_seconds=lambda: machine.idle, cpu_quota=lambda: (2.0, used[0]),
+    )  # fmt: skip
+    governor.threads()
+    machine.advance(2.5, waiting_share=0.5, idle_cpus=40.0)
+    used[0] += 2.5 * 2.0
+    assert governor.threads() == 1
+    for _ in range(3):
+        machine.advance(2.5, waiting_share=0.12, idle_cpus=40.0)
+        used[0] += 2.5 * 1.9  # 0.1 CPU of the quota unused
+        assert governor.threads() == 1
+    machine.advance(2.5, waiting_share=0.05, idle_cpus=41.0)  # the other process left
+    used[0] += 2.5 * 1.0
+    assert governor.threads() == 2
+
+
+def test_cpu_quota_and_its_usage_are_read_where_the_tightest_limit_is(tmp_path: Path) -> None:
+    membership = tmp_path / "proc-cgroup"
+    _write(membership, "0::/kubepods/pod1/container2\n")
+    root = tmp_path / "cgroup"
+    assert read_cpu_quota(root, membership) is None  # no quota anywhere
+    _write(root / "kubepods" / "pod1" / "cpu.max", "200000 100000\n")
+    _write(root / "kubepods" / "pod1" / "container2" / "cpu.max", "max 100000\n")
+    assert read_cpu_quota(root, membership) is None  # the quota's cgroup has no usage to read
+    _write(root / "kubepods" / "pod1" / "cpu.stat", "usage_usec 7500000\nuser_usec 5000000\n")
+    assert read_cpu_quota(root, membership) == (2.0, 7.5)
+    v1 = tmp_path / "proc-cgroup-v1"
+    _write(v1, "3:cpu,cpuacct:/docker/abc\n")
+    directory = root / "cpu,cpuacct" / "docker" / "abc"
+    _write(directory / "cpu.cfs_quota_us", "150000\n")
+    _write(directory / "cpu.cfs_period_us", "100000\n")
+    _write(directory / "cpuacct.usage", "3000000000\n")
+    assert read_cpu_quota(root, v1) == (1.5, 3.0)
 
 
 def test_the_governor_reads_this_thread_and_these_cpus() -> None:
