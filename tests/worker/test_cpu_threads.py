@@ -309,3 +309,19 @@ def test_the_runner_applies_the_governor_s_count_before_each_step(tiny_llama, mo
     finally:
         explicit.close()
         torch.set_num_threads(before)
+
+
+def test_compiled_layers_keep_one_thread_count(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # inductor's CPU kernels split a long row's reduction over the threads running at the call (one row of
+    # 8,192 floats: other bits at 1 thread than at 2), or fix the count they were compiled with: the governor
+    # would change results, or not reach those kernels at all.
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(_cpu_threads, "usable_cpus", lambda: 2)
+    before = torch.get_num_threads()
+    runner = TorchModelRunner(tiny_llama, device="cpu", compile=True, kv_cache_blocks=16, block_size=4)
+    try:
+        runner._load_model()  # threads and weights; the compilation itself comes later in load()
+        assert runner.num_threads == 2 and runner.thread_governor is None
+    finally:
+        runner.close()
+        torch.set_num_threads(before)
