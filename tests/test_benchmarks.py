@@ -546,8 +546,8 @@ def test_structured_output_quick(tiny_llama: Path, tmp_path: Path, capsys: pytes
 
 
 def test_serving_http_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # Real `asyncllm serve` processes (the thread governor, and fixed threads with a short spin) under the openai client,
-    # alone and beside one spinning process.
+    # Real `asyncllm serve` processes (the thread governor, and fixed threads with a short spin) under the openai
+    # client, alone and beside one spinning process.
     out_json = tmp_path / "serving_http.json"
     argv = ["--model", str(tiny_llama), "--quick", "--json", str(out_json), "--engine-opt", "kv_cache_blocks=64"]
     assert load("serving_http").main([*argv, "--engine-opt", "device=cpu"]) == 0

@@ -3,6 +3,7 @@ drops threads while other work holds the CPUs and adds them back when CPUs are i
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from asyncllm.worker._cpu_threads import (
     ThreadGovernor,
     cgroup_cpu_limit,
     default_cpu_threads,
+    read_cpu_quota,
     read_idle_seconds,
     read_schedstat,
     usable_cpus,
@@ -106,6 +108,7 @@ class _Machine:
             clock=lambda: self.now,
             schedstat=lambda: (self.on_cpu, self.waiting),
             idle_seconds=lambda: self.idle,
+            cpu_quota=lambda: None,
         )
 
 
@@ -177,6 +180,7 @@ def test_the_governor_reads_its_counters_once_a_period_not_once_a_step() -> None
         clock=lambda: machine.now,
         schedstat=lambda: reads.append("schedstat") or (machine.on_cpu, machine.waiting),  # type: ignore[func-returns-value]
         idle_seconds=lambda: reads.append("idle") or machine.idle,  # type: ignore[func-returns-value]
+        cpu_quota=lambda: None,
     )
     for _ in range(50):  # 50 steps of 50 ms: 2.5 periods
         machine.advance(0.05, waiting_share=0.1, idle_cpus=0.1)
@@ -190,6 +194,70 @@ def test_the_governor_keeps_its_count_where_the_kernel_reports_no_schedstat() ->
     assert ThreadGovernor(1).threads() == 1
     with pytest.raises(ValueError, match="at least 1"):
         ThreadGovernor(0)
+
+
+def test_the_governor_drops_no_thread_it_could_not_add_back() -> None:
+    # Without an idle reading no thread ever comes back: a passing burst of other work would leave the engine
+    # on fewer threads for good.
+    machine = _Machine()
+    governor = ThreadGovernor(
+        2, period=2.0, clock=lambda: machine.now, schedstat=lambda: (machine.on_cpu, machine.waiting),
+        idle_seconds=lambda: None, cpu_quota=lambda: None,
+    )  # fmt: skip
+    governor.threads()
+    machine.advance(2.5, waiting_share=0.6, idle_cpus=0.0)
+    assert governor.threads() == 2
+    assert governor.last_wait_share == pytest.approx(0.6)
+
+
+def test_the_idle_reading_is_unknown_where_proc_stat_lacks_a_cpu_of_the_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    # LXCFS shows a container its CPUs renumbered from cpu0 while the affinity mask keeps the host's numbers: a
+    # CPU of the mask missing from /proc/stat would read as never idle, and no thread would come back.
+    if read_idle_seconds() is None:
+        pytest.skip("no /proc/stat here")
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 4093})
+    assert read_idle_seconds() is None
+
+
+def test_the_governor_under_a_cpu_quota_counts_only_what_the_quota_leaves_idle() -> None:
+    # A 2-CPU container on a 64-core host: its affinity mask holds the host's CPUs, mostly idle, while
+    # another process in the container takes what the dropped thread left of the quota.
+    machine, used = _Machine(), [0.0]
+    governor = ThreadGovernor(
+        2, period=2.0, clock=lambda: machine.now, schedstat=lambda: (machine.on_cpu, machine.waiting),
+        idle_seconds=lambda: machine.idle, cpu_quota=lambda: (2.0, used[0]),
+    )  # fmt: skip
+    governor.threads()
+    for expected in (2, 1):  # two periods with the quota full
+        machine.advance(2.5, waiting_share=0.5, idle_cpus=40.0)
+        used[0] += 2.5 * 2.0
+        assert governor.threads() == expected
+    for _ in range(3):
+        machine.advance(2.5, waiting_share=0.12, idle_cpus=40.0)
+        used[0] += 2.5 * 1.9  # 0.1 CPU of the quota unused
+        assert governor.threads() == 1
+    machine.advance(2.5, waiting_share=0.05, idle_cpus=41.0)  # the other process left
+    used[0] += 2.5 * 1.0
+    assert governor.threads() == 2
+
+
+def test_cpu_quota_and_its_usage_are_read_where_the_tightest_limit_is(tmp_path: Path) -> None:
+    membership = tmp_path / "proc-cgroup"
+    _write(membership, "0::/kubepods/pod1/container2\n")
+    root = tmp_path / "cgroup"
+    assert read_cpu_quota(root, membership) is None  # no quota anywhere
+    _write(root / "kubepods" / "pod1" / "cpu.max", "200000 100000\n")
+    _write(root / "kubepods" / "pod1" / "container2" / "cpu.max", "max 100000\n")
+    assert read_cpu_quota(root, membership) is None  # the quota's cgroup has no usage to read
+    _write(root / "kubepods" / "pod1" / "cpu.stat", "usage_usec 7500000\nuser_usec 5000000\n")
+    assert read_cpu_quota(root, membership) == (2.0, 7.5)
+    v1 = tmp_path / "proc-cgroup-v1"
+    _write(v1, "3:cpu,cpuacct:/docker/abc\n")
+    directory = root / "cpu,cpuacct" / "docker" / "abc"
+    _write(directory / "cpu.cfs_quota_us", "150000\n")
+    _write(directory / "cpu.cfs_period_us", "100000\n")
+    _write(directory / "cpuacct.usage", "3000000000\n")
+    assert read_cpu_quota(root, v1) == (1.5, 3.0)
 
 
 def test_the_governor_reads_this_thread_and_these_cpus() -> None:
@@ -223,6 +291,9 @@ def test_the_runner_applies_the_governor_s_count_before_each_step(tiny_llama, mo
     try:
         governor = runner.thread_governor
         assert governor is not None and governor.most == 2
+        # The test sets the count itself: six steps take most of a period here, and on a loaded machine the
+        # governor would otherwise decide on its own in the middle (and drop a thread before the first check).
+        governor.period = math.inf
         alone = _greedy(runner, [3, 5, 7, 11], 6)
         assert torch.get_num_threads() == 2
         governor.current, governor.most = 1, 1  # as if a period had found the CPUs taken, and kept them so
@@ -240,4 +311,20 @@ def test_the_runner_applies_the_governor_s_count_before_each_step(tiny_llama, mo
         assert explicit.thread_governor is None  # an explicit count is kept as it is
     finally:
         explicit.close()
+        torch.set_num_threads(before)
+
+
+def test_compiled_layers_keep_one_thread_count(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # inductor's CPU kernels split a long row's reduction over the threads running at the call (one row of
+    # 8,192 floats: other bits at 1 thread than at 2), or fix the count they were compiled with: the governor
+    # would change results, or not reach those kernels at all.
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(_cpu_threads, "usable_cpus", lambda: 2)
+    before = torch.get_num_threads()
+    runner = TorchModelRunner(tiny_llama, device="cpu", compile=True, kv_cache_blocks=16, block_size=4)
+    try:
+        runner._load_model()  # threads and weights; the compilation itself comes later in load()
+        assert runner.num_threads == 2 and runner.thread_governor is None
+    finally:
+        runner.close()
         torch.set_num_threads(before)

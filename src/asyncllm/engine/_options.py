@@ -153,7 +153,7 @@ class EngineOptions:
         process may use (its affinity mask, capped by its cgroup's CPU quota), less one from 8 on
         (the spare one runs the event loop), and fewer while other work holds those CPUs (the
         thread governor: docs/performance.md, "Sharing the machine"). An explicit count is kept as it
-        is."""),
+        is, and so is the automatic one with ``compile=True`` (inductor's kernels depend on their count)."""),
     )
     max_logprobs: int = field(
         default=20,

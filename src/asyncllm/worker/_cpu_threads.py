@@ -174,18 +174,51 @@ def read_schedstat() -> tuple[int, int] | None:
 
 def read_idle_seconds() -> float | None:
     """Seconds the CPUs in this process's affinity mask have been idle, summed (``/proc/stat``); None where
-    unreadable."""
+    unreadable, or where ``/proc/stat`` lacks a CPU of the mask (LXCFS numbers a container's CPUs from 0 while
+    the mask keeps the host's: a missing CPU would count as never idle)."""
     try:
         cpus = {f"cpu{index}" for index in os.sched_getaffinity(0)}
-        ticks = 0
+        ticks, found = 0, 0
         with open("/proc/stat", encoding="ascii") as stat:
             for line in stat:
                 fields = line.split()
                 if fields and fields[0] in cpus:
                     ticks += int(fields[4]) + int(fields[5])  # idle, iowait
-        return ticks / os.sysconf("SC_CLK_TCK")
+                    found += 1
+        return ticks / os.sysconf("SC_CLK_TCK") if found == len(cpus) else None
     except (OSError, ValueError, IndexError, AttributeError):
         return None
+
+
+def read_cpu_quota(
+    cgroup_root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")
+) -> tuple[float, float] | None:
+    """The tightest CPU quota over this process's cgroup and its ancestors, in CPUs, and the CPU seconds that
+    cgroup has used so far (cgroup v2's ``cpu.stat``, v1's ``cpuacct.usage``); None without a quota, or where
+    its cgroup's usage is unreadable.
+
+    Args:
+        cgroup_root: Where the cgroup filesystem is mounted.
+        membership: The ``/proc/<pid>/cgroup`` file that names the process's cgroups.
+    """
+    tightest: tuple[float, int, Path] | None = None
+    for version, directory in cgroup_directories("cpu", cgroup_root, membership):
+        for limit in _v2_limit(directory / "cpu.max") if version == 2 else _v1_limit(directory):
+            if tightest is None or limit < tightest[0]:
+                tightest = (limit, version, directory)
+    if tightest is None:
+        return None
+    limit, version, directory = tightest
+    try:
+        if version == 1:
+            return limit, int((directory / "cpuacct.usage").read_text()) / 1e9
+        for line in (directory / "cpu.stat").read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == "usage_usec":
+                return limit, int(value) / 1e6
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 class ThreadGovernor:
@@ -211,8 +244,11 @@ class ThreadGovernor:
         clock: Monotonic seconds (tests pass their own, as for the next two).
         schedstat: The calling thread's (on-CPU, runnable-waiting) nanoseconds so far, None where unknown;
             where it is None the governor keeps ``most``.
-        idle_seconds: The process's CPUs' idle seconds so far, summed; None where unknown (no thread is
-            added back then).
+        idle_seconds: The process's CPUs' idle seconds so far, summed; None where unknown (the governor then
+            keeps its count: it drops no thread it could not add back).
+        cpu_quota: The cgroup CPU quota over the process, in CPUs, and its cgroup's CPU seconds so far; None
+            without one. Under a quota the idle CPUs counted are at most what the quota left unused (a
+            2-CPU container on a 64-core host sees the host's idle CPUs in its affinity mask).
     """
 
     def __init__(
@@ -223,6 +259,7 @@ class ThreadGovernor:
         clock: Callable[[], float] = time.monotonic,
         schedstat: Callable[[], tuple[int, int] | None] = read_schedstat,
         idle_seconds: Callable[[], float | None] = read_idle_seconds,
+        cpu_quota: Callable[[], tuple[float, float] | None] = read_cpu_quota,
     ) -> None:
         if most < 1:
             raise ValueError(f"most must be at least 1, got {most}")
@@ -232,7 +269,8 @@ class ThreadGovernor:
         self._clock = clock
         self._schedstat = schedstat
         self._idle_seconds = idle_seconds
-        self._since: tuple[float, int, int, float | None] | None = None
+        self._cpu_quota = cpu_quota
+        self._since: tuple[float, int, int, float | None, tuple[float, float] | None] | None = None
         self._periods_over = 0
         self.last_wait_share: float | None = None
         """The waiting share of the last period that decided (None before one did)."""
@@ -242,24 +280,31 @@ class ThreadGovernor:
         if self.most == 1:
             return 1
         now = self._clock()
+        # Nothing is read between two decisions: /proc/stat has a line per CPU and per interrupt, long to
+        # produce and parse on a large host, and this runs on the device thread before every step.
         if self._since is not None and now - self._since[0] < self.period:
-            return self.current  # mid-period: no files read (this runs before every step)
+            return self.current
         stats = self._schedstat()
         if stats is None:
             return self.current
-        idle = self._idle_seconds()
+        idle, quota = self._idle_seconds(), self._cpu_quota()
         if self._since is None:
-            self._since = (now, *stats, idle)
+            self._since = (now, *stats, idle, quota)
             return self.current
-        start, start_cpu, start_wait, start_idle = self._since
+        start, start_cpu, start_wait, start_idle, start_quota = self._since
         elapsed = now - start
-        self._since = (now, *stats, idle)
+        self._since = (now, *stats, idle, quota)
         wanted = (stats[0] - start_cpu + stats[1] - start_wait) / 1e9
         if wanted < 0.1 * elapsed:  # the device thread mostly slept (no steps): nothing measured
             return self.current
         share = (stats[1] - start_wait) / 1e9 / wanted
         self.last_wait_share = share
         idle_cpus = None if idle is None or start_idle is None else (idle - start_idle) / elapsed
+        if idle_cpus is not None and quota is not None and start_quota is not None:
+            # Under a quota the host's idle CPUs are not this process's to take: what the quota left unused is.
+            idle_cpus = min(idle_cpus, quota[0] - (quota[1] - start_quota[1]) / elapsed)
+        if idle_cpus is None:  # a thread dropped now could never be added back: the count stays
+            return self.current
         self._periods_over = self._periods_over + 1 if share > GOVERNOR_DROP_ABOVE else 0
         if self._periods_over >= GOVERNOR_DROP_AFTER and self.current > 1:
             self._periods_over = 0

@@ -174,7 +174,8 @@ class TorchModelRunner:
         """torch's threads on the CPU: the option, then the count set at load (the governor's most)."""
         self.thread_governor: ThreadGovernor | None = None
         """On the CPU with the automatic thread count: fewer threads while other work holds the CPUs, set before
-        each step (an explicit ``num_threads`` or ``OMP_NUM_THREADS`` is kept as it is)."""
+        each step (an explicit ``num_threads`` or ``OMP_NUM_THREADS`` is kept as it is, and so is the count of
+        compiled layers, ``compile=True``)."""
         self.num_packed_layers = 0
         """Linear layers running from packed weights (0: all on ``F.linear``)."""
         self.packed_format: PackedFormat | None = None
@@ -249,6 +250,9 @@ class TorchModelRunner:
             if automatic and size > 1:
                 threads = max(1, default_cpu_threads() // size)  # the ranks share the host's CPUs
             self.num_threads = configure_cpu_threads(threads)
+            # Not under compile: inductor's kernels split one long row's reduction over the threads of the call
+            # (other bits at another count) or fix the count they were compiled with (out of the governor's reach).
+            automatic = automatic and not self.options.compile
             if automatic and self.num_threads > 1:
                 self.thread_governor = ThreadGovernor(self.num_threads)
         if device.type == "cuda":
