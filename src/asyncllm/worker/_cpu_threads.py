@@ -45,10 +45,19 @@ def cgroup_cpu_limit(
         cgroup_root: Where the cgroup filesystem is mounted.
         membership: The ``/proc/<pid>/cgroup`` file that names the process's cgroups.
     """
-    limits: list[float] = []
+    tightest = _tightest_cpu_limit(cgroup_root, membership)
+    return None if tightest is None else tightest[0]
+
+
+def _tightest_cpu_limit(cgroup_root: Path, membership: Path) -> tuple[float, int, Path] | None:
+    """The tightest CPU quota over this process's cgroup and its ancestors, in CPUs, with the cgroup version and
+    directory that set it; None when unlimited."""
+    tightest: tuple[float, int, Path] | None = None
     for version, directory in cgroup_directories("cpu", cgroup_root, membership):
-        limits.extend(_v2_limit(directory / "cpu.max") if version == 2 else _v1_limit(directory))
-    return min(limits) if limits else None
+        for limit in _v2_limit(directory / "cpu.max") if version == 2 else _v1_limit(directory):
+            if tightest is None or limit < tightest[0]:
+                tightest = (limit, version, directory)
+    return tightest
 
 
 def cgroup_directories(
@@ -201,11 +210,7 @@ def read_cpu_quota(
         cgroup_root: Where the cgroup filesystem is mounted.
         membership: The ``/proc/<pid>/cgroup`` file that names the process's cgroups.
     """
-    tightest: tuple[float, int, Path] | None = None
-    for version, directory in cgroup_directories("cpu", cgroup_root, membership):
-        for limit in _v2_limit(directory / "cpu.max") if version == 2 else _v1_limit(directory):
-            if tightest is None or limit < tightest[0]:
-                tightest = (limit, version, directory)
+    tightest = _tightest_cpu_limit(cgroup_root, membership)
     if tightest is None:
         return None
     limit, version, directory = tightest
@@ -314,12 +319,7 @@ class ThreadGovernor:
                 100 * share,
                 self.current,
             )
-        elif (
-            share <= GOVERNOR_DROP_ABOVE
-            and self.current < self.most
-            and idle_cpus is not None
-            and idle_cpus >= GOVERNOR_ADD_IDLE_CPUS
-        ):
+        elif share <= GOVERNOR_DROP_ABOVE and self.current < self.most and idle_cpus >= GOVERNOR_ADD_IDLE_CPUS:
             self.current += 1
             logger.info("the CPUs are free again: %d compute threads", self.current)
         return self.current
