@@ -312,3 +312,35 @@ def test_the_option_must_be_a_bool() -> None:
     with pytest.raises(ValueError, match="kv_cache_prefault must be a bool"):
         EngineOptions.from_keywords(kv_cache_prefault="no")
     assert EngineOptions.from_keywords(kv_cache_prefault=False).kv_cache_prefault is False
+
+
+def _policy_seen_by_madvise(monkeypatch: pytest.MonkeyPatch) -> tuple[int, int]:
+    """The prefault thread's scheduling policy and niceness, read on that thread at its first madvise."""
+    seen: list[tuple[int, int]] = []
+
+    def record(address: int, length: int, advice: int) -> int:
+        seen.append((os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        return 0
+
+    monkeypatch.setattr(_memory, "_libc_madvise", lambda: record)
+    prefault = Prefault([_kv_like(256, 1024)], rows_per_round=64)
+    assert prefault.wait() and prefault.completed
+    return seen[0]
+
+
+def test_the_thread_runs_only_on_cpu_time_nothing_else_wants(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SCHED_IDLE: a niced thread would still take its share of a busy core from the compute threads."""
+    policy, _ = _policy_seen_by_madvise(monkeypatch)
+    assert policy == os.SCHED_IDLE
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's own policy is untouched
+
+
+def test_where_the_idle_policy_is_refused_the_thread_is_niced(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object) -> None:
+        raise PermissionError(errno.EPERM, "refused")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refuse)
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    policy, niceness = _policy_seen_by_madvise(monkeypatch)
+    assert policy == os.SCHED_OTHER
+    assert niceness == max(before, _memory.PREFAULT_NICENESS)  # never less nice than the process already was

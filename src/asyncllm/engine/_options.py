@@ -87,7 +87,7 @@ class EngineOptions:
     kv_cache_prefault: bool = field(
         default=True,
         metadata=_doc("""On the CPU, make the whole KV cache resident on a background thread once it is allocated
-        (lower priority; Linux 5.14+), so that steps never pay for first touches of fresh memory, which on
+        (Linux 5.14+) that runs only on CPU time nothing else wants (SCHED_IDLE), so that steps never pay for first touches of fresh memory, which on
         virtual machines can stall a step for hundreds of milliseconds; it stops while less than 512 MiB of
         the host's (or the container's) memory would be left. False leaves pages to be faulted in as the
         cache fills: resident memory grows with use."""),

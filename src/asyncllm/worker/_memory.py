@@ -77,7 +77,7 @@ MADV_POPULATE_WRITE = 23
 PREFAULT_ROUND_BYTES = 2 << 20
 """A prefault round faults in about this much of the widest tensor: one transparent huge page."""
 PREFAULT_NICENESS = 10
-"""The prefault thread's niceness: it yields the cores to the engine's and the application's threads."""
+"""The prefault thread's niceness where ``SCHED_IDLE`` is refused (``idle_priority``)."""
 PREFAULT_RESERVE_BYTES = 512 << 20
 """The prefault stops while less than this would be left of the memory available (``host_available_bytes``):
 a cache planned too large for what is free now stays partly unfaulted rather than pushing out everything else."""
@@ -121,6 +121,30 @@ def _libc_madvise() -> Callable[[int, int, int], int] | None:
     return function  # type: ignore[no-any-return]
 
 
+def idle_priority() -> str:
+    """Put the calling thread under Linux's ``SCHED_IDLE`` policy, so that it runs only on a CPU that no other
+    thread wants, or where that is refused, at ``PREFAULT_NICENESS``; returns which: ``"idle"``, ``"nice"`` or
+    ``"normal"`` (neither was possible).
+
+    A niced thread still gets its weighted share of a busy CPU and, holding it for a scheduler slice, stalls
+    the compute thread it displaced and the whole OpenMP team waiting for that one; an idle-policy thread is
+    displaced at once. Only Linux schedules each thread on its own, through its id (``0``: the caller);
+    elsewhere a thread id is no process id (on macOS it could even be another process's), so nothing changes.
+    """
+    if not sys.platform.startswith("linux"):
+        return "normal"
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        return "idle"
+    except (AttributeError, OSError):  # a seccomp profile may refuse the call
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREFAULT_NICENESS)
+        return "nice"
+    except OSError:
+        return "normal"
+
+
 class Prefault:
     """Faults in every page of some CPU tensors on a background thread, so that no step pays for it later.
 
@@ -129,9 +153,11 @@ class Prefault:
     The KV cache's block pool hands out never-used blocks before it reuses any, so without this a serving
     engine keeps writing into fresh pages, on the device thread, in the middle of a step (one block can
     start a fresh huge page in every layer's keys and values at once). This thread pays that cost up front,
-    at a lower priority, in the order blocks are handed out (``prefault_ranges``); a step that reaches a
-    page first simply faults it in itself. ``MADV_POPULATE_WRITE`` only makes pages resident: it never
-    changes their contents, so the forward may write the same tensors meanwhile.
+    on CPU time nothing else wants (``idle_priority``), in the order blocks are handed out
+    (``prefault_ranges``); a step that reaches a page first simply faults it in itself; under steady load
+    that can be most of them, which costs the steps less than the thread taking a core from them would.
+    ``MADV_POPULATE_WRITE`` only makes pages resident: it never changes their contents, so the forward may
+    write the same tensors meanwhile.
 
     Args:
         tensors: CPU tensors over anonymous mappings (``mapped_tensor``): rows in the first dimension.
@@ -159,10 +185,7 @@ class Prefault:
             madvise = _libc_madvise()
             if madvise is None:
                 return
-            # Only Linux gives each thread a niceness of its own, set through its id; elsewhere a thread id
-            # is no process id (on macOS it could even be another process's), so nothing is reniced there.
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREFAULT_NICENESS)
+            idle_priority()
             unchecked = PREFAULT_CHECK_BYTES  # look before the first range
             for address, length in self._ranges:
                 if self._stopping.is_set():
