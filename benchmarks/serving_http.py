@@ -20,6 +20,7 @@ load generator shares the machine with the servers, as a co-located client does.
 ``--background K`` adds K processes that spin in pure Python for the whole measurement: other jobs on
 the box (0 is the engine alone with its client).
 
+Each run starts once every server has been quiet (under 5% of a core for a second, ``wait_until_quiet``).
 Metrics per run: output tokens/s (completion tokens over the run's wall time), TTFT (first content
 chunk) p50/p99 over requests, per-request ITL (a request's time from first to last content chunk
 over its tokens after the first) p50/p99. Tables show the median over ``--repeats`` runs (systems
@@ -127,6 +128,22 @@ class Server:
         if self.process is not None and self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGTERM)
 
+    def cpu_seconds(self) -> float:
+        """CPU time used so far by every process of the server's session (its workers too); 0 off Linux."""
+        if self.process is None:
+            return 0.0
+        ticks = 0
+        for entry in Path("/proc").iterdir() if Path("/proc/self/stat").exists() else ():
+            if not entry.name.isdigit():
+                continue
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+            if int(fields[3]) == self.process.pid:  # the session id: the server started its own session
+                ticks += int(fields[11]) + int(fields[12])
+        return ticks / os.sysconf("SC_CLK_TCK")
+
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:
             return
@@ -162,6 +179,25 @@ def vllm_server(python: str, model: Path, max_model_len: int, dtype: str) -> Ser
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port)]
     command += ["--served-model-name", "m", "--dtype", dtype, "--max-model-len", str(max_model_len)]
     return Server(VLLM, command, env, port)
+
+
+QUIET_SHARE, QUIET_WINDOW, QUIET_TIMEOUT = 0.05, 1.0, 180.0
+
+
+def wait_until_quiet(servers: list[Server]) -> float:
+    """Block until the servers together used under ``QUIET_SHARE`` of a core over ``QUIET_WINDOW`` seconds, so
+    that no run pays for another server's start-up work or the tail of the run before it; returns the seconds
+    waited (at most ``QUIET_TIMEOUT``, then logged). Measured without it: asyncllm's runs right after vLLM's
+    lost 10-20% to vLLM's threads winding down (a second of their CPU time inside asyncllm's run), and a vLLM
+    run during asyncllm's KV prefault (its first 10-20 s) lost almost half."""
+    start = time.monotonic()
+    while time.monotonic() - start < QUIET_TIMEOUT:
+        before = sum(server.cpu_seconds() for server in servers)
+        time.sleep(QUIET_WINDOW)
+        if sum(server.cpu_seconds() for server in servers) - before < QUIET_SHARE * QUIET_WINDOW:
+            return time.monotonic() - start
+    common.log(f"the servers did not go quiet within {QUIET_TIMEOUT:.0f} s; measuring anyway")
+    return time.monotonic() - start
 
 
 def _spin(stop: Any) -> None:
@@ -300,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                 for repeat in range(args.repeats):
                     order = servers[repeat % len(servers) :] + servers[: repeat % len(servers)]
                     for server in order:
+                        wait_until_quiet(servers)
                         with BackgroundLoad(background):
                             run = asyncio.run(
                                 load_run(
