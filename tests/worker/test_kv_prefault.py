@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -314,33 +315,66 @@ def test_the_option_must_be_a_bool() -> None:
     assert EngineOptions.from_keywords(kv_cache_prefault=False).kv_cache_prefault is False
 
 
-def _policy_seen_by_madvise(monkeypatch: pytest.MonkeyPatch) -> tuple[int, int]:
-    """The prefault thread's scheduling policy and niceness, read on that thread at its first madvise."""
-    seen: list[tuple[int, int]] = []
+
+def _recording_madvise(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The lengths the prefault thread asks madvise to fault in, recorded instead of faulted."""
+    lengths: list[int] = []
 
     def record(address: int, length: int, advice: int) -> int:
-        seen.append((os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        lengths.append(length)
         return 0
 
     monkeypatch.setattr(_memory, "_libc_madvise", lambda: record)
-    prefault = Prefault([_kv_like(256, 1024)], rows_per_round=64)
+    return lengths
+
+
+def test_nothing_is_faulted_in_while_the_engine_is_busy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beside steps the thread took a share of a core from them; while ``busy`` says so it only waits, and
+    ``stop()`` ends that wait at once."""
+    lengths = _recording_madvise(monkeypatch)
+    asked = threading.Event()
+
+    def busy() -> bool:
+        asked.set()
+        return True
+
+    prefault = Prefault([_kv_like(1024, 1024)], rows_per_round=64, busy=busy)
+    assert asked.wait(timeout=60)
+    prefault.stop()
+    assert lengths == [] and prefault.faulted_bytes == 0 and not prefault.completed
+
+
+def test_the_thread_goes_on_once_the_engine_is_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Busy for the first two looks, then idle: every range is faulted in, and ``busy`` was asked before each."""
+    lengths = _recording_madvise(monkeypatch)
+    answers = [True, True]
+    looks: list[int] = []
+
+    def busy() -> bool:
+        looks.append(len(lengths))
+        return answers.pop(0) if answers else False
+
+    tensor = _kv_like(1024, 1024)
+    prefault = Prefault([tensor], rows_per_round=256, busy=busy)
     assert prefault.wait() and prefault.completed
-    return seen[0]
+    assert sum(lengths) >= tensor.numel() * tensor.element_size()
+    assert looks == [0, 0, *range(len(lengths))]  # two waits before the first range, then one look per range
 
 
-def test_the_thread_runs_only_on_cpu_time_nothing_else_wants(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SCHED_IDLE: a niced thread would still take its share of a busy core from the compute threads."""
-    policy, _ = _policy_seen_by_madvise(monkeypatch)
-    assert policy == os.SCHED_IDLE
-    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's own policy is untouched
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_step_holds_the_runners_prefault_off(tiny_llama: Path) -> None:
+    """The runner's ``busy``: a step began less than ``PREFAULT_QUIET_SECONDS`` ago."""
+    from asyncllm import Engine, SamplingParams
 
-
-def test_where_the_idle_policy_is_refused_the_thread_is_niced(monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse(*args: object) -> None:
-        raise PermissionError(errno.EPERM, "refused")
-
-    monkeypatch.setattr(os, "sched_setscheduler", refuse)
-    before = os.getpriority(os.PRIO_PROCESS, 0)
-    policy, niceness = _policy_seen_by_madvise(monkeypatch)
-    assert policy == os.SCHED_OTHER
-    assert niceness == max(before, _memory.PREFAULT_NICENESS)  # never less nice than the process already was
+    async with Engine.open(tiny_llama, device="cpu", kv_cache_memory=8 << 20) as engine:
+        runner = engine._core.runner if engine._core is not None else None
+        assert isinstance(runner, TorchModelRunner)
+        assert not runner._stepped_recently()  # no step yet
+        before = time.monotonic()
+        await engine.generate("hello", SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        assert runner.last_step_started >= before
+        runner.last_step_started = time.monotonic()
+        assert runner._stepped_recently()
+        runner.last_step_started -= _memory.PREFAULT_QUIET_SECONDS
+        assert not runner._stepped_recently()

@@ -77,7 +77,12 @@ MADV_POPULATE_WRITE = 23
 PREFAULT_ROUND_BYTES = 2 << 20
 """A prefault round faults in about this much of the widest tensor: one transparent huge page."""
 PREFAULT_NICENESS = 10
-"""The prefault thread's niceness where ``SCHED_IDLE`` is refused (``idle_priority``)."""
+"""The prefault thread's niceness: it yields the cores to the engine's and the application's threads. Not
+``SCHED_IDLE``: a thread that gets no CPU while others are runnable, preempted while it holds the GIL (between
+two ranges) or the address-space lock (inside one), would stall every thread that needs them."""
+PREFAULT_QUIET_SECONDS = 0.2
+"""The prefault faults a range only while the engine's device has been idle this long (``Prefault``'s
+``busy``), and looks again after as long."""
 PREFAULT_RESERVE_BYTES = 512 << 20
 """The prefault stops while less than this would be left of the memory available (``host_available_bytes``):
 a cache planned too large for what is free now stays partly unfaulted rather than pushing out everything else."""
@@ -121,30 +126,6 @@ def _libc_madvise() -> Callable[[int, int, int], int] | None:
     return function  # type: ignore[no-any-return]
 
 
-def idle_priority() -> str:
-    """Put the calling thread under Linux's ``SCHED_IDLE`` policy, so that it runs only on a CPU that no other
-    thread wants, or where that is refused, at ``PREFAULT_NICENESS``; returns which: ``"idle"``, ``"nice"`` or
-    ``"normal"`` (neither was possible).
-
-    A niced thread still gets its weighted share of a busy CPU and, holding it for a scheduler slice, stalls
-    the compute thread it displaced and the whole OpenMP team waiting for that one; an idle-policy thread is
-    displaced at once. Only Linux schedules each thread on its own, through its id (``0``: the caller);
-    elsewhere a thread id is no process id (on macOS it could even be another process's), so nothing changes.
-    """
-    if not sys.platform.startswith("linux"):
-        return "normal"
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        return "idle"
-    except (AttributeError, OSError):  # a seccomp profile may refuse the call
-        pass
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREFAULT_NICENESS)
-        return "nice"
-    except OSError:
-        return "normal"
-
-
 class Prefault:
     """Faults in every page of some CPU tensors on a background thread, so that no step pays for it later.
 
@@ -153,15 +134,19 @@ class Prefault:
     The KV cache's block pool hands out never-used blocks before it reuses any, so without this a serving
     engine keeps writing into fresh pages, on the device thread, in the middle of a step (one block can
     start a fresh huge page in every layer's keys and values at once). This thread pays that cost up front,
-    on CPU time nothing else wants (``idle_priority``), in the order blocks are handed out
-    (``prefault_ranges``); a step that reaches a page first simply faults it in itself; under steady load
-    that can be most of them, which costs the steps less than the thread taking a core from them would.
+    at a lower priority, in the order blocks are handed out (``prefault_ranges``), and only while the
+    engine is idle (``busy``): running beside steps it took a share of a core from them, which cost more
+    than the fresh pages it spared them. A step that reaches a page first simply faults it in itself (under
+    steady load from the start, every page it reaches).
     ``MADV_POPULATE_WRITE`` only makes pages resident: it never changes their contents, so the forward may
     write the same tensors meanwhile.
 
     Args:
         tensors: CPU tensors over anonymous mappings (``mapped_tensor``): rows in the first dimension.
         rows_per_round: Rows of each tensor per round (``prefault_ranges``).
+        busy: Asked before each range; while it says True the thread waits ``PREFAULT_QUIET_SECONDS`` and asks
+            again (None: never busy). The model runner's says whether a step started in the last
+            ``PREFAULT_QUIET_SECONDS``.
 
     The thread ends when every page is resident, at ``stop()``, when less than ``PREFAULT_RESERVE_BYTES`` of
     memory would be left (a warning), or at the first refusal (a kernel before 5.14 lacks the advice: logged
@@ -169,8 +154,11 @@ class Prefault:
     returns once the thread has ended: within one round of one tensor.
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], rows_per_round: int) -> None:
+    def __init__(
+        self, tensors: Sequence[torch.Tensor], rows_per_round: int, busy: Callable[[], bool] | None = None
+    ) -> None:
         self._tensors = list(tensors)  # kept alive until the thread ends: their pages stay mapped
+        self._busy = busy
         self._ranges = prefault_ranges(self._tensors, rows_per_round)
         self._stopping = threading.Event()
         self.completed = False
@@ -185,9 +173,16 @@ class Prefault:
             madvise = _libc_madvise()
             if madvise is None:
                 return
-            idle_priority()
+            # Only Linux gives each thread a niceness of its own, set through its id; elsewhere a thread id
+            # is no process id (on macOS it could even be another process's), so nothing is reniced there.
+            if sys.platform.startswith("linux"):
+                with contextlib.suppress(OSError):
+                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREFAULT_NICENESS)
             unchecked = PREFAULT_CHECK_BYTES  # look before the first range
             for address, length in self._ranges:
+                while self._busy is not None and self._busy():
+                    if self._stopping.wait(PREFAULT_QUIET_SECONDS):
+                        return
                 if self._stopping.is_set():
                     return
                 unchecked += length

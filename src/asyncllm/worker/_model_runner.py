@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ from asyncllm.worker._graphs import DecodeGraphs, capture_sizes
 from asyncllm.worker._input_batch import InputBatch, StepInputs
 from asyncllm.worker._memory import (
     DEFAULT_CUDA_FRACTION,
+    PREFAULT_QUIET_SECONDS,
     PREFAULT_ROUND_BYTES,
     KVCacheSizing,
     Prefault,
@@ -200,6 +202,9 @@ class TorchModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_prefault: Prefault | None = None
         """On the CPU: the thread faulting in the serving KV cache (``EngineOptions.kv_cache_prefault``)."""
+        self.last_step_started = -math.inf
+        """``time.monotonic()`` when ``launch`` (``forward_step`` on other ranks) last began a step: the prefault
+        holds off while it is recent."""
         self.sampler: Sampler | None = None
         self.input_batch = InputBatch(options.block_size, max_num_seqs=options.max_num_seqs)
         self.sliding_batch: InputBatch | None = None
@@ -595,8 +600,11 @@ class TorchModelRunner:
             widest = max(t.stride(0) * t.element_size() for t in tensors)
             # Whole blocks per round, about one huge page of the widest tensor: rows come in block order.
             rows = max(1, PREFAULT_ROUND_BYTES // widest // self.block_size) * self.block_size
-            self.kv_prefault = Prefault(tensors, rows)
+            self.kv_prefault = Prefault(tensors, rows, busy=self._stepped_recently)
         return caches
+
+    def _stepped_recently(self) -> bool:
+        return time.monotonic() - self.last_step_started < PREFAULT_QUIET_SECONDS
 
     def _stop_kv_prefault(self) -> None:
         if self.kv_prefault is not None:
@@ -788,6 +796,7 @@ class TorchModelRunner:
             RuntimeError: A placeholder for a request ``after`` did not sample.
         """
         assert self.model is not None and self.sampler is not None, "load() first"
+        self.last_step_started = time.monotonic()
         if self.thread_governor is not None:
             threads = self.thread_governor.threads()
             if torch.get_num_threads() != threads:
@@ -1256,6 +1265,7 @@ class TorchModelRunner:
             ValueError: This rank's cache has a sliding group and a sequence has no sliding table.
         """
         assert self.model is not None
+        self.last_step_started = time.monotonic()
         with torch.inference_mode():
             step = self.input_batch.prepare(sequences)
             sliding_meta = None if self.sliding_batch is None else self._metadata(self._sliding_step(sequences))
