@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                 for repeat in range(args.repeats):
                     order = servers[repeat % len(servers) :] + servers[: repeat % len(servers)]
                     for server in order:
-                        wait_until_quiet(servers)
+                        waited = wait_until_quiet(servers)
                         with BackgroundLoad(background):
                             run = asyncio.run(
                                 load_run(
@@ -348,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
                                 )
                             )
                         run.update(system=server.name, background=background, concurrency=concurrency, repeat=repeat)
+                        run.update(quiet_wait=waited, quiet=waited < QUIET_TIMEOUT)
                         common.log(
                             f"{server.name} background={background} streams={concurrency} #{repeat}: "
                             f"{run['tok_s']:.0f} tok/s, TTFT p50 {run['ttft_p50'] * 1e3:.0f} ms, "
