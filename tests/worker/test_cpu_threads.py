@@ -172,6 +172,36 @@ def test_the_governor_decides_nothing_from_a_period_the_device_thread_slept() ->
     assert governor.last_wait_share is None
 
 
+def test_a_quiet_stretch_between_bursts_gives_the_threads_back() -> None:
+    """Dropped to one thread during a burst beside other work; the engine then idles: on a quiet machine the
+    next burst starts with both threads, beside still-busy CPUs with the one."""
+    for idle_cpus, expected in ((1.9, 2), (0.3, 1)):
+        machine = _Machine()
+        governor = machine.governor(2)
+        governor.threads()
+        for _ in range(2):
+            machine.advance(2.5, waiting_share=0.5, idle_cpus=0.0)
+            governor.threads()
+        assert governor.current == 1
+        machine.advance(60.0, waiting_share=0.0, idle_cpus=idle_cpus, busy=0.01)  # no steps for a minute
+        assert governor.threads() == expected
+        assert governor.last_wait_share == pytest.approx(0.5)  # the idle stretch measured no share
+
+
+def test_a_quiet_stretch_gives_back_as_many_threads_as_cpus_were_idle() -> None:
+    machine = _Machine()
+    governor = machine.governor(8)
+    governor.threads()
+    for _ in range(8):
+        machine.advance(2.5, waiting_share=0.5, idle_cpus=0.0)
+        governor.threads()
+    assert governor.current == 4
+    machine.advance(30.0, waiting_share=0.0, idle_cpus=3.2, busy=0.01)
+    assert governor.threads() == 7
+    machine.advance(30.0, waiting_share=0.0, idle_cpus=7.9, busy=0.01)
+    assert governor.threads() == 8  # never above the configured count
+
+
 def test_the_governor_reads_its_counters_once_a_period_not_once_a_step() -> None:
     machine, reads = _Machine(), []
     governor = ThreadGovernor(

@@ -237,7 +237,9 @@ class ThreadGovernor:
     row it drops a thread (one thread meets no barrier). It adds one back, up to ``most``, when the process's
     CPUs were idle at least ``GOVERNOR_ADD_IDLE_CPUS`` of a CPU on average: a CPU free for the thread, which a
     waiting share cannot tell (one thread beside a busy process waits little, yet a second would collapse
-    again).
+    again). A period in which the device thread mostly slept (no steps) measures no waiting share: it drops
+    nothing, and adds back as many threads as the CPUs were idle on average (at least one, where that was at
+    least ``GOVERNOR_ADD_IDLE_CPUS``), so a burst after a quiet stretch starts with them.
 
     Call ``threads()`` on the device thread before each step and apply a changed count there
     (``torch.set_num_threads`` is per thread). The count changes no result: every CPU kernel computes each
@@ -300,14 +302,20 @@ class ThreadGovernor:
         elapsed = now - start
         self._since = (now, *stats, idle, quota)
         wanted = (stats[0] - start_cpu + stats[1] - start_wait) / 1e9
-        if wanted < 0.1 * elapsed:  # the device thread mostly slept (no steps): nothing measured
-            return self.current
-        share = (stats[1] - start_wait) / 1e9 / wanted
-        self.last_wait_share = share
         idle_cpus = None if idle is None or start_idle is None else (idle - start_idle) / elapsed
         if idle_cpus is not None and quota is not None and start_quota is not None:
             # Under a quota the host's idle CPUs are not this process's to take: what the quota left unused is.
             idle_cpus = min(idle_cpus, quota[0] - (quota[1] - start_quota[1]) / elapsed)
+        if wanted < 0.1 * elapsed:  # the device thread mostly slept (no steps): no waiting share measured
+            self._periods_over = 0
+            if idle_cpus is not None and idle_cpus >= GOVERNOR_ADD_IDLE_CPUS and self.current < self.most:
+                # Between bursts on a quiet machine: the next burst starts with the threads the CPUs now have
+                # room for, rather than spending its first periods on the count the last one ended with.
+                self.current = min(self.most, self.current + max(1, int(idle_cpus)))
+                logger.info("the CPUs are free again: %d compute threads", self.current)
+            return self.current
+        share = (stats[1] - start_wait) / 1e9 / wanted
+        self.last_wait_share = share
         if idle_cpus is None:  # a thread dropped now could never be added back: the count stays
             return self.current
         self._periods_over = self._periods_over + 1 if share > GOVERNOR_DROP_ABOVE else 0
