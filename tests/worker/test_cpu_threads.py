@@ -172,16 +172,22 @@ def test_the_governor_decides_nothing_from_a_period_the_device_thread_slept() ->
     assert governor.last_wait_share is None
 
 
+def _contended(most: int, periods: int) -> tuple[_Machine, ThreadGovernor]:
+    """A governor of ``most`` threads after ``periods`` periods of contention (one thread fewer per two)."""
+    machine = _Machine()
+    governor = machine.governor(most)
+    governor.threads()
+    for _ in range(periods):
+        machine.advance(2.5, waiting_share=0.5, idle_cpus=0.0)
+        governor.threads()
+    return machine, governor
+
+
 def test_a_quiet_stretch_between_bursts_gives_the_threads_back() -> None:
     """Dropped to one thread during a burst beside other work; the engine then idles: on a quiet machine the
     next burst starts with both threads, beside still-busy CPUs with the one."""
     for idle_cpus, expected in ((1.9, 2), (0.3, 1)):
-        machine = _Machine()
-        governor = machine.governor(2)
-        governor.threads()
-        for _ in range(2):
-            machine.advance(2.5, waiting_share=0.5, idle_cpus=0.0)
-            governor.threads()
+        machine, governor = _contended(2, periods=2)
         assert governor.current == 1
         machine.advance(60.0, waiting_share=0.0, idle_cpus=idle_cpus, busy=0.01)  # no steps for a minute
         assert governor.threads() == expected
@@ -189,12 +195,7 @@ def test_a_quiet_stretch_between_bursts_gives_the_threads_back() -> None:
 
 
 def test_a_quiet_stretch_gives_back_as_many_threads_as_cpus_were_idle() -> None:
-    machine = _Machine()
-    governor = machine.governor(8)
-    governor.threads()
-    for _ in range(8):
-        machine.advance(2.5, waiting_share=0.5, idle_cpus=0.0)
-        governor.threads()
+    machine, governor = _contended(8, periods=8)
     assert governor.current == 4
     machine.advance(30.0, waiting_share=0.0, idle_cpus=3.2, busy=0.01)
     assert governor.threads() == 7
