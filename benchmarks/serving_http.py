@@ -185,20 +185,21 @@ def vllm_server(python: str, model: Path, max_model_len: int, dtype: str) -> Ser
 QUIET_SHARE, QUIET_WINDOW, QUIET_TIMEOUT = 0.05, 1.0, 180.0
 
 
-def wait_until_quiet(servers: list[Server]) -> float:
+def wait_until_quiet(servers: list[Server]) -> tuple[float, bool]:
     """Block until the servers together used under ``QUIET_SHARE`` of a core over ``QUIET_WINDOW`` seconds, so
     that no run pays for another server's start-up work or the tail of the run before it; returns the seconds
-    waited (at most ``QUIET_TIMEOUT``, then logged). Measured without it: asyncllm's runs right after vLLM's
-    lost 10-20% to vLLM's threads winding down (a second of their CPU time inside asyncllm's run), and a vLLM
-    run during asyncllm's KV prefault (its first 10-20 s) lost almost half."""
+    waited and whether they went quiet (after ``QUIET_TIMEOUT`` they did not: logged, measured anyway).
+    Measured without it: asyncllm's runs right after vLLM's lost 10-20% to vLLM's threads winding down (a
+    second of their CPU time inside asyncllm's run), and a vLLM run during asyncllm's KV prefault (its first
+    10-20 s) lost almost half."""
     start = time.monotonic()
     while time.monotonic() - start < QUIET_TIMEOUT:
         before = sum(server.cpu_seconds() for server in servers)
         time.sleep(QUIET_WINDOW)
         if sum(server.cpu_seconds() for server in servers) - before < QUIET_SHARE * QUIET_WINDOW:
-            return time.monotonic() - start
+            return time.monotonic() - start, True
     common.log(f"the servers did not go quiet within {QUIET_TIMEOUT:.0f} s; measuring anyway")
-    return time.monotonic() - start
+    return time.monotonic() - start, False
 
 
 def _spin(stop: Any) -> None:
@@ -340,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
                 for repeat in range(args.repeats):
                     order = servers[repeat % len(servers) :] + servers[: repeat % len(servers)]
                     for server in order:
-                        waited = wait_until_quiet(servers)
+                        waited, quiet = wait_until_quiet(servers)
                         with BackgroundLoad(background):
                             run = asyncio.run(
                                 load_run(
@@ -348,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                                 )
                             )
                         run.update(system=server.name, background=background, concurrency=concurrency, repeat=repeat)
-                        run.update(quiet_wait=waited, quiet=waited < QUIET_TIMEOUT)
+                        run.update(quiet_wait=waited, quiet=quiet)
                         common.log(
                             f"{server.name} background={background} streams={concurrency} #{repeat}: "
                             f"{run['tok_s']:.0f} tok/s, TTFT p50 {run['ttft_p50'] * 1e3:.0f} ms, "

@@ -186,7 +186,7 @@ def _contended(most: int, periods: int) -> tuple[_Machine, ThreadGovernor]:
 def test_a_quiet_stretch_between_bursts_gives_the_threads_back() -> None:
     """Dropped to one thread during a burst beside other work; the engine then idles: on a quiet machine the
     next burst starts with both threads, beside still-busy CPUs with the one."""
-    for idle_cpus, expected in ((1.9, 2), (0.3, 1)):
+    for idle_cpus, expected in ((1.9, 2), (1.0, 1), (0.3, 1)):  # 1.0: the engine's own CPU, the other busy
         machine, governor = _contended(2, periods=2)
         assert governor.current == 1
         machine.advance(60.0, waiting_share=0.0, idle_cpus=idle_cpus, busy=0.01)  # no steps for a minute
@@ -195,12 +195,28 @@ def test_a_quiet_stretch_between_bursts_gives_the_threads_back() -> None:
 
 
 def test_a_quiet_stretch_gives_back_as_many_threads_as_cpus_were_idle() -> None:
+    """The engine's own CPUs idle between bursts too: the idle CPUs are all the room, not room beside them."""
     machine, governor = _contended(8, periods=8)
     assert governor.current == 4
     machine.advance(30.0, waiting_share=0.0, idle_cpus=3.2, busy=0.01)
+    assert governor.threads() == 4  # other work still holds almost 5 CPUs: no more than before
+    machine.advance(30.0, waiting_share=0.0, idle_cpus=6.6, busy=0.01)
     assert governor.threads() == 7
     machine.advance(30.0, waiting_share=0.0, idle_cpus=7.9, busy=0.01)
     assert governor.threads() == 8  # never above the configured count
+
+
+def test_a_burst_that_finds_the_cpus_held_again_goes_back_at_once() -> None:
+    """Other work that began just before the burst hides in the quiet stretch's average: the burst's first
+    measured period, contended, restores the count from before the stretch (no two periods to wait)."""
+    for share, expected in ((0.5, 1), (0.2, 2)):
+        machine, governor = _contended(2, periods=2)
+        machine.advance(60.0, waiting_share=0.0, idle_cpus=1.9, busy=0.01)
+        assert governor.threads() == 2
+        machine.advance(2.5, waiting_share=share, idle_cpus=0.0)
+        assert governor.threads() == expected
+        machine.advance(2.5, waiting_share=0.2, idle_cpus=0.0)
+        assert governor.threads() == expected  # and the next period decides as ever
 
 
 def test_the_governor_reads_its_counters_once_a_period_not_once_a_step() -> None:

@@ -8,7 +8,6 @@ import logging
 import os
 import sys
 import threading
-import time
 import weakref
 from pathlib import Path
 
@@ -363,18 +362,26 @@ def test_the_thread_goes_on_once_the_engine_is_idle(monkeypatch: pytest.MonkeyPa
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_a_step_holds_the_runners_prefault_off(tiny_llama: Path) -> None:
-    """The runner's ``busy``: a step began less than ``PREFAULT_QUIET_SECONDS`` ago."""
+async def test_a_step_holds_the_runners_prefault_off(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner's ``device_busy``: while a step runs (however long), and ``PREFAULT_QUIET_SECONDS`` after."""
     from asyncllm import Engine, SamplingParams
 
     async with Engine.open(tiny_llama, device="cpu", kv_cache_memory=8 << 20) as engine:
         runner = engine._core.runner if engine._core is not None else None
         assert isinstance(runner, TorchModelRunner)
-        assert not runner._stepped_recently()  # no step yet
-        before = time.monotonic()
+        during: list[bool] = []
+        launch = runner._launch
+
+        def observed(*args: object) -> object:
+            during.append(runner.device_busy())
+            runner.last_step_ended = runner.last_step_started - 1.0  # a long step: the last end long ago
+            return launch(*args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(runner, "_launch", observed)
         await engine.generate("hello", SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
-        assert runner.last_step_started >= before
-        runner.last_step_started = time.monotonic()
-        assert runner._stepped_recently()
+        assert during and all(during)
+        assert runner.last_step_ended >= runner.last_step_started
+        assert runner.device_busy()  # just ended
         runner.last_step_started -= _memory.PREFAULT_QUIET_SECONDS
-        assert not runner._stepped_recently()
+        runner.last_step_ended -= _memory.PREFAULT_QUIET_SECONDS
+        assert not runner.device_busy()

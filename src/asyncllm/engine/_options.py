@@ -89,8 +89,8 @@ class EngineOptions:
         metadata=_doc("""On the CPU, make the whole KV cache resident on a background thread once it is allocated
         (Linux 5.14+), so that steps need not pay for first touches of fresh memory, which on virtual
         machines can stall a step for hundreds of milliseconds. The thread (lower priority) works only while
-        no step has started for 0.2 s: under steady load from the start, steps fault in what they reach
-        first. It stops while less than 512 MiB of the host's (or the container's) memory would be left.
+        no step runs and none ended in the last 0.2 s: under steady load from the start, steps fault in what
+        they reach first. It stops while less than 512 MiB of the host's (or the container's) memory would be left.
         False leaves pages to be faulted in as the cache fills: resident memory grows with use."""),
     )
     seed: int | None = field(

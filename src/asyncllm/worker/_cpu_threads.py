@@ -238,8 +238,10 @@ class ThreadGovernor:
     CPUs were idle at least ``GOVERNOR_ADD_IDLE_CPUS`` of a CPU on average: a CPU free for the thread, which a
     waiting share cannot tell (one thread beside a busy process waits little, yet a second would collapse
     again). A period in which the device thread mostly slept (no steps) measures no waiting share: it drops
-    nothing, and adds back as many threads as the CPUs were idle on average (at least one, where that was at
-    least ``GOVERNOR_ADD_IDLE_CPUS``), so a burst after a quiet stretch starts with them.
+    nothing and raises the count to the CPUs idle on average, rounded (the engine's own idle too, so that is
+    all the room there is), so that a burst after a quiet stretch starts with them; the burst's first
+    measured period over ``GOVERNOR_DROP_ABOVE`` puts the count back at once (other work that began just
+    before the burst hides in the stretch's average).
 
     Call ``threads()`` on the device thread before each step and apply a changed count there
     (``torch.set_num_threads`` is per thread). The count changes no result: every CPU kernel computes each
@@ -279,6 +281,7 @@ class ThreadGovernor:
         self._cpu_quota = cpu_quota
         self._since: tuple[float, int, int, float | None, tuple[float, float] | None] | None = None
         self._periods_over = 0
+        self._before_quiet: int | None = None  # the count a quiet stretch raised, until a period measures it
         self.last_wait_share: float | None = None
         """The waiting share of the last period that decided (None before one did)."""
 
@@ -308,14 +311,30 @@ class ThreadGovernor:
             idle_cpus = min(idle_cpus, quota[0] - (quota[1] - start_quota[1]) / elapsed)
         if wanted < 0.1 * elapsed:  # the device thread mostly slept (no steps): no waiting share measured
             self._periods_over = 0
-            if idle_cpus is not None and idle_cpus >= GOVERNOR_ADD_IDLE_CPUS and self.current < self.most:
-                # Between bursts on a quiet machine: the next burst starts with the threads the CPUs now have
-                # room for, rather than spending its first periods on the count the last one ended with.
-                self.current = min(self.most, self.current + max(1, int(idle_cpus)))
+            # Between bursts the engine's own CPUs idle too, so the idle CPUs are all the room there is: the
+            # next burst starts with that many threads rather than the count the last one ended with.
+            room = 0 if idle_cpus is None else min(self.most, int(idle_cpus + 0.5))
+            if room > self.current:
+                if self._before_quiet is None:
+                    self._before_quiet = self.current
+                self.current = room
                 logger.info("the CPUs are free again: %d compute threads", self.current)
             return self.current
         share = (stats[1] - start_wait) / 1e9 / wanted
         self.last_wait_share = share
+        if self._before_quiet is not None:
+            # The quiet stretch's idle CPUs were an average: work that began just before this burst hides in
+            # it. Its first measured period decides: contended, the count goes back at once.
+            before, self._before_quiet = self._before_quiet, None
+            if share > GOVERNOR_DROP_ABOVE:
+                self.current = before
+                logger.info(
+                    "other work holds the CPUs (the device thread waited for one %.0f%% of the time): %d compute "
+                    "threads",
+                    100 * share,
+                    self.current,
+                )
+                return self.current
         if idle_cpus is None:  # a thread dropped now could never be added back: the count stays
             return self.current
         self._periods_over = self._periods_over + 1 if share > GOVERNOR_DROP_ABOVE else 0

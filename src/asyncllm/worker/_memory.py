@@ -81,8 +81,8 @@ PREFAULT_NICENESS = 10
 ``SCHED_IDLE``: a thread that gets no CPU while others are runnable, preempted while it holds the GIL (between
 two ranges) or the address-space lock (inside one), would stall every thread that needs them."""
 PREFAULT_QUIET_SECONDS = 0.2
-"""The prefault faults a range only while the engine's device has been idle this long (``Prefault``'s
-``busy``), and looks again after as long."""
+"""The prefault faults a range only while no step runs and none ended this recently (the model runner's
+``device_busy``, ``Prefault``'s ``busy``), and looks again after as long."""
 PREFAULT_RESERVE_BYTES = 512 << 20
 """The prefault stops while less than this would be left of the memory available (``host_available_bytes``):
 a cache planned too large for what is free now stays partly unfaulted rather than pushing out everything else."""
@@ -145,8 +145,8 @@ class Prefault:
         tensors: CPU tensors over anonymous mappings (``mapped_tensor``): rows in the first dimension.
         rows_per_round: Rows of each tensor per round (``prefault_ranges``).
         busy: Asked before each range; while it says True the thread waits ``PREFAULT_QUIET_SECONDS`` and asks
-            again (None: never busy). The model runner's says whether a step started in the last
-            ``PREFAULT_QUIET_SECONDS``.
+            again (None: never busy). The model runner's (``device_busy``) says whether a step runs or
+            one ended in the last ``PREFAULT_QUIET_SECONDS``.
 
     The thread ends when every page is resident, at ``stop()``, when less than ``PREFAULT_RESERVE_BYTES`` of
     memory would be left (a warning), or at the first refusal (a kernel before 5.14 lacks the advice: logged
@@ -206,8 +206,9 @@ class Prefault:
                 self.faulted_bytes += length
             self.completed = True
         finally:
-            # The suspended generator holds the tensors too (stopped or refused part-way): both go.
-            self._tensors, self._ranges = [], iter(())
+            # The suspended generator holds the tensors too (stopped or refused part-way): both go, and so
+            # does ``busy`` (a runner's method: it would keep the runner, and its weights, alive).
+            self._tensors, self._ranges, self._busy = [], iter(()), None
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the thread has ended (or ``timeout`` seconds); True when it has."""

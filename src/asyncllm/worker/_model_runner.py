@@ -203,8 +203,10 @@ class TorchModelRunner:
         self.kv_prefault: Prefault | None = None
         """On the CPU: the thread faulting in the serving KV cache (``EngineOptions.kv_cache_prefault``)."""
         self.last_step_started = -math.inf
-        """``time.monotonic()`` when ``launch`` (``forward_step`` on other ranks) last began a step: the prefault
-        holds off while it is recent."""
+        """``time.monotonic()`` when ``launch`` (``forward_step`` on other ranks) last began a step."""
+        self.last_step_ended = -math.inf
+        """``time.monotonic()`` when the last step's ``launch`` (``forward_step``) returned or raised: the
+        prefault holds off while a step runs and for ``PREFAULT_QUIET_SECONDS`` after one."""
         self.sampler: Sampler | None = None
         self.input_batch = InputBatch(options.block_size, max_num_seqs=options.max_num_seqs)
         self.sliding_batch: InputBatch | None = None
@@ -600,11 +602,13 @@ class TorchModelRunner:
             widest = max(t.stride(0) * t.element_size() for t in tensors)
             # Whole blocks per round, about one huge page of the widest tensor: rows come in block order.
             rows = max(1, PREFAULT_ROUND_BYTES // widest // self.block_size) * self.block_size
-            self.kv_prefault = Prefault(tensors, rows, busy=self._stepped_recently)
+            self.kv_prefault = Prefault(tensors, rows, busy=self.device_busy)
         return caches
 
-    def _stepped_recently(self) -> bool:
-        return time.monotonic() - self.last_step_started < PREFAULT_QUIET_SECONDS
+    def device_busy(self) -> bool:
+        """A step is running, or one ended less than ``PREFAULT_QUIET_SECONDS`` ago (the prefault's ``busy``)."""
+        running = self.last_step_started > self.last_step_ended
+        return running or time.monotonic() - self.last_step_ended < PREFAULT_QUIET_SECONDS
 
     def _stop_kv_prefault(self) -> None:
         if self.kv_prefault is not None:
@@ -797,6 +801,13 @@ class TorchModelRunner:
         """
         assert self.model is not None and self.sampler is not None, "load() first"
         self.last_step_started = time.monotonic()
+        try:
+            return self._launch(batch, after)
+        finally:
+            self.last_step_ended = time.monotonic()
+
+    def _launch(self, batch: StepBatch, after: PendingStep | None) -> PendingStep:
+        assert self.model is not None and self.sampler is not None
         if self.thread_governor is not None:
             threads = self.thread_governor.threads()
             if torch.get_num_threads() != threads:
@@ -1266,6 +1277,13 @@ class TorchModelRunner:
         """
         assert self.model is not None
         self.last_step_started = time.monotonic()
+        try:
+            self._forward_step(sequences)
+        finally:
+            self.last_step_ended = time.monotonic()
+
+    def _forward_step(self, sequences: list[SequenceInput]) -> None:
+        assert self.model is not None
         with torch.inference_mode():
             step = self.input_batch.prepare(sequences)
             sliding_meta = None if self.sliding_batch is None else self._metadata(self._sliding_step(sequences))
