@@ -3,8 +3,11 @@ drops threads while other work holds the CPUs and adds them back when CPUs are i
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -375,3 +378,58 @@ def test_compiled_layers_keep_one_thread_count(tiny_llama: Path, monkeypatch: py
     finally:
         runner.close()
         torch.set_num_threads(before)
+
+
+_SPIN_CASES = """
+import json, os, sys
+from asyncllm.worker._cpu_threads import set_openmp_spin_default
+cases = {}
+os.environ["GOMP_SPINCOUNT"] = "77"
+cases["own spin"] = [set_openmp_spin_default(), os.environ.pop("GOMP_SPINCOUNT")]
+os.environ["OMP_WAIT_POLICY"] = "passive"
+cases["own policy"] = [set_openmp_spin_default(), os.environ.pop("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT")]
+cases["unset"] = [set_openmp_spin_default(), os.environ.pop("GOMP_SPINCOUNT")]
+import torch
+cases["torch loaded"] = [set_openmp_spin_default(), os.environ.get("GOMP_SPINCOUNT")]
+print(json.dumps(cases))
+"""
+
+_ENGINE_SPIN = """
+import json, os, sys
+import anyio
+from asyncllm import Engine, SamplingParams
+
+async def main():
+    before = "torch" in sys.modules
+    async with Engine.open(sys.argv[1], device="cpu") as engine:
+        await engine.generate([1, 2, 3], SamplingParams(max_tokens=2))
+    print(json.dumps([before, os.environ.get("GOMP_SPINCOUNT")]))
+
+anyio.run(main)
+"""
+
+
+def _python(code: str, *args: str, **env: str) -> object:
+    """Run ``code`` in a fresh interpreter (torch not loaded, no OpenMP wait variables unless ``env`` sets
+    them) and return the JSON its last line prints."""
+    clean = {k: v for k, v in os.environ.items() if k not in _cpu_threads.OPENMP_WAIT_VARIABLES}
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    clean["PYTHONPATH"] = os.pathsep.join(filter(None, (src, os.environ.get("PYTHONPATH"))))
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args], env={**clean, **env}, capture_output=True, text=True, check=True
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_openmp_spin_default_is_set_only_before_torch_and_only_where_the_process_chose_none() -> None:
+    assert _python(_SPIN_CASES) == {
+        "own spin": [False, "77"],
+        "own policy": [False, "passive", None],
+        "unset": [True, str(_cpu_threads.OPENMP_SPIN_COUNT)],
+        "torch loaded": [False, None],
+    }
+
+
+def test_an_engine_sets_the_spin_before_it_loads_torch_and_keeps_the_process_s_own(tiny_llama: Path) -> None:
+    assert _python(_ENGINE_SPIN, str(tiny_llama)) == [False, str(_cpu_threads.OPENMP_SPIN_COUNT)]
+    assert _python(_ENGINE_SPIN, str(tiny_llama), GOMP_SPINCOUNT="1000") == [False, "1000"]

@@ -152,6 +152,10 @@ class Engine:
     async def _start(self, stack: AsyncExitStack) -> None:
         runner, tokenizer = self._runner, self._tokenizer
         model_path = None
+        if runner is None:
+            from asyncllm.worker._cpu_threads import set_openmp_spin_default
+
+            set_openmp_spin_default()  # before anything below imports torch
         if runner is None or tokenizer is None:
             model_path = await anyio.to_thread.run_sync(_resolve_model, self.options.model, self.options.revision)
             if runner is None:
