@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -605,6 +606,15 @@ class TorchModelRunner:
             self.kv_prefault = Prefault(tensors, rows, busy=self.device_busy)
         return caches
 
+    @contextlib.contextmanager
+    def _stamped_step(self) -> Iterator[None]:
+        """Stamp ``last_step_started`` on entry and ``last_step_ended`` on the way out, however it ends."""
+        self.last_step_started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.last_step_ended = time.monotonic()
+
     def device_busy(self) -> bool:
         """A step is running, or one ended less than ``PREFAULT_QUIET_SECONDS`` ago (the prefault's ``busy``)."""
         running = self.last_step_started > self.last_step_ended
@@ -800,11 +810,8 @@ class TorchModelRunner:
             RuntimeError: A placeholder for a request ``after`` did not sample.
         """
         assert self.model is not None and self.sampler is not None, "load() first"
-        self.last_step_started = time.monotonic()
-        try:
+        with self._stamped_step():
             return self._launch(batch, after)
-        finally:
-            self.last_step_ended = time.monotonic()
 
     def _launch(self, batch: StepBatch, after: PendingStep | None) -> PendingStep:
         assert self.model is not None and self.sampler is not None
@@ -1276,11 +1283,8 @@ class TorchModelRunner:
             ValueError: This rank's cache has a sliding group and a sequence has no sliding table.
         """
         assert self.model is not None
-        self.last_step_started = time.monotonic()
-        try:
+        with self._stamped_step():
             self._forward_step(sequences)
-        finally:
-            self.last_step_ended = time.monotonic()
 
     def _forward_step(self, sequences: list[SequenceInput]) -> None:
         assert self.model is not None
