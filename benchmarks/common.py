@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncllm.worker._cpu_threads import set_openmp_spin_default
+
 #: The synthetic benchmark model: Llama architecture, random float32 weights (seeded). Arguments of
 #: ``asyncllm.testing.tiny_models.build_tiny_model``.
 SYNTHETIC_MODEL: dict[str, Any] = {
@@ -47,6 +49,20 @@ SYNTHETIC_MODEL: dict[str, Any] = {
     "seed": 0,
 }
 SYNTHETIC_FAMILY = "llama"
+
+#: Whether this process put asyncllm's OpenMP spin (``GOMP_SPINCOUNT``) in its environment. The engine runs in the
+#: benchmark's own process, whose scripts import torch (``machine_info``) before they open it, so the engine's
+#: default is set here, before that import; peers' processes get the environment without it (``peer_environment``).
+ENGINE_SPIN_SET = set_openmp_spin_default()
+
+
+def peer_environment() -> dict[str, str]:
+    """``os.environ`` for a peer engine's process, without the spin this module set for asyncllm's (a peer
+    keeps its own runtime's default, as it would alone)."""
+    env = dict(os.environ)
+    if ENGINE_SPIN_SET:
+        env.pop("GOMP_SPINCOUNT", None)
+    return env
 
 #: The peers every benchmark knows; ``--peers`` picks among them (vLLM needs ``--vllm-python``).
 HF_STATIC = "hf-static"
@@ -321,6 +337,7 @@ def machine_info() -> dict[str, Any]:
         "cores": os.cpu_count(),
         "usable_cores": usable,
         "torch_threads": torch.get_num_threads(),
+        "openmp_spin": os.environ.get("GOMP_SPINCOUNT", "the runtime's default"),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch": torch.__version__,
@@ -1004,7 +1021,7 @@ class VLLMWorker:
             tail = (probe.stderr.strip().splitlines() or ["?"])[-1]
             self.skipped = f"vllm does not import under {python}: {tail}"
             return
-        env = dict(os.environ)
+        env = peer_environment()
         preload = _preload_libraries(python)
         if preload:
             env["LD_PRELOAD"] = ":".join([*preload, *([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else [])])

@@ -6,7 +6,8 @@ beside other CPU load, against vLLM's OpenAI server on the same machine.
 
 Servers, each a real process on a loopback port, started together once and kept up (idle) while the others run:
 - ``asyncllm``: ``asyncllm serve`` with its defaults (thread count from the usable CPUs, fewer while other
-  work holds them: the thread governor; OpenMP's own spin-wait).
+  work holds them: the thread governor; OpenMP's spin-wait cut to ``GOMP_SPINCOUNT=30000``, the engine's
+  default on x86-64 Linux).
 - ``asyncllm-spin``: the same server with the thread count fixed at the same number (``--num-threads``: no
   governor) and a short spin (``GOMP_SPINCOUNT``, ``--spin``, 1000 by default): asyncllm's defaults before
   the governor, in the same run.
@@ -171,7 +172,7 @@ def asyncllm_server(name: str, model: Path, extra: list[str], spin: str = SHORT_
 
 def vllm_server(python: str, model: Path, max_model_len: int, dtype: str) -> Server:
     port = _free_port()
-    env = dict(os.environ)
+    env = common.peer_environment()
     preload = common._preload_libraries(python)
     if preload:
         env["LD_PRELOAD"] = ":".join(preload)

@@ -167,7 +167,7 @@ def main() -> int:
     rows = anyio.run(_asyncllm_side, model, prompts, args.repeats)
     if args.vllm_python:
         preload = Path(args.vllm_python).resolve().parent.parent / "lib" / "libiomp5.so"
-        env = dict(os.environ, **({"LD_PRELOAD": str(preload)} if preload.is_file() else {}))
+        env = dict(speculative.common.peer_environment(), **({"LD_PRELOAD": str(preload)} if preload.is_file() else {}))
         with tempfile.TemporaryDirectory() as folder:
             for system in ("ngram", "plain"):
                 spec = Path(folder) / f"{system}.json"

@@ -15,9 +15,9 @@ work, a load generator, other containers. Two choices keep the forward from coll
   while it lasts; one thread meets no barrier.
 - **How long a waiting thread spins.** After the last region of a step the workers spin too, while the
   event loop needs a CPU to deliver that step's tokens and schedule the next. ``set_openmp_spin_default()``
-  shortens the spin to ``OPENMP_SPIN_COUNT`` (under a millisecond: longer than the gaps between a step's
-  regions, far shorter than the runtime's 300,000) when the process has not chosen one and torch is not
-  loaded yet (the runtime reads it once, when loaded).
+  shortens the spin to ``OPENMP_SPIN_COUNT`` (longer than the gaps between a step's regions, a tenth of the
+  runtime's 300,000) on x86-64 Linux, when the process has not chosen one and no OpenMP runtime is loaded
+  yet (the runtime reads it once, when loaded).
 
 The measurements behind the choices are in docs/performance.md ("Sharing the machine").
 """
@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import platform
 import sys
 import time
 from collections.abc import Callable
@@ -38,27 +39,50 @@ RESERVE_CORE_FROM = 8
 """From this many usable CPUs on, the automatic thread count leaves one to the event loop."""
 
 OPENMP_SPIN_COUNT = 30_000
-"""GNU OpenMP's spin before an idle thread sleeps, where ``set_openmp_spin_default()`` sets it (``GOMP_SPINCOUNT``).
-
-About 0.8 ms of pause instructions on this project's Zen 4 CPUs (26 ns each): the gaps between a step's parallel
-regions are shorter, so the team still never sleeps inside a step; the runtime's own 300,000 (7.8 ms) kept a
-worker spinning after every step, on the CPU the event loop then needed."""
+"""Pause instructions an idle GNU OpenMP thread spins before it sleeps, where ``set_openmp_spin_default()`` sets
+it: longer than the gaps between a step's regions, short enough to give the CPU back to the event loop soon after
+a step (measurements: docs/performance.md, "Sharing the machine")."""
 
 OPENMP_WAIT_VARIABLES = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 """Environment variables that set GNU OpenMP's wait: either one set means the process chose its own."""
 
 
-def set_openmp_spin_default() -> bool:
-    """Set ``GOMP_SPINCOUNT`` to ``OPENMP_SPIN_COUNT`` for the OpenMP runtime torch is about to load.
+def openmp_runtime_loaded(maps: Path = Path("/proc/self/maps")) -> bool:
+    """Whether an OpenMP runtime (GNU's, Intel's or LLVM's) is mapped into this process already.
 
-    Does nothing where the process set ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` itself (its choice stands) or
-    where torch is imported already (the runtime read its environment when it was loaded: too late). The
-    engine calls it before it first imports torch; rank processes it starts inherit the variable.
+    torch's own import loads one; so may a library imported before it (an OpenMP build of a BLAS, a C
+    extension built with ``-fopenmp``), and torch then binds to that copy. Where ``maps`` cannot be read,
+    ``torch`` being imported is the answer.
+    """
+    try:
+        text = maps.read_text()
+    except OSError:
+        return "torch" in sys.modules
+    return any(name in text for name in ("libgomp", "libiomp", "libomp"))
+
+
+def set_openmp_spin_default() -> bool:
+    """Put ``GOMP_SPINCOUNT=OPENMP_SPIN_COUNT`` in the environment for the OpenMP runtime torch is about to load.
+
+    Only on x86-64 Linux (where torch's CPU builds use GNU OpenMP and its spin is a ``pause`` loop; elsewhere an
+    iteration can be nearly free), and only where the process set neither ``GOMP_SPINCOUNT`` nor
+    ``OMP_WAIT_POLICY`` (its choice stands) and no OpenMP runtime is loaded yet (it read its environment when it
+    was loaded: too late; logged). The engine calls it before it first imports torch. The variable stays in
+    ``os.environ``: rank processes, and any process the application starts later, inherit it.
 
     Returns:
-        Whether the variable was set.
+        Whether the variable was put in the environment (not whether a runtime will read it).
     """
-    if "torch" in sys.modules or any(name in os.environ for name in OPENMP_WAIT_VARIABLES):
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    if any(name in os.environ for name in OPENMP_WAIT_VARIABLES):
+        return False
+    if openmp_runtime_loaded():
+        logger.info(
+            "an OpenMP runtime was loaded before the engine: it keeps its own spin-wait "
+            "(set GOMP_SPINCOUNT=%d before importing torch for the engine's; docs/performance.md)",
+            OPENMP_SPIN_COUNT,
+        )
         return False
     os.environ["GOMP_SPINCOUNT"] = str(OPENMP_SPIN_COUNT)
     return True
@@ -261,9 +285,10 @@ def read_cpu_quota(
 class ThreadGovernor:
     """Fewer compute threads while other work holds the cores, and more again when they are free.
 
-    OpenMP's threads meet at a barrier hundreds of times a step. Alone, a long spin-wait there is the fast
-    choice: the threads never sleep between two regions. When other processes hold the cores, one thread of
-    the team is descheduled at almost every barrier and the others spin for it, and the forward collapses.
+    OpenMP's threads meet at a barrier hundreds of times a step. Alone, a spin-wait longer than the gaps between
+    regions is the fast choice: the threads never sleep inside a step. When other processes hold the cores, one
+    thread of the team is descheduled at almost every barrier and the others spin for it, and the forward
+    collapses.
     The governor measures, per period, the share of the time the device thread (the team's master) wanted a
     CPU that it spent waiting for one: above ``GOVERNOR_DROP_ABOVE`` for ``GOVERNOR_DROP_AFTER`` periods in a
     row it drops a thread (one thread meets no barrier). It adds one back, up to ``most``, when the process's
