@@ -355,7 +355,8 @@ def print_header(title: str, info: dict[str, Any], lines: Iterable[str] = ()) ->
     print(f"# {title}")
     print(
         f"machine: {info['cpu']}, {info['cores']} cores ({info['usable_cores']} usable), "
-        f"torch threads {info['torch_threads']}" + (f", GPU {info['gpu']}" if "gpu" in info else "")
+        f"torch threads {info['torch_threads']}, OpenMP spin {info.get('openmp_spin', '?')}"
+        + (f", GPU {info['gpu']}" if "gpu" in info else "")
     )
     print(
         f"versions: python {info['python']}, torch {info['torch']}, transformers {info['transformers']}, "
