@@ -68,11 +68,16 @@ from asyncllm.worker._sampler import Sampler
 from asyncllm.worker._weights import checkpoint_tensors, load_config, load_eos_token_ids, load_model
 
 if TYPE_CHECKING:
+    from asyncllm.backends.cpu._pool import KernelPool
     from asyncllm.executor._ranks import RankProcesses, TableSync
     from asyncllm.worker._cpu_threads import ThreadGovernor
     from asyncllm.worker._parallel import ProcessGroupCollectives
 
 logger = logging.getLogger("asyncllm")
+
+KERNEL_POOL_SPIN = 30_000
+"""Pause instructions a kernel pool helper spins for the next job before it sleeps: OpenMP's spin as the engine
+sets it (``worker._cpu_threads.OPENMP_SPIN_COUNT``), which covers the gaps between a step's kernels."""
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -196,6 +201,8 @@ class TorchModelRunner:
         """Seconds spent preparing inputs, in the forward and sampling, over all steps."""
         self.compile_seconds = 0.0
         self.graphs: DecodeGraphs | None = None
+        self.kernel_pool: KernelPool | None = None
+        """The lean forward's pool for decode-sized steps on the CPU (``_start_kernel_pool``), joined by ``close``."""
         self.backend: AttentionBackend[Any] | None = None
         """The attention backend object picked at load (``asyncllm.backends``), which the model calls and
         the graphs build their metadata with; ``attention_backend`` is then its name."""
@@ -435,6 +442,7 @@ class TorchModelRunner:
         if device.type == "cuda" and backend.captures_graphs and not self.options.enforce_eager and capturable:
             longest = min(max_model_len, self.options.max_model_len or max_model_len, slots)
             self.graphs = self._capture_graphs(model, longest)
+        self._start_kernel_pool(model, -(-longest // self.block_size))
         return RunnerInfo(
             num_kv_blocks=num_blocks,
             block_size=self.block_size,
@@ -455,6 +463,44 @@ class TorchModelRunner:
             draft_model=self.draft is not None,
             block_copies=self.ranks is None,  # the ranks' step messages carry no copies
         )
+
+    def _start_kernel_pool(self, model: DecoderForCausalLM, max_blocks: int) -> None:
+        """Start the kernel pool the lean forward's decode-sized steps run on (``backends.cpu._pool``): on the CPU,
+        where the lean forward is built, with a helper per thread beyond the device thread's. Sized for
+        ``POOL_MAX_TOKENS`` rows of the model's widest matmul input, its head's panels and its attention."""
+        from asyncllm.backends.cpu import _pool as kernel_pool
+        from asyncllm.backends.cpu._gemm import PANEL_COLUMNS, PanelArgmaxHead
+        from asyncllm.backends.cpu._lean_forward import POOL_MAX_TOKENS
+
+        models = [model] if self.draft is None else [model, self.draft.model]
+        helpers = torch.get_num_threads() - 1
+        if self.device.type != "cpu" or helpers < 1 or any(m.lean is None for m in models):
+            return
+        if not kernel_pool.available():
+            return
+        rows, floats = POOL_MAX_TOKENS, 4
+        specs = [m.spec for m in models]
+        widest = max(max(spec.hidden_size, spec.intermediate_size, spec.num_heads * spec.head_dim) for spec in specs)
+        queries = max(spec.num_heads * spec.head_dim for spec in specs)
+        # Panels: the head's (the vocabulary, padded or not), or the widest fused projection's; attention: a
+        # task per sequence and KV head at most.
+        panels = max(max(spec.vocab_size, 3 * widest) for spec in specs) // PANEL_COLUMNS + 2
+        decode_tasks = rows * max(spec.num_kv_heads for spec in specs)
+        padded = -(-self.block_size // 16) * 16
+        attention_input = rows * queries * floats + 64 + (2 * rows + rows * max_blocks) * 8
+        attention_scratch = (5 * queries + padded * queries) * floats
+        self.kernel_pool = kernel_pool.KernelPool(
+            helpers,
+            max_tasks=max(panels, decode_tasks),
+            scratch_bytes=max(rows * PANEL_COLUMNS * floats, attention_scratch, widest * floats),
+            input_bytes=max(rows * widest * floats, attention_input),
+            spin=KERNEL_POOL_SPIN,
+        )
+        for m in models:
+            assert m.lean is not None
+            m.lean.pool = self.kernel_pool
+            if isinstance(m.greedy_head, PanelArgmaxHead):
+                m.greedy_head.pool = self.kernel_pool
 
     def _bfloat16_on_panels(self, device: torch.device, dtype: torch.dtype, spec: DecoderSpec) -> bool:
         """Whether ``dtype`` bfloat16 runs as bfloat16 weights on bfloat16 panels here (``bfloat16_weights``).
@@ -579,6 +625,8 @@ class TorchModelRunner:
         (every rank holds the same blocks, of its own heads). With ``prefault`` (the serving cache, not the
         sizing probe's), a CPU cache starts being faulted in (``kv_prefault``)."""
         assert self.model is not None
+        if self.kernel_pool is not None:  # a late helper may still read the cache this one replaces
+            self.kernel_pool.quiesce()
         if self.ranks is not None:
             from asyncllm.executor._ranks import AllocateMessage
 
@@ -1310,6 +1358,9 @@ class TorchModelRunner:
             with contextlib.suppress(WorkerDiedError, OSError):  # already gone: the engine ends it
                 self.ranks.send(StopMessage())
         self._stop_kv_prefault()
+        if self.kernel_pool is not None:  # its helpers read the weights and the KV cache: joined first
+            self.kernel_pool.close()
+            self.kernel_pool = None
         self._hidden = None
         self._tables = None
         self.collectives = None

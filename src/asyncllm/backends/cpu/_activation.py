@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncllm.backends.cpu import _native as native
+from asyncllm.backends.cpu import _pool as kernel_pool
 from asyncllm.backends.cpu._native import I64, PTR
 
 __all__ = ["TORCH_GRAIN", "available", "silu_mul_", "silu_mul_into", "torch_piece"]
@@ -32,7 +33,8 @@ _SOURCE = r"""
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
-
+#include <string.h>
+""" + kernel_pool.HEADER + r"""
 /* Rows of at least this many floats in all go to OpenMP; fewer run on the calling thread. */
 #define PARALLEL_FLOATS 65536
 
@@ -73,12 +75,59 @@ void asyncllm_silu_mul_f32(float *gate, const float *up, int64_t rows, int64_t n
         }
     }
 }
+
+/* asyncllm_silu_mul_f32 as a job of the kernel pool (backends.cpu._pool): a task per row, computed into the
+   participant's scratch and committed to the gate row. Gate and up are read in place, so the caller keeps
+   their memory mapped while the pool lives (the lean forward's scratch: it quiesces the pool before it
+   replaces that). Returns 1 once done, 0 when the pool cannot take it (a row larger than its scratch). */
+typedef struct { float *gate; const float *up; int64_t n, stride, piece; } silu_job;
+
+static void silu_compute(const void *context, int64_t r, int64_t next, void *scratch) {
+    (void)next;
+    const silu_job *job = context;
+    float *g = scratch;
+    const float *u = job->up + r * job->stride;
+    memcpy(g, job->gate + r * job->stride, sizeof(float) * (size_t)job->n);
+    for (int64_t at = r * job->n, end = at + job->n; at < end;) {
+        const int64_t cut = (at / job->piece + 1) * job->piece, stop = cut < end ? cut : end;
+        stretch(g + (at - r * job->n), u + (at - r * job->n), stop - at);
+        at = stop;
+    }
+}
+
+static void silu_direct(const void *context, int64_t r, int64_t next, void *scratch) {
+    (void)next;
+    (void)scratch;
+    const silu_job *job = context;
+    float *g = job->gate + r * job->stride;
+    const float *u = job->up + r * job->stride;
+    for (int64_t at = r * job->n, end = at + job->n; at < end;) {
+        const int64_t cut = (at / job->piece + 1) * job->piece, stop = cut < end ? cut : end;
+        stretch(g + (at - r * job->n), u + (at - r * job->n), stop - at);
+        at = stop;
+    }
+}
+
+static void silu_commit(const void *context, int64_t r, const void *scratch) {
+    const silu_job *job = context;
+    memcpy(job->gate + r * job->stride, scratch, sizeof(float) * (size_t)job->n);
+}
+
+int asyncllm_silu_mul_pooled(void *pool, void *run, int64_t threads, float *gate, const float *up, int64_t rows,
+                             int64_t n, int64_t stride, int64_t piece) {
+    const silu_job context = {gate, up, n, stride, piece};
+    pool_job job = {silu_compute, silu_commit, silu_direct, rows, n * (int64_t)sizeof(float), threads,
+                    sizeof context, {0}};
+    memcpy(job.context, &context, sizeof context);
+    return ((pool_run_fn)run)(pool, &job);
+}
 """
 
 
 _SIGNATURES: native.Signatures = {
     "asyncllm_silu_mul_init": ([PTR], None),
     "asyncllm_silu_mul_f32": ([PTR, PTR, I64, I64, I64, I64], None),
+    "asyncllm_silu_mul_pooled": ([PTR, PTR, I64, PTR, PTR, I64, I64, I64, I64], ctypes.c_int),
 }
 
 
@@ -133,16 +182,24 @@ def torch_piece(elements: int) -> int:
     return -(-elements // pieces)
 
 
-def silu_mul_into(gate: int, up: int, rows: int, width: int, stride: int) -> None:
+def silu_mul_into(
+    gate: int, up: int, rows: int, width: int, stride: int, pool: kernel_pool.KernelPool | None = None
+) -> None:
     """``gate = silu(gate) * up`` on raw addresses: ``rows`` rows of ``width`` floats, ``stride`` floats apart.
 
     No checks (``silu_mul_`` is the checked entry): for callers that own the layout
-    (``asyncllm.backends.cpu._lean_forward``).
+    (``asyncllm.backends.cpu._lean_forward``). With ``pool``, a row per task on that kernel pool where it takes
+    them (``backends.cpu._pool``; the memory must stay mapped while the pool lives), else on OpenMP: same bits.
     """
     library = _library()
     if library is None:
         raise RuntimeError("the SiLU kernel needs an x86 CPU with AVX-512, a C compiler and torch's SLEEF")
-    library.asyncllm_silu_mul_f32(gate, up, rows, width, stride, torch_piece(rows * width))
+    piece = torch_piece(rows * width)
+    if pool is not None and library.asyncllm_silu_mul_pooled(
+        pool.handle, pool.run, torch.get_num_threads(), gate, up, rows, width, stride, piece
+    ):
+        return
+    library.asyncllm_silu_mul_f32(gate, up, rows, width, stride, piece)
 
 
 def silu_mul_(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

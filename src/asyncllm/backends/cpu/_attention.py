@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from asyncllm.backends.cpu import _native as native
+from asyncllm.backends.cpu import _pool as kernel_pool
 from asyncllm.backends.cpu._native import F32, I32, I64, PTR
 from asyncllm.backends.torch._attention import PrefillSpan, split_step
 from asyncllm.backends.torch._attention import sdpa as reference_sdpa
@@ -66,7 +67,7 @@ _SOURCE = r"""
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-
+""" + kernel_pool.HEADER + r"""
 /* Vectors as wide as divides the head size. */
 #if HEAD_DIM % 16 == 0
 #define W 16
@@ -176,6 +177,140 @@ static inline __attribute__((always_inline)) void weigh_values(const kv_t *restr
         for (int d = 0; d < VALUE_VECTORS; ++d) store(acc + h * HEAD_DIM + d * W, a[h][d]);
 }
 
+/* The arguments of a decode call, and what every task shares. */
+typedef struct {
+    const float *q;
+    const kv_t *k_cache, *v_cache;
+    const int64_t *rows, *tables, *lens;
+    int64_t q_stride, q_rows, n, q_heads, kv_heads, block_size, max_blocks, window, cache_blocks;
+    int64_t group, row_size, splits, heads_per_task, width, task_bytes, padded;
+    float scale, softcap;
+} decode_args;
+
+static decode_args decode_arguments(const float *q, int64_t q_stride, int64_t q_rows, const kv_t *k_cache,
+        const kv_t *v_cache, const int64_t *rows, const int64_t *tables, const int64_t *lens, int64_t n,
+        int64_t q_heads, int64_t kv_heads, int64_t block_size, int64_t max_blocks, int64_t window,
+        int64_t cache_blocks, float scale, float softcap, int64_t threads) {
+    /* Few sequences: one task per (sequence, KV head) so every thread has work; else whole sequences,
+       whose key and value rows are then read front to back. */
+    const int64_t splits = n >= 2 * threads ? 1 : kv_heads;
+    const int64_t heads_per_task = kv_heads / splits;
+    const decode_args a = {q, k_cache, v_cache, rows, tables, lens, q_stride, q_rows, n, q_heads, kv_heads, block_size,
+        max_blocks, window, cache_blocks, q_heads / kv_heads, kv_heads * HEAD_DIM, splits, heads_per_task,
+        heads_per_task * (q_heads / kv_heads), (int64_t)sizeof(kv_t) * heads_per_task * HEAD_DIM,
+        (block_size + W - 1) / W * W, scale, softcap};
+    return a;
+}
+
+/* One task: a sequence's (or, split, one KV head's) query heads against its context, into `oi` (width heads of
+   HEAD_DIM, contiguous), with the thread's scratch. Returns early, `oi` untouched, on a length, row or block out
+   of range: only a late pool helper reading a buffer a later job rewrites sees one (its result is dropped). */
+static void decode_task(const decode_args *a, int64_t task, float *queries, float *acc, float *top, float *total,
+                        float *scores, float *oi) {
+    const float *q = a->q;
+    const kv_t *k_cache = a->k_cache, *v_cache = a->v_cache;
+    const int64_t *rows = a->rows, *tables = a->tables, *lens = a->lens;
+    const int64_t q_stride = a->q_stride, block_size = a->block_size, max_blocks = a->max_blocks;
+    const int64_t window = a->window, group = a->group, row_size = a->row_size, splits = a->splits;
+    const int64_t heads_per_task = a->heads_per_task, width = a->width, task_bytes = a->task_bytes;
+    const int64_t padded = a->padded;
+    const float scale = a->scale, softcap = a->softcap;
+    const int64_t i = task / splits;
+    const int64_t h0 = (task % splits) * heads_per_task;
+    const int64_t len = lens[i];
+    if (len < 1 || len > max_blocks * block_size || rows[i] < 0 || rows[i] >= a->q_rows) return;
+    const int64_t start = (window > 0 && len > window) ? len - window : 0;
+    const int64_t *table = tables + i * max_blocks;
+    const float *qi = q + rows[i] * q_stride + h0 * group * HEAD_DIM;
+    for (int64_t j = 0; j < width * HEAD_DIM; ++j) {
+        queries[j] = qi[j] * scale;
+        acc[j] = 0.0f;
+    }
+    for (int64_t h = 0; h < width; ++h) {
+        top[h] = -INFINITY;
+        total[h] = 0.0f;
+    }
+    const int64_t first = start / block_size, last = (len - 1) / block_size;
+    for (int64_t b = first; b <= last; ++b) {
+        if (table[b] < 0 || table[b] >= a->cache_blocks) return;  /* a late pool helper's garbage */
+        const int64_t p0 = b == first ? start - b * block_size : 0;
+        const int64_t p1 = b == last ? len - b * block_size : block_size;
+        const kv_t *keys = k_cache + (table[b] * block_size * row_size + h0 * HEAD_DIM);
+        const kv_t *values = v_cache + (table[b] * block_size * row_size + h0 * HEAD_DIM);
+        /* Keys row by row, front to back through the block (the order the memory system
+           streams best), every head's score against each row. */
+        const int64_t next = b < last ? table[b + 1] * block_size * row_size + h0 * HEAD_DIM : -1;
+        const kv_t *next_keys = next >= 0 ? k_cache + next : 0;
+        const kv_t *next_values = next >= 0 ? v_cache + next : 0;
+        /* The next block's rows that hold context: the last block's end is the sequence's. */
+        const int64_t next_rows = b + 1 == last ? len - last * block_size : block_size;
+        for (int64_t p = p0; p < p1; ++p) {
+            const kv_t *key = keys + p * row_size;
+            const int ahead = next_keys && p < next_rows;
+            for (int64_t g = 0; g < heads_per_task; ++g) {
+                /* The next block's row p, a KV head's slice at a time: its keys now, its values after the
+                   first query head's score. */
+                const int64_t slice = p * row_size + g * HEAD_DIM, slice_bytes = HEAD_DIM * sizeof(kv_t);
+                if (ahead) prefetch_row(next_keys + slice, slice_bytes);
+                vec k[HEAD_DIM / W];
+                for (int d = 0; d < HEAD_DIM / W; ++d) k[d] = load_kv(key + g * HEAD_DIM + d * W);
+                for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+                    vec s = load(queries + h * HEAD_DIM) * k[0];
+                    for (int d = 1; d < HEAD_DIM / W; ++d) s += load(queries + h * HEAD_DIM + d * W) * k[d];
+                    const float score = hsum(s);
+                    scores[h * padded + p] = softcap > 0.0f ? softcap * tanhf(score / softcap) : score;
+                    if (ahead && h == g * group) prefetch_row(next_values + slice, slice_bytes);
+                }
+            }
+        }
+        if (next_keys)
+            for (int64_t p = 0; p < next_rows; ++p)
+                if (p < p0 || p >= p1) {
+                    prefetch_row(next_keys + p * row_size, task_bytes);
+                    prefetch_row(next_values + p * row_size, task_bytes);
+                }
+        for (int64_t h = 0; h < width; ++h) {
+            float *sh = scores + h * padded;
+            float block_top = -INFINITY;
+            for (int64_t p = p0; p < p1; ++p) block_top = sh[p] > block_top ? sh[p] : block_top;
+            const float new_top = block_top > top[h] ? block_top : top[h];
+            const float rescale = expf(top[h] - new_top);
+            top[h] = new_top;
+            for (int64_t p = p0 - p0 % W; p < p1; p += W) store(sh + p, vexp(load(sh + p) - splat(new_top)));
+            float sum = 0.0f;
+            for (int64_t p = p0; p < p1; ++p) sum += sh[p];
+            total[h] = total[h] * rescale + sum;
+            for (int d = 0; d < HEAD_DIM / W; ++d)
+                store(acc + h * HEAD_DIM + d * W, load(acc + h * HEAD_DIM + d * W) * splat(rescale));
+        }
+        /* Values: per KV head, its query heads' accumulators in registers, VALUE_HEADS at a time,
+           while the block's value rows pass (from L1 after the first group). */
+        for (int64_t g = 0; g < heads_per_task; ++g)
+            for (int64_t h = g * group; h < (g + 1) * group; h += VALUE_HEADS) {
+                const int64_t count = (g + 1) * group - h < VALUE_HEADS ? (g + 1) * group - h : VALUE_HEADS;
+                const kv_t *value = values + g * HEAD_DIM;
+                const float *weights = scores + h * padded;
+                float *into = acc + h * HEAD_DIM;
+                switch (count) {
+#if VALUE_HEADS >= 6
+                case 6: weigh_values(value, row_size, weights, padded, into, p0, p1, 6); break;
+                case 5: weigh_values(value, row_size, weights, padded, into, p0, p1, 5); break;
+                case 4: weigh_values(value, row_size, weights, padded, into, p0, p1, 4); break;
+                case 3: weigh_values(value, row_size, weights, padded, into, p0, p1, 3); break;
+#endif
+#if VALUE_HEADS >= 2
+                case 2: weigh_values(value, row_size, weights, padded, into, p0, p1, 2); break;
+#endif
+                default: weigh_values(value, row_size, weights, padded, into, p0, p1, 1); break;
+                }
+            }
+    }
+    for (int64_t h = 0; h < width; ++h) {
+        const float inv = 1.0f / total[h];
+        for (int64_t d = 0; d < HEAD_DIM; ++d) oi[h * HEAD_DIM + d] = acc[h * HEAD_DIM + d] * inv;
+    }
+}
+
 /* q: [tokens, q_heads, HEAD_DIM] with row stride q_stride (a view into the fused projection: no copy);
    out: [tokens, q_heads, HEAD_DIM] contiguous; caches: [slots, kv_heads, HEAD_DIM]; rows: [n] the flat-batch row
    of each decode query; tables: [n, max_blocks]; lens: [n] context length, the new token included;
@@ -190,19 +325,14 @@ int asyncllm_paged_decode_f32(const float *q, int64_t q_stride, const kv_t *k_ca
                               float *out, const int64_t *rows, const int64_t *tables, const int64_t *lens,
                               int64_t n, int64_t q_heads, int64_t kv_heads, int64_t block_size,
                               int64_t max_blocks, int64_t window, float scale, float softcap) {
-    const int64_t group = q_heads / kv_heads;
-    const int64_t row_size = kv_heads * HEAD_DIM;
     int threads = 1;
 #ifdef _OPENMP
     threads = omp_get_max_threads();
 #endif
-    /* Few sequences: one task per (sequence, KV head) so every thread has work; else whole sequences,
-       whose key and value rows are then read front to back. */
-    const int64_t splits = n >= 2 * threads ? 1 : kv_heads;
-    const int64_t heads_per_task = kv_heads / splits;
-    const int64_t width = heads_per_task * group;
-    const int64_t task_bytes = (int64_t)sizeof(kv_t) * heads_per_task * HEAD_DIM;
-    const int64_t padded = (block_size + W - 1) / W * W;
+    const decode_args a = decode_arguments(q, q_stride, INT64_MAX, k_cache, v_cache, rows, tables, lens, n, q_heads,
+        kv_heads, block_size, max_blocks, window, INT64_MAX, scale, softcap, threads);
+    const int64_t group = a.group, splits = a.splits, heads_per_task = a.heads_per_task, width = a.width;
+    const int64_t padded = a.padded;
     int failed = 0;
 #pragma omp parallel
     {
@@ -219,99 +349,8 @@ int asyncllm_paged_decode_f32(const float *q, int64_t q_stride, const kv_t *k_ca
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < n * splits; ++task) {
             if (!ok) continue;
-            const int64_t i = task / splits;
-            const int64_t h0 = (task % splits) * heads_per_task;
-            const int64_t len = lens[i];
-            const int64_t start = (window > 0 && len > window) ? len - window : 0;
-            const int64_t *table = tables + i * max_blocks;
-            const float *qi = q + rows[i] * q_stride + h0 * group * HEAD_DIM;
-            for (int64_t j = 0; j < width * HEAD_DIM; ++j) {
-                queries[j] = qi[j] * scale;
-                acc[j] = 0.0f;
-            }
-            for (int64_t h = 0; h < width; ++h) {
-                top[h] = -INFINITY;
-                total[h] = 0.0f;
-            }
-            const int64_t first = start / block_size, last = (len - 1) / block_size;
-            for (int64_t b = first; b <= last; ++b) {
-                const int64_t p0 = b == first ? start - b * block_size : 0;
-                const int64_t p1 = b == last ? len - b * block_size : block_size;
-                const kv_t *keys = k_cache + (table[b] * block_size * row_size + h0 * HEAD_DIM);
-                const kv_t *values = v_cache + (table[b] * block_size * row_size + h0 * HEAD_DIM);
-                /* Keys row by row, front to back through the block (the order the memory system
-                   streams best), every head's score against each row. */
-                const int64_t next = b < last ? table[b + 1] * block_size * row_size + h0 * HEAD_DIM : -1;
-                const kv_t *next_keys = next >= 0 ? k_cache + next : 0;
-                const kv_t *next_values = next >= 0 ? v_cache + next : 0;
-                /* The next block's rows that hold context: the last block's end is the sequence's. */
-                const int64_t next_rows = b + 1 == last ? len - last * block_size : block_size;
-                for (int64_t p = p0; p < p1; ++p) {
-                    const kv_t *key = keys + p * row_size;
-                    const int ahead = next_keys && p < next_rows;
-                    for (int64_t g = 0; g < heads_per_task; ++g) {
-                        /* The next block's row p, a KV head's slice at a time: its keys now, its values after the
-                           first query head's score. */
-                        const int64_t slice = p * row_size + g * HEAD_DIM, slice_bytes = HEAD_DIM * sizeof(kv_t);
-                        if (ahead) prefetch_row(next_keys + slice, slice_bytes);
-                        vec k[HEAD_DIM / W];
-                        for (int d = 0; d < HEAD_DIM / W; ++d) k[d] = load_kv(key + g * HEAD_DIM + d * W);
-                        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-                            vec s = load(queries + h * HEAD_DIM) * k[0];
-                            for (int d = 1; d < HEAD_DIM / W; ++d) s += load(queries + h * HEAD_DIM + d * W) * k[d];
-                            const float score = hsum(s);
-                            scores[h * padded + p] = softcap > 0.0f ? softcap * tanhf(score / softcap) : score;
-                            if (ahead && h == g * group) prefetch_row(next_values + slice, slice_bytes);
-                        }
-                    }
-                }
-                if (next_keys)
-                    for (int64_t p = 0; p < next_rows; ++p)
-                        if (p < p0 || p >= p1) {
-                            prefetch_row(next_keys + p * row_size, task_bytes);
-                            prefetch_row(next_values + p * row_size, task_bytes);
-                        }
-                for (int64_t h = 0; h < width; ++h) {
-                    float *sh = scores + h * padded;
-                    float block_top = -INFINITY;
-                    for (int64_t p = p0; p < p1; ++p) block_top = sh[p] > block_top ? sh[p] : block_top;
-                    const float new_top = block_top > top[h] ? block_top : top[h];
-                    const float rescale = expf(top[h] - new_top);
-                    top[h] = new_top;
-                    for (int64_t p = p0 - p0 % W; p < p1; p += W) store(sh + p, vexp(load(sh + p) - splat(new_top)));
-                    float sum = 0.0f;
-                    for (int64_t p = p0; p < p1; ++p) sum += sh[p];
-                    total[h] = total[h] * rescale + sum;
-                    for (int d = 0; d < HEAD_DIM / W; ++d)
-                        store(acc + h * HEAD_DIM + d * W, load(acc + h * HEAD_DIM + d * W) * splat(rescale));
-                }
-                /* Values: per KV head, its query heads' accumulators in registers, VALUE_HEADS at a time,
-                   while the block's value rows pass (from L1 after the first group). */
-                for (int64_t g = 0; g < heads_per_task; ++g)
-                    for (int64_t h = g * group; h < (g + 1) * group; h += VALUE_HEADS) {
-                        const int64_t count = (g + 1) * group - h < VALUE_HEADS ? (g + 1) * group - h : VALUE_HEADS;
-                        const kv_t *value = values + g * HEAD_DIM;
-                        const float *weights = scores + h * padded;
-                        float *into = acc + h * HEAD_DIM;
-                        switch (count) {
-#if VALUE_HEADS >= 6
-                        case 6: weigh_values(value, row_size, weights, padded, into, p0, p1, 6); break;
-                        case 5: weigh_values(value, row_size, weights, padded, into, p0, p1, 5); break;
-                        case 4: weigh_values(value, row_size, weights, padded, into, p0, p1, 4); break;
-                        case 3: weigh_values(value, row_size, weights, padded, into, p0, p1, 3); break;
-#endif
-#if VALUE_HEADS >= 2
-                        case 2: weigh_values(value, row_size, weights, padded, into, p0, p1, 2); break;
-#endif
-                        default: weigh_values(value, row_size, weights, padded, into, p0, p1, 1); break;
-                        }
-                    }
-            }
-            float *oi = out + (rows[i] * q_heads + h0 * group) * HEAD_DIM;
-            for (int64_t h = 0; h < width; ++h) {
-                const float inv = 1.0f / total[h];
-                for (int64_t d = 0; d < HEAD_DIM; ++d) oi[h * HEAD_DIM + d] = acc[h * HEAD_DIM + d] * inv;
-            }
+            decode_task(&a, task, queries, acc, top, total, scores,
+                        out + (rows[task / splits] * q_heads + (task % splits) * heads_per_task * group) * HEAD_DIM);
         }
         free(queries);
         free(acc);
@@ -320,6 +359,74 @@ int asyncllm_paged_decode_f32(const float *q, int64_t q_stride, const kv_t *k_ca
         free(scores);
     }
     return failed ? -1 : 0;
+}
+
+/* asyncllm_paged_decode_f32 as a job of the kernel pool (backends.cpu._pool), a task per (sequence, KV heads)
+   computed into the participant's scratch and committed to `out`. The sequences' query rows, block tables and
+   lengths are first copied into the pool's input buffer (a late helper may still read them after this call);
+   cache_slots: the caches' rows, which bound the blocks a task reads. Returns 1 once done, 0 when the pool
+   cannot take it (the inputs do not fit its buffer, or the scratch its own): the caller runs the OpenMP one. */
+typedef struct {
+    decode_args a;
+    float *out;            /* the caller's: only a commit, inside the call, writes there */
+    const int64_t *rows;   /* the caller's rows, for the commit's offsets */
+} decode_job;
+
+static inline int64_t decode_scratch_floats(const decode_args *a) {
+    return 3 * a->width * HEAD_DIM + 2 * a->width + a->padded * a->width;
+}
+
+static void decode_compute(const void *context, int64_t task, int64_t next, void *scratch) {
+    (void)next;
+    const decode_args *a = &((const decode_job *)context)->a;
+    float *queries = scratch, *acc = queries + a->width * HEAD_DIM, *oi = acc + a->width * HEAD_DIM;
+    float *top = oi + a->width * HEAD_DIM, *total = top + a->width, *scores = total + a->width;
+    decode_task(a, task, queries, acc, top, total, scores, oi);
+}
+
+static void decode_direct(const void *context, int64_t task, int64_t next, void *scratch) {
+    (void)next;
+    const decode_job *job = context;
+    const decode_args *a = &job->a;
+    float *queries = scratch, *acc = queries + a->width * HEAD_DIM, *top = acc + 2 * a->width * HEAD_DIM;
+    float *total = top + a->width, *scores = total + a->width;
+    const int64_t i = task / a->splits, h0 = (task % a->splits) * a->heads_per_task;
+    float *oi = job->out + (job->rows[i] * a->q_heads + h0 * a->group) * HEAD_DIM;
+    decode_task(a, task, queries, acc, top, total, scores, oi);
+}
+
+static void decode_commit(const void *context, int64_t task, const void *scratch) {
+    const decode_job *job = context;
+    const decode_args *a = &job->a;
+    const float *oi = (const float *)scratch + 2 * a->width * HEAD_DIM;
+    const int64_t i = task / a->splits, h0 = (task % a->splits) * a->heads_per_task;
+    memcpy(job->out + (job->rows[i] * a->q_heads + h0 * a->group) * HEAD_DIM, oi,
+           sizeof(float) * (size_t)(a->width * HEAD_DIM));
+}
+
+int asyncllm_paged_decode_pooled(void *pool, void *run, char *input, int64_t input_bytes, int64_t threads,
+                                 const float *q, int64_t q_stride, const kv_t *k_cache, const kv_t *v_cache,
+                                 float *out, const int64_t *rows, const int64_t *tables, const int64_t *lens,
+                                 int64_t n, int64_t q_heads, int64_t kv_heads, int64_t block_size,
+                                 int64_t max_blocks, int64_t window, float scale, float softcap, int64_t cache_slots) {
+    const int64_t q_floats = n * q_heads * HEAD_DIM, q_bytes = (q_floats * 4 + 63) / 64 * 64;
+    if (n < 1 || q_bytes + (2 * n + n * max_blocks) * 8 > input_bytes) return 0;
+    float *q_copy = (float *)input;
+    int64_t *rows_copy = (int64_t *)(input + q_bytes), *lens_copy = rows_copy + n, *tables_copy = lens_copy + n;
+    for (int64_t i = 0; i < n; ++i) {
+        memcpy(q_copy + i * q_heads * HEAD_DIM, q + rows[i] * q_stride, sizeof(float) * (size_t)(q_heads * HEAD_DIM));
+        rows_copy[i] = i;
+    }
+    memcpy(lens_copy, lens, sizeof(int64_t) * (size_t)n);
+    memcpy(tables_copy, tables, sizeof(int64_t) * (size_t)(n * max_blocks));
+    const decode_job context = {
+        decode_arguments(q_copy, q_heads * HEAD_DIM, n, k_cache, v_cache, rows_copy, tables_copy, lens_copy, n, q_heads,
+                         kv_heads, block_size, max_blocks, window, cache_slots / block_size, scale, softcap, threads),
+        out, rows};
+    pool_job job = {decode_compute, decode_commit, decode_direct, n * context.a.splits,
+                    decode_scratch_floats(&context.a) * (int64_t)sizeof(float), threads, sizeof context, {0}};
+    memcpy(job.context, &context, sizeof context);
+    return ((pool_run_fn)run)(pool, &job);
 }
 
 /* Causal attention of prompt chunks (a flash-attention tiling): q rows [tokens, q_heads, HEAD_DIM], k, v rows
@@ -675,14 +782,27 @@ def attend_into(
     *,
     sliding: bool = True,
     softcap: float | None = None,
+    pool: kernel_pool.KernelPool | None = None,
 ) -> None:
     """``paged_attention`` into ``out`` ([tokens, heads, head_dim], contiguous), without its checks.
 
     For callers that own the layouts (``asyncllm.backends.cpu._lean_forward``): q with packed heads (row stride
-    free), everything float32 on the CPU, the caches contiguous. Raises RuntimeError as
-    ``paged_attention`` does.
+    free), everything float32 on the CPU, the caches contiguous. With ``pool``, the decode rows run on that
+    kernel pool (``backends.cpu._pool``) at torch's thread count where it takes them, else on OpenMP; same
+    bits either way. Raises RuntimeError as ``paged_attention`` does.
     """
     num_decodes = meta.decode_rows.numel()
+    window = (meta.sliding_window or 0) if sliding else 0
+    if num_decodes and pool is not None:
+        pooled = _function(q.shape[-1], k_cache.dtype, "asyncllm_paged_decode_pooled")
+        if pooled is not None and pooled(
+            pool.handle, pool.run, pool.input, pool.input_bytes, torch.get_num_threads(),
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+            meta.decode_rows.data_ptr(), meta.decode_block_tables.data_ptr(), meta.decode_seq_lens.data_ptr(),
+            num_decodes, q.shape[1], k_cache.shape[1], meta.block_size, meta.decode_block_tables.shape[1], window,
+            scale, softcap or 0.0, k_cache.shape[0],
+        ):  # fmt: skip
+            num_decodes = 0
     if num_decodes:
         kernel = _kernel(q.shape[-1], k_cache.dtype)
         if kernel is None:
@@ -701,7 +821,7 @@ def attend_into(
             k_cache.shape[1],
             meta.block_size,
             meta.decode_block_tables.shape[1],
-            (meta.sliding_window or 0) if sliding else 0,
+            window,
             scale,
             softcap or 0.0,
         )
@@ -773,6 +893,7 @@ KV_DTYPES = (torch.float32, torch.bfloat16)
 _SIGNATURES: native.Signatures = {
     "asyncllm_paged_decode_f32": ([PTR, I64, *[PTR] * 6, *[I64] * 6, F32, F32], I32),
     "asyncllm_causal_prefill_f32": ([PTR, I64, *[PTR] * 5, *[I64] * 5, F32, *[PTR] * 5], I32),
+    "asyncllm_paged_decode_pooled": ([PTR, PTR, PTR, I64, I64, PTR, I64, *[PTR] * 6, *[I64] * 6, F32, F32, I64], I32),
 }
 
 

@@ -47,6 +47,7 @@ from collections.abc import Callable
 import torch
 
 from asyncllm.backends.cpu import _native as native
+from asyncllm.backends.cpu import _pool as kernel_pool
 from asyncllm.backends.cpu._native import I64, PTR
 from asyncllm.worker._memory import mapped_tensor
 
@@ -64,6 +65,7 @@ __all__ = [
     "panel_argmax",
     "panel_matmul",
     "panel_matmul_into",
+    "pooled_matmul_into",
 ]
 
 PANEL_COLUMNS = 48
@@ -75,7 +77,7 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
+""" + kernel_pool.HEADER + r"""
 #define ROWS 8                     /* input rows per micro-kernel call */
 #define VECTORS 3                  /* 16-float vectors per panel row */
 #define COLUMNS (16 * VECTORS)     /* output columns per panel */
@@ -110,6 +112,7 @@ typedef struct {
     int32_t *indices;  /* [rows, stride]: the first column holding it; -1 where no column of the panel counts */
     int64_t stride;    /* the panel count */
     int64_t valid;     /* columns from this one on do not count (padding past a vocabulary) */
+    int64_t slot;      /* -1: each panel's own column of the target; else this column (a pool task's scratch) */
 } argmax_target;
 
 /* Per row r < rows of a panel whose first column is first_column: the largest of its outputs in columns below
@@ -137,7 +140,7 @@ static inline __attribute__((always_inline)) void argmax_block(__m512 acc[ROWS][
             const unsigned hit = _mm512_mask_cmp_ps_mask(masks[v], acc[r][v], _mm512_set1_ps(best), _CMP_EQ_OQ);
             if (hit) index = (int32_t)(first_column + 16 * v + __builtin_ctz(hit));
         }
-        const int64_t at = (row0 + r) * target->stride + panel;
+        const int64_t at = (row0 + r) * target->stride + (target->slot < 0 ? panel : target->slot);
         target->values[at] = unordered ? NAN : best;
         target->indices[at] = index;
     }
@@ -319,6 +322,8 @@ void asyncllm_panel_matmul(const float *x, int64_t x_stride, const float *panels
     panel_matmul(x, x_stride, (const char *)panels, out, out_stride, rows, out_features, in_features, 0, NULL);
 }
 
+static void reduce_argmax(const argmax_target *target, int64_t rows, int64_t *tokens);
+
 /* tokens[r] = the first column below `valid` where x[r] . weight.T is largest (what torch.argmax of the GEMM's
    outputs gives), or -1 where an output of the row is NaN; the outputs themselves are never stored. Returns 0
    if scratch memory ran out. */
@@ -326,12 +331,21 @@ static int panel_argmax(const float *x, int64_t x_stride, const char *panels, in
                         int64_t out_features, int64_t in_features, int64_t valid, const int bf16) {
     const int64_t count = (out_features + COLUMNS - 1) / COLUMNS;
     argmax_target target = {malloc((size_t)(rows * count) * sizeof(float)),
-                            malloc((size_t)(rows * count) * sizeof(int32_t)), count, valid};
+                            malloc((size_t)(rows * count) * sizeof(int32_t)), count, valid, -1};
     int ok = target.values && target.indices
         && panel_matmul(x, x_stride, panels, NULL, 0, rows, out_features, in_features, bf16, &target);
-    for (int64_t r = 0; ok && r < rows; ++r) {
-        const float *values = target.values + r * count;
-        const int32_t *indices = target.indices + r * count;
+    if (ok) reduce_argmax(&target, rows, tokens);
+    free(target.values);
+    free(target.indices);
+    return ok;
+}
+
+/* tokens[r]: the token of row r from its panels' largest outputs ([rows, count] in `target`). */
+static void reduce_argmax(const argmax_target *target, int64_t rows, int64_t *tokens) {
+    const int64_t count = target->stride;
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *values = target->values + r * count;
+        const int32_t *indices = target->indices + r * count;
         float best = -INFINITY;
         int64_t token = -1;
         for (int64_t p = 0; p < count; ++p) {
@@ -347,9 +361,6 @@ static int panel_argmax(const float *x, int64_t x_stride, const char *panels, in
         }
         tokens[r] = token;
     }
-    free(target.values);
-    free(target.indices);
-    return ok;
 }
 
 int asyncllm_panel_argmax(const float *x, int64_t x_stride, const float *panels, int64_t *tokens, int64_t rows,
@@ -368,6 +379,131 @@ int asyncllm_panel_argmax_bf16(const float *x, int64_t x_stride, const uint16_t 
     return panel_argmax(x, x_stride, (const char *)panels, tokens, rows, out_features, in_features, valid, 1);
 }
 #endif
+
+/* The panel GEMM as a job of the kernel pool (backends.cpu._pool): a task per panel, computed into the
+   participant's scratch ([rows, 48] outputs, or per row the panel's largest output and its column) and then
+   committed to the output. The input is first copied into the pool's input buffer (rows rounded to bfloat16,
+   or float32 rows), which outlives any late helper; one that reads it while a later job overwrites it computes
+   garbage and drops it (its task was taken). */
+typedef struct {
+    const char *x;
+    const char *panels;
+    float *out;
+    int64_t out_stride, rows, out_features, steps, count, panel_bytes, panel_lines, lines_per_block;
+    int64_t bf16;
+    argmax_target target;  /* values NULL: store the outputs */
+} panel_job;
+
+/* Panel p into the scratch (direct 0) or straight into the output (direct 1). */
+static inline __attribute__((always_inline)) void panel_task(const panel_job *job, int64_t p, int64_t q,
+                                                             void *scratch, const int direct) {
+    const int64_t first = 0, last = job->rows, steps = job->steps, x_stride = steps;
+    const int64_t out_stride = direct ? job->out_stride : COLUMNS;
+    const int64_t panel_bytes = job->panel_bytes, panel_lines = job->panel_lines;
+    const int64_t lines_per_block = job->lines_per_block;
+    const char *panels = job->panels, *panel = panels + p * panel_bytes;
+    const int64_t columns = (p + 1) * COLUMNS <= job->out_features ? COLUMNS : job->out_features - p * COLUMNS;
+    const int has_next = q >= 0 && q < job->count;
+    argmax_target into = job->target;
+    const argmax_target *target = into.values && direct ? &job->target : NULL;
+    if (into.values && !direct) {
+        into.values = scratch;
+        into.indices = (int32_t *)((float *)scratch + last);
+        into.stride = 1;
+        into.slot = 0;
+        target = &into;
+    }
+    const float *x = (const float *)job->x;
+#ifdef __AVX512BF16__
+    const uint32_t *rounded = (const uint32_t *)job->x;
+#endif
+    for (int64_t r0 = first; r0 < last; r0 += ROWS) {
+        const int64_t block = (r0 - first) / ROWS, done = block * lines_per_block;
+        const int64_t lines = !has_next || done >= panel_lines ? 0
+            : (lines_per_block < panel_lines - done ? lines_per_block : panel_lines - done);
+        const char *ahead = has_next ? panels + q * panel_bytes + LINE * done : panel;
+        float *o = target ? NULL
+            : direct ? job->out + r0 * out_stride + p * COLUMNS : (float *)scratch + r0 * COLUMNS;
+#ifdef __AVX512BF16__
+        if (job->bf16) { BY_ROWS(MICRO_BF16) continue; }
+#endif
+        BY_ROWS(MICRO)
+    }
+}
+
+static void panel_compute(const void *context, int64_t p, int64_t q, void *scratch) {
+    panel_task(context, p, q, scratch, 0);
+}
+
+static void panel_direct(const void *context, int64_t p, int64_t q, void *scratch) {
+    panel_task(context, p, q, scratch, 1);
+}
+
+static void panel_commit(const void *context, int64_t p, const void *scratch) {
+    const panel_job *job = context;
+    if (job->target.values) {
+        const float *values = scratch;
+        const int32_t *indices = (const int32_t *)(values + job->rows);
+        for (int64_t r = 0; r < job->rows; ++r) {
+            job->target.values[r * job->count + p] = values[r];
+            job->target.indices[r * job->count + p] = indices[r];
+        }
+        return;
+    }
+    const int64_t columns = (p + 1) * COLUMNS <= job->out_features ? COLUMNS : job->out_features - p * COLUMNS;
+    for (int64_t r = 0; r < job->rows; ++r)
+        memcpy(job->out + r * job->out_stride + p * COLUMNS, (const float *)scratch + r * COLUMNS,
+               sizeof(float) * (size_t)columns);
+}
+
+/* 1 once done; 0 when the pool cannot take it (too many rows for its input buffer or scratch): the caller then
+   runs the OpenMP GEMM. */
+static int pooled_matmul(void *pool, void *run, char *input, int64_t input_bytes, int64_t threads, const float *x,
+        int64_t x_stride, const char *panels, float *out, int64_t out_stride, int64_t rows, int64_t out_features,
+        int64_t in_features, int bf16, argmax_target target) {
+    const int64_t count = (out_features + COLUMNS - 1) / COLUMNS, steps = bf16 ? (in_features + 1) / 2 : in_features;
+    if (rows < 1 || rows > ROW_BLOCK || rows * steps * 4 > input_bytes) return 0;
+#ifdef __AVX512BF16__
+    if (bf16) round_rows(x, x_stride, 0, rows, in_features, steps, (uint32_t *)input);  /* no team: this thread */
+#endif
+    if (!bf16)
+        for (int64_t r = 0; r < rows; ++r)
+            memcpy(input + r * steps * 4, x + r * x_stride, sizeof(float) * (size_t)in_features);
+    const int64_t panel_bytes = steps * COLUMNS * 4, blocks = (rows + ROWS - 1) / ROWS;
+    const panel_job context = {input, panels, out, out_stride, rows, out_features, steps, count, panel_bytes,
+                               panel_bytes / LINE, (panel_bytes / LINE + blocks - 1) / blocks, bf16, target};
+    pool_job job = {panel_compute, panel_commit, panel_direct, count, rows * COLUMNS * (int64_t)sizeof(float), threads,
+                    sizeof context, {0}};
+    memcpy(job.context, &context, sizeof context);
+    return ((pool_run_fn)run)(pool, &job);
+}
+
+int asyncllm_panel_matmul_pooled(void *pool, void *run, char *input, int64_t input_bytes, int64_t threads,
+        const float *x, int64_t x_stride, const void *panels, float *out, int64_t out_stride, int64_t rows,
+        int64_t out_features, int64_t in_features, int64_t bf16) {
+    const argmax_target none = {NULL, NULL, 0, 0, -1};
+    return pooled_matmul(pool, run, input, input_bytes, threads, x, x_stride, panels, out, out_stride, rows,
+                         out_features, in_features, (int)bf16, none);
+}
+
+/* panel_argmax on the pool: 1 once `tokens` holds the rows' tokens, 0 when the pool cannot take it, -1 when scratch
+   memory ran out. */
+int asyncllm_panel_argmax_pooled(void *pool, void *run, char *input, int64_t input_bytes, int64_t threads,
+        const float *x, int64_t x_stride, const void *panels, int64_t *tokens, int64_t rows, int64_t out_features,
+        int64_t in_features, int64_t valid, int64_t bf16) {
+    const int64_t count = (out_features + COLUMNS - 1) / COLUMNS;
+    argmax_target target = {malloc((size_t)(rows * count) * sizeof(float)),
+                            malloc((size_t)(rows * count) * sizeof(int32_t)), count, valid, -1};
+    int done = -1;
+    if (target.values && target.indices) {
+        done = pooled_matmul(pool, run, input, input_bytes, threads, x, x_stride, panels, NULL, 0, rows, out_features,
+                             in_features, (int)bf16, target);
+        if (done == 1) reduce_argmax(&target, rows, tokens);
+    }
+    free(target.values);
+    free(target.indices);
+    return done;
+}
 """
 
 
@@ -381,6 +517,8 @@ _SIGNATURES: native.Signatures = {
     "asyncllm_panel_pack": ([PTR, PTR, I64, I64], None),
     "asyncllm_panel_matmul": ([PTR, I64, PTR, PTR, I64, I64, I64, I64], None),
     "asyncllm_panel_argmax": ([PTR, I64, PTR, PTR, I64, I64, I64, I64], ctypes.c_int),
+    "asyncllm_panel_matmul_pooled": ([PTR, PTR, PTR, I64, I64, PTR, I64, PTR, PTR, *[I64] * 5], ctypes.c_int),
+    "asyncllm_panel_argmax_pooled": ([PTR, PTR, PTR, I64, I64, PTR, I64, PTR, PTR, *[I64] * 5], ctypes.c_int),
 }
 _BFLOAT16_SIGNATURES: native.Signatures = {
     "asyncllm_panel_pack_bf16": ([PTR, PTR, I64, I64], None),
@@ -519,25 +657,36 @@ class PanelArgmaxHead:
 
     def __init__(self, panels: torch.Tensor, out_features: int, valid: int, in_features: int | None = None) -> None:
         self.panels, self.out_features, self.valid, self.in_features = panels, out_features, valid, in_features
+        self.pool: kernel_pool.KernelPool | None = None
+        """The kernel pool to run on (the runner's, ``backends.cpu._pool``), or None for OpenMP's threads."""
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows] int64 tokens for [rows, hidden] float32 states; -1 in a row with a NaN logit (the caller's
         logits path decides it, as torch would), and in every row where the call's scratch memory could not
         be allocated (as ``_greedy_head.GreedyHead`` leaves them)."""
         try:
-            return panel_argmax(hidden, self.panels, self.out_features, self.valid, in_features=self.in_features)
+            return panel_argmax(
+                hidden, self.panels, self.out_features, self.valid, in_features=self.in_features, pool=self.pool
+            )
         except MemoryError:
             return torch.full((hidden.shape[0],), -1, dtype=torch.int64)
 
 
 def panel_argmax(
-    x: torch.Tensor, panels: torch.Tensor, out_features: int, valid: int, *, in_features: int | None = None
+    x: torch.Tensor,
+    panels: torch.Tensor,
+    out_features: int,
+    valid: int,
+    *,
+    in_features: int | None = None,
+    pool: kernel_pool.KernelPool | None = None,
 ) -> torch.Tensor:
     """[rows] int64: per row of ``x`` ([rows, in_features] float32), the first of the columns below ``valid`` where
     ``x @ weight.T`` (``weight`` packed into ``panels`` by ``PanelWeight``) is largest, as torch.argmax of the
     panel GEMM's outputs gives, without storing them; -1 in a row with a NaN output (torch would return the
     NaN's column). ``in_features``: the weight's width, checked against ``x``'s (None: ``x``'s own, checked
-    against the panels' size only, which bfloat16 panels of an even width share with one less).
+    against the panels' size only, which bfloat16 panels of an even width share with one less). With ``pool``, on
+    that kernel pool (``backends.cpu._pool``) at torch's thread count where it takes the rows, else on OpenMP.
 
     Raises:
         ValueError: ``x`` is not [rows, in_features] float32 on the CPU, or ``valid`` is out of range.
@@ -565,11 +714,47 @@ def panel_argmax(
     library = _bfloat16_library() if bfloat16 else _library()
     if library is None:  # panels exist only where the kernel does
         raise RuntimeError("the panel GEMM is unavailable here")
+    if pool is not None:
+        done = library.asyncllm_panel_argmax_pooled(
+            pool.handle, pool.run, pool.input, pool.input_bytes, torch.get_num_threads(), x.data_ptr(), x.stride(0),
+            panels.data_ptr(), tokens.data_ptr(), rows, out_features, in_features, valid, int(bfloat16),
+        )  # fmt: skip
+        if done < 0:
+            raise MemoryError(f"no memory for the argmax of {rows} rows")
+        if done:
+            return tokens
     argmax = library.asyncllm_panel_argmax_bf16 if bfloat16 else library.asyncllm_panel_argmax
     ok = argmax(x.data_ptr(), x.stride(0), panels.data_ptr(), tokens.data_ptr(), rows, out_features, in_features, valid)
     if not ok:
         raise MemoryError(f"no memory for the argmax of {rows} rows")
     return tokens
+
+
+def pooled_matmul_into(
+    pool: kernel_pool.KernelPool,
+    x: int,
+    x_stride: int,
+    rows: int,
+    panels: int,
+    out: int,
+    out_stride: int,
+    out_features: int,
+    in_features: int,
+    *,
+    bfloat16: bool,
+) -> bool:
+    """``panel_matmul_into`` (``bfloat16_panel_matmul_into`` with ``bfloat16``) on ``pool`` at torch's thread count:
+    the caller never waits for a helper another process has descheduled (``backends.cpu._pool``). Same bits as the
+    OpenMP GEMM. False, with nothing computed, when the pool cannot take the rows (more than 256, or more input than
+    its buffer holds): the caller runs the OpenMP one. No checks, as ``panel_matmul_into``."""
+    library = _library()
+    if library is None:  # panels exist only where the kernel does
+        raise RuntimeError("the panel GEMM is unavailable here")
+    done = library.asyncllm_panel_matmul_pooled(
+        pool.handle, pool.run, pool.input, pool.input_bytes, torch.get_num_threads(), x, x_stride, panels, out,
+        out_stride, rows, out_features, in_features, int(bfloat16),
+    )  # fmt: skip
+    return bool(done)
 
 
 MatmulInto = Callable[[int, int, int, int, int, int, int, int], None]

@@ -37,13 +37,19 @@ from asyncllm.backends.cpu import _activation as activation_cpu
 from asyncllm.backends.cpu import _attention as attention_cpu
 from asyncllm.backends.cpu import _elementwise as elementwise_cpu
 from asyncllm.backends.cpu import _gemm as gemm_cpu
+from asyncllm.backends.cpu import _pool as kernel_pool
 from asyncllm.backends.cpu._attention import CpuAttentionMetadata
 from asyncllm.models._linear import Linear, on_panels, packed_matmul_into
 from asyncllm.worker._memory import mapped_tensor
 
 if TYPE_CHECKING:
     from asyncllm.models._llama import DecoderForCausalLM
-__all__ = ["LeanCpuForward"]
+__all__ = ["POOL_MAX_TOKENS", "LeanCpuForward"]
+
+POOL_MAX_TOKENS = 64
+"""Steps of at most this many tokens run on the kernel pool where there is one: decode-sized steps, whose
+element-wise kernels run on the calling thread alone (under ``PARALLEL_FLOATS``), so OpenMP's threads stay
+asleep; larger steps run on OpenMP throughout (two pools at once would spin against each other)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +80,15 @@ class _Matmul:
             panels is not None and panels.dtype == torch.bfloat16,
         )
 
-    def __call__(self, x: int, x_stride: int, rows: int, out: int, out_stride: int) -> None:
+    def __call__(
+        self, x: int, x_stride: int, rows: int, out: int, out_stride: int, pool: kernel_pool.KernelPool | None
+    ) -> None:
         shape = (self.out_features, self.in_features)
+        on_panels_here = self.bfloat16 or on_panels(bool(self.panels), bool(self.packed), rows)
+        if pool is not None and on_panels_here:
+            args = (x, x_stride, rows, self.panels, out, out_stride, *shape)
+            if gemm_cpu.pooled_matmul_into(pool, *args, bfloat16=self.bfloat16):
+                return
         if self.bfloat16:
             gemm_cpu.bfloat16_panel_matmul_into(x, x_stride, rows, self.panels, out, out_stride, *shape)
         elif on_panels(bool(self.panels), bool(self.packed), rows):  # the choice ``packed_linear`` makes
@@ -121,6 +134,10 @@ class LeanCpuForward:
             torch.bfloat16: elementwise_cpu.kernel("asyncllm_write_kv_bf16"),
         }
         self._buffer = torch.empty(0)  # the layers' scratch (``_scratch``)
+        self.pool: kernel_pool.KernelPool | None = None
+        """The kernel pool the decode-sized steps' matmuls and attention run on (``backends.cpu._pool``; the
+        runner's, which it closes), or None for OpenMP's threads throughout."""
+        self.pool_max_tokens = POOL_MAX_TOKENS
         # SiLU times up in one pass where it gives torch's bits (activation_cpu.available), else torch's two.
         self._silu_mul = activation_cpu.silu_mul_into if activation_cpu.available() else None
 
@@ -133,6 +150,8 @@ class LeanCpuForward:
         """
         needed = tokens * floats_per_token
         if self._buffer.numel() < needed:
+            if self.pool is not None:  # a late helper may still read the old buffer (the SiLU's rows)
+                self.pool.quiesce()
             self._buffer = mapped_tensor(needed, torch.float32)
         return self._buffer[:needed]
 
@@ -232,6 +251,7 @@ class LeanCpuForward:
         normed_at, qkv_at, attended_at, projected_at = addresses
         gate_up_at, mlp_out_at, residual_at = gate_up.data_ptr(), mlp_out.data_ptr(), residual.data_ptr()
         up_at = up.data_ptr()
+        pool = self.pool if tokens <= self.pool_max_tokens else None
         for index, (layer, (k_cache, v_cache)) in enumerate(zip(self._layers, kv_caches, strict=True)):
             fits = k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
             fits = fits and k_cache.shape[1:] == cache_rows and k_cache.dtype == v_cache.dtype == kv_dtype
@@ -244,7 +264,7 @@ class LeanCpuForward:
                     normed_at, mlp_out_at, residual_at, layer.input_norm.data_ptr(),
                     tokens, hidden, hidden, hidden, hidden, eps,
                 )  # fmt: skip
-            layer.qkv(normed_at, hidden, tokens, qkv_at, qkv_size)
+            layer.qkv(normed_at, hidden, tokens, qkv_at, qkv_size, pool)
             if layer.qkv_bias is not None:
                 qkv += layer.qkv_bias
             queries, keys = q, k
@@ -261,20 +281,20 @@ class LeanCpuForward:
             ):  # fmt: skip
                 raise ValueError(f"a KV slot lies outside the cache's {k_cache.shape[0]} slots")
             attention_cpu.attend_into(
-                queries, keys, v, k_cache, v_cache, meta, self._scale, attended, sliding=layer.sliding
+                queries, keys, v, k_cache, v_cache, meta, self._scale, attended, sliding=layer.sliding, pool=pool
             )
-            layer.o(attended_at, q_size, tokens, projected_at, hidden)
+            layer.o(attended_at, q_size, tokens, projected_at, hidden, pool)
             norm(
                 normed_at, projected_at, residual_at, layer.post_norm.data_ptr(),
                 tokens, hidden, hidden, hidden, hidden, eps,
             )  # fmt: skip
-            layer.gate_up(normed_at, hidden, tokens, gate_up_at, 2 * intermediate)
+            layer.gate_up(normed_at, hidden, tokens, gate_up_at, 2 * intermediate, pool)
             if self._silu_mul is not None:
-                self._silu_mul(gate_up_at, up_at, tokens, intermediate, 2 * intermediate)
+                self._silu_mul(gate_up_at, up_at, tokens, intermediate, 2 * intermediate, pool)
             else:
                 F.silu(gate, inplace=True)
                 gate.mul_(up)
-            layer.down(gate_up_at, 2 * intermediate, tokens, mlp_out_at, hidden)
+            layer.down(gate_up_at, 2 * intermediate, tokens, mlp_out_at, hidden, pool)
         out = torch.empty(tokens, hidden)
         final_norm = self._final_norm.data_ptr()
         norm(out.data_ptr(), mlp_out_at, residual_at, final_norm, tokens, hidden, hidden, hidden, hidden, eps)

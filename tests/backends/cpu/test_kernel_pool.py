@@ -1,0 +1,162 @@
+"""The kernel pool (``backends.cpu._pool``): the kernels on it compute the OpenMP kernels' bits, a helper that
+stalls has its tasks taken over by the caller, and ``close`` joins its threads."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from asyncllm.backends.cpu import _attention as attention_cpu
+from asyncllm.backends.cpu import _gemm as gemm_cpu
+from asyncllm.backends.cpu import _pool as kernel_pool
+from asyncllm.testing.tiny_models import tiny_model_path
+from asyncllm.worker._input_batch import step_inputs
+from asyncllm.worker._model_runner import TorchModelRunner
+
+pytestmark = pytest.mark.skipif(
+    not (kernel_pool.available() and gemm_cpu.available()), reason="no kernel pool or panel GEMM here"
+)
+
+
+def _helpers() -> int:
+    """The process's kernel pool helper threads, by name."""
+    count = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm", encoding="utf-8") as comm:
+                count += comm.read().strip() == kernel_pool.HELPER_NAME
+        except OSError:
+            continue  # a thread that just ended
+    return count
+
+
+@pytest.fixture
+def pool() -> kernel_pool.KernelPool:
+    created = kernel_pool.KernelPool(1, max_tasks=2048, scratch_bytes=64 * 48 * 4, input_bytes=1 << 20, spin=30_000)
+    yield created
+    created.close()
+
+
+@pytest.fixture(autouse=True)
+def _two_threads() -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the pooled calls share their tasks out at torch's thread count
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("bfloat16", [False, True], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("rows", [1, 7, 33, 64])
+def test_pooled_matmul_and_argmax_equal_openmp(pool: kernel_pool.KernelPool, bfloat16: bool, rows: int) -> None:
+    if bfloat16 and not gemm_cpu.bfloat16_available():
+        pytest.skip("no AVX512-BF16 here")
+    generator = torch.Generator().manual_seed(rows)
+    out_features, in_features = 1000, 100  # a partial last panel
+    weight = torch.randn(out_features, in_features, generator=generator)
+    panels = gemm_cpu.PanelWeight(weight, bfloat16=bfloat16)
+    x = torch.randn(rows, in_features, generator=generator)
+    expected = panels.linear(x)
+    out = torch.full((rows, out_features), float("nan"))
+    shape = (out_features, in_features)
+    args = (x.data_ptr(), in_features, rows, panels.buffer.data_ptr(), out.data_ptr(), out_features, *shape)
+    for _ in range(20):  # the helper takes a share of the panels in some of them
+        out.fill_(float("nan"))
+        assert gemm_cpu.pooled_matmul_into(pool, *args, bfloat16=bfloat16)
+        assert torch.equal(out, expected)
+    valid = out_features - 5
+    tokens = gemm_cpu.panel_argmax(x, panels.buffer, out_features, valid, in_features=in_features, pool=pool)
+    assert torch.equal(tokens, expected[:, :valid].argmax(-1))
+
+
+def test_more_rows_than_the_pool_takes_are_left_to_openmp(pool: kernel_pool.KernelPool) -> None:
+    weight = torch.randn(96, 64)
+    panels = gemm_cpu.PanelWeight(weight)
+    x = torch.randn(300, 64)  # more than a pass of 256 rows
+    out = torch.zeros(300, 96)
+    args = (x.data_ptr(), 64, 300, panels.buffer.data_ptr(), out.data_ptr(), 96, 96, 64)
+    assert not gemm_cpu.pooled_matmul_into(pool, *args, bfloat16=False)
+    assert torch.equal(out, torch.zeros(300, 96))  # nothing computed: the caller runs the OpenMP GEMM
+    tokens = gemm_cpu.panel_argmax(x, panels.buffer, 96, 96, pool=pool)  # falls back by itself
+    assert torch.equal(tokens, panels.linear(x).argmax(-1))
+
+
+def test_the_caller_takes_over_a_stalled_helpers_task(pool: kernel_pool.KernelPool) -> None:
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(48 * 64, 64, generator=generator)
+    panels = gemm_cpu.PanelWeight(weight)
+    x = torch.randn(16, 64, generator=generator)
+    expected = panels.linear(x)
+    out = torch.empty_like(expected)
+    args = (x.data_ptr(), 64, 16, panels.buffer.data_ptr(), out.data_ptr(), 48 * 64, 48 * 64, 64)
+    pool.hold(True)  # a helper that starts a task now stalls in it, as if another process held its CPU
+    try:
+        for _ in range(10_000):  # until the helper has claimed and started a task (it usually does at once)
+            out.fill_(float("nan"))
+            assert gemm_cpu.pooled_matmul_into(pool, *args, bfloat16=False)
+            assert torch.equal(out, expected)  # every call complete, the stalled task done by the caller
+            if pool.stolen:
+                break
+        assert pool.stolen > 0
+        for _ in range(3):  # later calls run without the stalled helper
+            out.fill_(float("nan"))
+            assert gemm_cpu.pooled_matmul_into(pool, *args, bfloat16=False)
+            assert torch.equal(out, expected)
+    finally:
+        pool.hold(False)
+    pool.quiesce()  # the helper finishes the task it stalled in and drops its result
+    assert pool.helpers_inside == 0
+    assert torch.equal(out, expected)
+
+
+def test_close_joins_the_helpers() -> None:
+    before = _helpers()
+    pool = kernel_pool.KernelPool(3, max_tasks=16, scratch_bytes=1024, input_bytes=1024, spin=100)
+    assert _helpers() == before + 3
+    pool.close()
+    assert _helpers() == before
+    pool.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        _ = pool.handle
+
+
+def test_runner_runs_the_lean_forward_on_its_pool_and_joins_it(tiny_cache: Path) -> None:
+    """The runner's pool: the decode-sized step's layer stack on it gives the OpenMP path's bits (matmuls,
+    attention against a paged cache, SiLU), and ``close`` joins it."""
+    from asyncllm.executor._runner import SequenceInput
+    from asyncllm.sampling_params import SamplingParams
+
+    if not attention_cpu.native_decode_available(16):
+        pytest.skip("no C compiler")
+    before = _helpers()
+    runner = TorchModelRunner(
+        tiny_model_path(tiny_cache, "llama"), device="cpu", kv_cache_blocks=64, block_size=4, packed_gemm="panels"
+    )
+    runner.load()
+    try:
+        model = runner.model
+        assert model is not None and model.lean is not None and runner.kernel_pool is not None
+        assert model.lean.pool is runner.kernel_pool
+        assert _helpers() == before + torch.get_num_threads() - 1
+        tables = [[4 * i + b for b in range(4)] for i in range(12)]
+        sequences = [SequenceInput(i, [5 + i], 3 + i, tables[i], True, SamplingParams()) for i in range(12)]
+        step = step_inputs(sequences, 4)
+        meta = attention_cpu.build_metadata(step, sliding_window=None)
+        ids = torch.from_numpy(step.input_ids.astype(np.int64))
+        positions = torch.from_numpy(step.positions.astype(np.int64))
+        for k_cache, v_cache in runner.kv_caches:  # context the decode rows attend to
+            k_cache.copy_(torch.randn_like(k_cache))
+            v_cache.copy_(torch.randn_like(v_cache))
+        hidden = {}
+        for pooled in (True, False):
+            model.lean.pool = runner.kernel_pool if pooled else None
+            with torch.inference_mode():
+                hidden[pooled] = model(ids, positions, runner.kv_caches, meta)
+        assert torch.equal(hidden[True], hidden[False]) and hidden[True].abs().sum() > 0
+    finally:
+        runner.close()
+    assert runner.kernel_pool is None
+    assert _helpers() == before  # the helper joined
