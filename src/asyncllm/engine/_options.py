@@ -93,6 +93,15 @@ class EngineOptions:
         they reach first. It stops while less than 512 MiB of the host's (or the container's) memory would be left.
         False leaves pages to be faulted in as the cache fills: resident memory grows with use."""),
     )
+    cpu_kernel_pool: bool = field(
+        default=False,
+        metadata=_doc("""On the CPU, run the lean forward's decode-sized steps (up to 64 tokens: matmuls, decode
+        attention, SiLU, the bfloat16 head's fused argmax) on asyncllm's own thread pool instead of OpenMP's:
+        when another process takes one of the compute threads' CPUs, the device thread finishes that thread's
+        work itself instead of waiting for it at a barrier. Same outputs either way. Off by default: faster
+        beside a load client, slower in process under the thread governor (docs/performance.md, "Sharing the
+        machine")."""),
+    )
     seed: int | None = field(
         default=None, metadata=_doc("Seed of the generator that unseeded sampling requests share.")
     )
@@ -258,7 +267,8 @@ class EngineOptions:
             raise ValueError(
                 f"attention_backend must be 'auto', 'torch', 'cpu' or 'triton', got {self.attention_backend!r}"
             )
-        for name in ("compile", "enforce_eager", "async_scheduling", "enable_prefix_caching", "kv_cache_prefault"):
+        booleans = ("compile", "enforce_eager", "async_scheduling", "enable_prefix_caching", "kv_cache_prefault")
+        for name in (*booleans, "cpu_kernel_pool"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):

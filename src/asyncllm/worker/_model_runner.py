@@ -476,31 +476,59 @@ class TorchModelRunner:
         helpers = torch.get_num_threads() - 1
         if self.device.type != "cpu" or helpers < 1 or any(m.lean is None for m in models):
             return
+        if not self.options.cpu_kernel_pool:
+            return
         if not kernel_pool.available():
             return
         rows, floats = POOL_MAX_TOKENS, 4
         specs = [m.spec for m in models]
         widest = max(max(spec.hidden_size, spec.intermediate_size, spec.num_heads * spec.head_dim) for spec in specs)
         queries = max(spec.num_heads * spec.head_dim for spec in specs)
+        heads = max(spec.num_heads for spec in specs)
         # Panels: the head's (the vocabulary, padded or not), or the widest fused projection's; attention: a
         # task per sequence and KV head at most.
         panels = max(max(spec.vocab_size, 3 * widest) for spec in specs) // PANEL_COLUMNS + 2
         decode_tasks = rows * max(spec.num_kv_heads for spec in specs)
         padded = -(-self.block_size // 16) * 16
         attention_input = rows * queries * floats + 64 + (2 * rows + rows * max_blocks) * 8
-        attention_scratch = (5 * queries + padded * queries) * floats
-        self.kernel_pool = kernel_pool.KernelPool(
-            helpers,
-            max_tasks=max(panels, decode_tasks),
-            scratch_bytes=max(rows * PANEL_COLUMNS * floats, attention_scratch, widest * floats),
-            input_bytes=max(rows * widest * floats, attention_input),
-            spin=KERNEL_POOL_SPIN,
-        )
+        attention_scratch = (3 * queries + (2 + padded) * heads) * floats  # per task: ``decode_scratch_floats``
+        try:
+            pool = kernel_pool.KernelPool(
+                helpers,
+                max_tasks=max(panels, decode_tasks),
+                scratch_bytes=max(rows * PANEL_COLUMNS * floats, attention_scratch, widest * floats),
+                input_bytes=max(rows * widest * floats, attention_input),
+                spin=KERNEL_POOL_SPIN,
+            )
+        except RuntimeError as exc:  # threads or memory refused: OpenMP's threads do the work
+            logger.warning("the CPU kernel pool did not start (%s): the kernels run on OpenMP's threads", exc)
+            return
+        self.kernel_pool = pool
         for m in models:
             assert m.lean is not None
             m.lean.pool = self.kernel_pool
             if isinstance(m.greedy_head, PanelArgmaxHead):
                 m.greedy_head.pool = self.kernel_pool
+
+    @contextlib.contextmanager
+    def _on_kernel_pool(self, tokens: int) -> Iterator[None]:
+        """A forward whose kernels run on the kernel pool (a step of at most ``POOL_MAX_TOKENS`` tokens): the pool
+        at the step's compute thread count, torch (the embedding's gather and the rest of torch's own ops)
+        on this thread alone meanwhile, so that no OpenMP worker wakes and then spins, as it does for a while
+        after each of its regions, on the CPU the pool's helper needs."""
+        from asyncllm.backends.cpu._lean_forward import POOL_MAX_TOKENS
+
+        pool = self.kernel_pool
+        if pool is None or tokens > POOL_MAX_TOKENS:
+            yield
+            return
+        threads = torch.get_num_threads()
+        pool.threads = min(threads, pool.helpers + 1)
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
     def _bfloat16_on_panels(self, device: torch.device, dtype: torch.dtype, spec: DecoderSpec) -> bool:
         """Whether ``dtype`` bfloat16 runs as bfloat16 weights on bfloat16 panels here (``bfloat16_weights``).
@@ -970,7 +998,8 @@ class TorchModelRunner:
         if meta is None:
             hidden = self._replay(step, fill, sliding_step)
         else:
-            hidden = self._forward(step, meta, fill, sliding_meta)
+            with self._on_kernel_pool(step.num_tokens):
+                hidden = self._forward(step, meta, fill, sliding_meta)
         clock.mark()
         model = self.model
         rows = hidden[ops.to_device(step.sample_index)] if len(step.sample_index) else None
@@ -1361,6 +1390,13 @@ class TorchModelRunner:
         if self.kernel_pool is not None:  # its helpers read the weights and the KV cache: joined first
             self.kernel_pool.close()
             self.kernel_pool = None
+            from asyncllm.backends.cpu._gemm import PanelArgmaxHead
+
+            for model in (self.model, self.draft.model if self.draft is not None else None):
+                if model is not None and model.lean is not None:
+                    model.lean.pool = None
+                if model is not None and isinstance(model.greedy_head, PanelArgmaxHead):
+                    model.greedy_head.pool = None
         self._hidden = None
         self._tables = None
         self.collectives = None

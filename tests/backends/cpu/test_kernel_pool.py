@@ -133,7 +133,12 @@ def test_runner_runs_the_lean_forward_on_its_pool_and_joins_it(tiny_cache: Path)
         pytest.skip("no C compiler")
     before = _helpers()
     runner = TorchModelRunner(
-        tiny_model_path(tiny_cache, "llama"), device="cpu", kv_cache_blocks=64, block_size=4, packed_gemm="panels"
+        tiny_model_path(tiny_cache, "llama"),
+        device="cpu",
+        kv_cache_blocks=64,
+        block_size=4,
+        packed_gemm="panels",
+        cpu_kernel_pool=True,
     )
     runner.load()
     try:
@@ -160,3 +165,53 @@ def test_runner_runs_the_lean_forward_on_its_pool_and_joins_it(tiny_cache: Path)
         runner.close()
     assert runner.kernel_pool is None
     assert _helpers() == before  # the helper joined
+
+
+def test_the_pool_is_off_by_default(tiny_cache: Path) -> None:
+    from asyncllm.engine._options import EngineOptions
+
+    with pytest.raises(ValueError, match="cpu_kernel_pool must be a bool"):
+        EngineOptions.from_keywords(cpu_kernel_pool="no")
+    assert EngineOptions.from_keywords().cpu_kernel_pool is False
+    runner = TorchModelRunner(tiny_model_path(tiny_cache, "llama"), device="cpu", kv_cache_blocks=64, block_size=4)
+    runner.load()
+    try:
+        assert runner.model is not None and runner.model.lean is not None
+        assert runner.kernel_pool is None and runner.model.lean.pool is None
+    finally:
+        runner.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+async def test_an_engine_on_the_pool_generates_the_same_tokens(tiny_cache: Path, dtype: str) -> None:
+    """Through the whole step (the pool's thread count set per step, torch's own ops on the device thread alone
+    meanwhile, the fused argmax on the pool): the same tokens as on OpenMP's threads, greedy and sampled."""
+    import anyio
+
+    from asyncllm import Engine, SamplingParams
+
+    if dtype == "bfloat16" and not gemm_cpu.bfloat16_available():
+        pytest.skip("no AVX512-BF16 here")
+    model = tiny_model_path(tiny_cache, "llama")
+    prompts = [[3 + i, 7, 11 + 2 * i, 5] * (1 + i % 3) for i in range(12)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
+    outputs = {}
+    for pooled in (True, False):
+        async with Engine.open(
+            model, device="cpu", kv_cache_blocks=128, dtype=dtype, num_threads=2, cpu_kernel_pool=pooled
+        ) as engine:
+            results: dict[tuple[int, int], list[int]] = {}
+
+            async def one(index: int, which: int, params: SamplingParams) -> None:
+                completion = await engine.generate(prompts[index], params)
+                results[index, which] = list(completion.token_ids)
+
+            async with anyio.create_task_group() as group:
+                for index in range(len(prompts)):
+                    group.start_soon(one, index, 0, greedy)
+                    group.start_soon(one, index, 1, sampled)
+            outputs[pooled] = results
+    assert outputs[True] == outputs[False]
+    assert len({tuple(tokens) for tokens in outputs[True].values()}) > 1

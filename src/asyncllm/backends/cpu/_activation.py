@@ -172,10 +172,10 @@ TORCH_GRAIN = 32768
 """torch's ``at::internal::GRAIN_SIZE``: element-wise ops on fewer elements run on one thread."""
 
 
-def torch_piece(elements: int) -> int:
+def torch_piece(elements: int, threads: int | None = None) -> int:
     """How many of ``elements`` each of torch's threads takes in an element-wise op, as ``at::parallel_for``
-    splits them with torch's current thread count (all of them when it runs on one thread)."""
-    threads = torch.get_num_threads()
+    splits them with torch's current thread count, or ``threads`` (all of them when it runs on one thread)."""
+    threads = torch.get_num_threads() if threads is None else threads
     if elements < TORCH_GRAIN or threads == 1:
         return max(elements, 1)
     pieces = min(threads, -(-elements // TORCH_GRAIN))
@@ -194,9 +194,9 @@ def silu_mul_into(
     library = _library()
     if library is None:
         raise RuntimeError("the SiLU kernel needs an x86 CPU with AVX-512, a C compiler and torch's SLEEF")
-    piece = torch_piece(rows * width)
+    piece = torch_piece(rows * width, None if pool is None else pool.threads)  # torch's split at the step's count
     if pool is not None and library.asyncllm_silu_mul_pooled(
-        pool.handle, pool.run, torch.get_num_threads(), gate, up, rows, width, stride, piece
+        pool.handle, pool.run, pool.threads, gate, up, rows, width, stride, piece
     ):
         return
     library.asyncllm_silu_mul_f32(gate, up, rows, width, stride, piece)

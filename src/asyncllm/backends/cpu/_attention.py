@@ -13,7 +13,8 @@ step. This backend reads the cache in place:
   running maximum, and the weighted value rows, while the block is in the L1 cache. The cache is
   read once, nothing is gathered or padded. Work is split over sequences (over sequences x KV heads when the batch is
   small) with OpenMP; the library links to the ``libgomp`` torch already loaded, so it shares
-  torch's thread pool and thread count.
+  torch's thread pool and thread count. The lean forward's decode-sized steps run the same tasks on the
+  kernel pool instead (``backends.cpu._pool``: ``attend_into(..., pool=)``), same bits.
 - Prompt chunks that start at position 0 attend only to their own new keys and values, taken
   straight from the projection: a second C kernel (flash-attention tiling: tiles of as many
   queries as a vector has lanes walk the key tiles up to their diagonal with an online softmax
@@ -796,7 +797,7 @@ def attend_into(
     if num_decodes and pool is not None:
         pooled = _function(q.shape[-1], k_cache.dtype, "asyncllm_paged_decode_pooled")
         if pooled is not None and pooled(
-            pool.handle, pool.run, pool.input, pool.input_bytes, torch.get_num_threads(),
+            pool.handle, pool.run, pool.input, pool.input_bytes, pool.threads,
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
             meta.decode_rows.data_ptr(), meta.decode_block_tables.data_ptr(), meta.decode_seq_lens.data_ptr(),
             num_decodes, q.shape[1], k_cache.shape[1], meta.block_size, meta.decode_block_tables.shape[1], window,

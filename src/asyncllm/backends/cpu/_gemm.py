@@ -18,7 +18,9 @@ panel arrives during the arithmetic instead of stalling it. Inputs of more than
 OpenMP pool) claim panels one at a time from a shared counter, each claiming its next panel as it starts
 one: the claimed panel is the one it prefetches (with threads taking consecutive panels, panel p + 1 is
 usually another thread's), and on a shared machine a thread that loses its core for a while holds two
-panels at most and leaves the rest to the others.
+panels at most and leaves the rest to the others. The same panels run as tasks of the kernel pool
+(``pooled_matmul_into``, ``panel_argmax(..., pool=)``; ``backends.cpu._pool``), where the caller takes over a
+stalled thread's panels instead of waiting for it at the region's barrier.
 
 bfloat16 panels (``PanelWeight(..., bfloat16=True)``, CPUs with AVX512-BF16): the same panels of 48 columns
 holding pairs of inputs, and a micro-kernel of AVX512-BF16's dot-pair instruction (two bfloat16 products added
@@ -716,7 +718,7 @@ def panel_argmax(
         raise RuntimeError("the panel GEMM is unavailable here")
     if pool is not None:
         done = library.asyncllm_panel_argmax_pooled(
-            pool.handle, pool.run, pool.input, pool.input_bytes, torch.get_num_threads(), x.data_ptr(), x.stride(0),
+            pool.handle, pool.run, pool.input, pool.input_bytes, pool.threads, x.data_ptr(), x.stride(0),
             panels.data_ptr(), tokens.data_ptr(), rows, out_features, in_features, valid, int(bfloat16),
         )  # fmt: skip
         if done < 0:
@@ -751,7 +753,7 @@ def pooled_matmul_into(
     if library is None:  # panels exist only where the kernel does
         raise RuntimeError("the panel GEMM is unavailable here")
     done = library.asyncllm_panel_matmul_pooled(
-        pool.handle, pool.run, pool.input, pool.input_bytes, torch.get_num_threads(), x, x_stride, panels, out,
+        pool.handle, pool.run, pool.input, pool.input_bytes, pool.threads, x, x_stride, panels, out,
         out_stride, rows, out_features, in_features, int(bfloat16),
     )  # fmt: skip
     return bool(done)

@@ -18,6 +18,9 @@ the cache where fresh tensors would not, and no step maps and unmaps memory). Th
 order are the module path's (``DecoderLayer.forward_fused_norms``), so the results are identical, which
 the tests check bit for bit.
 
+Steps of up to ``POOL_MAX_TOKENS`` tokens run their matmuls, decode attention and SiLU on the runner's kernel
+pool (``pool``, ``backends.cpu._pool``) where it has one, same bits.
+
 It applies to every family the decoder covers (llama, mistral, qwen2, qwen3) once the projections
 are fused and every layer is packed, on the cpu attention backend (whose metadata it reads: the
 backend says so, ``runs_lean_forward``) with the fused norms on; anything else runs the modules

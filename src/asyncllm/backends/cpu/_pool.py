@@ -2,9 +2,9 @@
 
 An OpenMP parallel region ends in a barrier of its whole team: when another process (a load client, the
 application's own work) or the event loop takes one of the team's CPUs for a time slice, every other thread
-waits out that slice at the region's end, and a decode step runs a region per matmul and per attention. On a
-machine whose CPUs the engine shares, those waits were a fifth of a step (docs/performance-log.md,
-"Twenty-third session").
+waits out that slice at the region's end, and a decode step runs a region per matmul and per attention, so on a
+machine whose CPUs the engine shares those waits are a large part of a step (docs/performance.md, "Sharing the
+machine"). Used where ``EngineOptions.cpu_kernel_pool`` is on.
 
 ``KernelPool`` runs a job of independent tasks on the calling thread and ``helpers`` threads of its own. Tasks
 are claimed one at a time from a shared counter (each participant claims the next one as it starts one, so
@@ -122,11 +122,13 @@ static inline int64_t claim(pool *p, uint32_t seq, int64_t tasks) {
     }
 }
 
-/* A helper marks a task it claimed as its own, unless the caller took it first (a state of this job). */
+/* A helper marks a task it claimed as its own, unless the caller took it first: a state of this job, or of a
+   later one (a helper descheduled between its claim and its mark comes back after its job ended; overwriting
+   what a later job left there would let it commit into memory its job's caller no longer owns). */
 static inline int mark_claimed(pool *p, uint32_t seq, int64_t task) {
     uint64_t current = __atomic_load_n(&p->states[task], __ATOMIC_ACQUIRE);
     for (;;) {
-        if ((current >> 8) == seq) return 0;
+        if ((int32_t)((uint32_t)(current >> 8) - seq) >= 0) return 0;
         if (__atomic_compare_exchange_n(&p->states[task], &current, STATE(seq, CLAIMED), 0, __ATOMIC_ACQ_REL,
                                         __ATOMIC_ACQUIRE))
             return 1;
@@ -168,9 +170,10 @@ static void *helper_main(void *argument) {
     unsigned char *scratch = p->scratch + (int64_t)(index + 1) * p->scratch_bytes;
     uint32_t seen = __atomic_load_n(&p->seq, __ATOMIC_ACQUIRE) & ~1u;
     pool_job job;
+    int idle = 0;  /* left out of the last job (fewer threads than helpers): sleep at once, spin for nothing */
     for (;;) {
         uint32_t seq;
-        int spins = 0;
+        int spins = idle ? p->spin : 0;
         for (;;) {
             if (__atomic_load_n(&p->stop, __ATOMIC_ACQUIRE)) return NULL;
             seq = __atomic_load_n(&p->seq, __ATOMIC_ACQUIRE);
@@ -190,7 +193,8 @@ static void *helper_main(void *argument) {
         __atomic_thread_fence(__ATOMIC_ACQUIRE);
         if (__atomic_load_n(&p->seq, __ATOMIC_RELAXED) == seq) {
             seen = seq;
-            if (index < job.threads - 1) help(p, &job, seq, scratch);
+            idle = index >= job.threads - 1;
+            if (!idle) help(p, &job, seq, scratch);
         }
         __atomic_store_n(&p->inside[index], 0, __ATOMIC_RELEASE);
     }
@@ -277,13 +281,14 @@ int asyncllm_pool_run(void *handle, const pool_job *job) {
     /* Publish: the sequence odd while the job is written, the claims counter reset to the new number. */
     uint32_t seq = __atomic_load_n(&p->seq, __ATOMIC_RELAXED);
     __atomic_store_n(&p->seq, seq + 1, __ATOMIC_SEQ_CST);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);  /* the job's bytes are written after the odd number, not before */
     memcpy(&p->job, job, sizeof p->job);
     p->job.threads = helpers + 1;
     seq += 2;
     __atomic_store_n(&p->claims, (uint64_t)seq << 32, __ATOMIC_SEQ_CST);
     __atomic_store_n(&p->seq, seq, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(&p->sleepers, __ATOMIC_SEQ_CST)) {
-        syscall(SYS_futex, &p->seq, FUTEX_WAKE_PRIVATE, helpers, NULL, NULL, 0);
+        syscall(SYS_futex, &p->seq, FUTEX_WAKE_PRIVATE, INT32_MAX, NULL, NULL, 0);  /* it cannot pick who */
         p->wakes += 1;
     }
     int64_t task = claim(p, seq, job->tasks), own = 0;
@@ -295,7 +300,8 @@ int asyncllm_pool_run(void *handle, const pool_job *job) {
         ++own;
     }
     /* Every task is claimed. Wait for a helper's started task about two of the caller's tasks' time; take
-       the rest (not started, or started and late) and compute them here. */
+       the rest (not started, or started and late) and compute them here. A task being committed is waited
+       for (its copy is a small part of a task; a helper descheduled inside it is the one wait left). */
     const int64_t ended = now_ns(), patience = own ? 2 * (ended - start) / own : 20000;
     for (int64_t t = 0; t < job->tasks; ++t) {
         uint64_t state = __atomic_load_n(&p->states[t], __ATOMIC_ACQUIRE);
@@ -362,6 +368,9 @@ class KernelPool:
         self._library = library
         self._lock = threading.Lock()
         self.helpers = helpers
+        self.threads = helpers + 1
+        """Threads a job runs on, the caller's included (at most ``helpers + 1``): the kernels read it at each
+        call; the runner sets it to the step's compute thread count (the thread governor's)."""
         handle = library.asyncllm_pool_create(helpers, max_tasks, scratch_bytes, input_bytes, spin)
         if not handle:
             raise RuntimeError(f"could not start the kernel pool's {helpers} threads")
