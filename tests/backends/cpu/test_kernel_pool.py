@@ -197,21 +197,19 @@ async def test_an_engine_on_the_pool_generates_the_same_tokens(tiny_cache: Path,
     prompts = [[3 + i, 7, 11 + 2 * i, 5] * (1 + i % 3) for i in range(12)]
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     sampled = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
-    outputs = {}
+    outputs: dict[bool, dict[tuple[int, int], list[int]]] = {True: {}, False: {}}
+
+    async def one(engine: Engine, results: dict[tuple[int, int], list[int]], index: int, which: int) -> None:
+        completion = await engine.generate(prompts[index], sampled if which else greedy)
+        results[index, which] = list(completion.token_ids)
+
     for pooled in (True, False):
         async with Engine.open(
             model, device="cpu", kv_cache_blocks=128, dtype=dtype, num_threads=2, cpu_kernel_pool=pooled
         ) as engine:
-            results: dict[tuple[int, int], list[int]] = {}
-
-            async def one(index: int, which: int, params: SamplingParams) -> None:
-                completion = await engine.generate(prompts[index], params)
-                results[index, which] = list(completion.token_ids)
-
             async with anyio.create_task_group() as group:
                 for index in range(len(prompts)):
-                    group.start_soon(one, index, 0, greedy)
-                    group.start_soon(one, index, 1, sampled)
-            outputs[pooled] = results
+                    for which in (0, 1):
+                        group.start_soon(one, engine, outputs[pooled], index, which)
     assert outputs[True] == outputs[False]
     assert len({tuple(tokens) for tokens in outputs[True].values()}) > 1
