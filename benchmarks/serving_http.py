@@ -82,7 +82,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 repeat: a smoke test, not a measure")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results here")
     parser.add_argument(
-        "--engine-opt", action="append", default=[], metavar="FLAG=VALUE", help="extra `asyncllm serve` flag"
+        "--engine-opt", action="append", default=[], metavar="FLAG[=VALUE]",
+        help="extra `asyncllm serve` option (`cpu_kernel_pool` alone for a switch)"
     )
     return parser.parse_args(argv)
 
@@ -308,9 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     backgrounds = [int(b) for b in args.background.split(",") if b.strip()]
     model = common.resolve_model(args.model)
     extra = ["--dtype", args.dtype]
-    for option in args.engine_opt:  # KEY=VALUE as `--key VALUE` (the benchmarks' --engine-opt spelling)
-        key, _, value = option.partition("=")
-        extra += ["--" + key.replace("_", "-"), value]
+    for option in args.engine_opt:  # KEY=VALUE as `--key VALUE`, a bare KEY as the flag `--key`
+        key, equals, value = option.partition("=")
+        extra += ["--" + key.replace("_", "-"), *([value] if equals else [])]
     servers = [asyncllm_server(name, model, extra, args.spin) for name in args.systems.split(",") if name.strip()]
     LABELS[ASYNCLLM_SPIN] = f"asyncllm serve, fixed threads, GOMP_SPINCOUNT={args.spin}"
     if args.vllm_python:

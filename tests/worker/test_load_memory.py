@@ -37,8 +37,9 @@ LARGE = {
     "tie_word_embeddings": False,
     "dtype": "bfloat16",
 }
-LOAD_PEAK_FACTOR = 1.1
-"""The load's peak beyond its fixed cost, as a multiple of the weights' bytes in the target dtype."""
+LOAD_PEAK_FACTOR = 1.2
+"""The load's peak beyond its fixed cost, as a multiple of the weights' bytes in the target dtype: the load as
+built measures 1.02-1.10 from run to run (resident pages vary with the host's huge pages), the old load 2.0."""
 
 _MEASURE = """
 import json, sys
@@ -70,7 +71,7 @@ def _load_peak(model_dir: Path) -> dict[str, int]:
 
 def test_load_peak_is_the_weights_in_the_target_dtype(tiny_cache: Path) -> None:
     """bfloat16 checkpoint, bfloat16 load on the CPU, q/k/v and gate/up fused: the peak stays within
-    1.1x the weights (the old load, float32 then cast then fused, measured 2.0x here)."""
+    ``LOAD_PEAK_FACTOR`` times the weights (the old load, float32 then cast then fused, measured 2.0x here)."""
     large = _load_peak(tiny_model_path(tiny_cache, "llama", **LARGE))
     fixed = _load_peak(tiny_model_path(tiny_cache, "llama", dtype="bfloat16"))
     beyond = large["increase"] - fixed["increase"]
