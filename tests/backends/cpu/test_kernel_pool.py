@@ -3,6 +3,7 @@ stalls has its tasks taken over by the caller, and ``close`` joins its threads."
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 
@@ -121,6 +122,27 @@ def test_close_joins_the_helpers() -> None:
     pool.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         _ = pool.handle
+
+
+def test_every_pool_is_aligned_for_the_job_it_holds() -> None:
+    """The pool holds its job, whose context is 64-byte aligned and may be copied with aligned vector stores: the
+    pool must be 64-byte aligned wherever the heap places it (at 16, a pool crashed in its first job or not,
+    depending on what the process had allocated before)."""
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    held = []
+    try:
+        for size in (24, 40, 72, 136, 264, 520, 1032, 2056):  # the heap's state moves between pools
+            held.append(libc.malloc(size))
+            pool = kernel_pool.KernelPool(1, max_tasks=16, scratch_bytes=1024, input_bytes=1024, spin=100)
+            try:
+                assert pool.handle % 64 == 0
+            finally:
+                pool.close()
+    finally:
+        for address in held:
+            libc.free(address)
 
 
 def test_runner_runs_the_lean_forward_on_its_pool_and_joins_it(tiny_cache: Path) -> None:

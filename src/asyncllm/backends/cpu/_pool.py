@@ -201,8 +201,12 @@ static void *helper_main(void *argument) {
 }
 
 void *asyncllm_pool_create(int helpers, int64_t max_tasks, int64_t scratch_bytes, int64_t input_bytes, int spin) {
-    pool *p = calloc(1, sizeof(pool));
+    /* The pool holds a job, whose context is 64-byte aligned: calloc's 16 bytes are not enough (the compiler may
+       copy a job with aligned vector stores). */
+    const size_t pool_bytes = (sizeof(pool) + 63) / 64 * 64;
+    pool *p = aligned_alloc(64, pool_bytes);
     if (!p) return NULL;
+    memset(p, 0, pool_bytes);
     p->helpers = helpers;
     p->max_tasks = max_tasks;
     p->scratch_bytes = (scratch_bytes + 63) / 64 * 64;
