@@ -39,6 +39,7 @@ from torch import nn
 from asyncllm.backends.cpu import _gemm as gemm_cpu
 from asyncllm.backends.cpu import _native as native
 from asyncllm.backends.cpu._native import F32, I32, PTR
+from asyncllm.backends.cpu._pool import KernelPool
 from asyncllm.worker._memory import host_available_bytes, mapped_tensor
 
 logger = logging.getLogger("asyncllm")
@@ -250,6 +251,9 @@ class Linear(nn.Linear):
         super().__init__(*args, **kwargs)
         self.register_buffer("packed_weight", None, persistent=False)
         self.register_buffer("panel_weight", None, persistent=False)
+        self.pool: KernelPool | None = None
+        """The kernel pool its panel GEMM runs on meanwhile (``backends.cpu._pool``), or None for OpenMP's
+        threads: the runner sets it on the head for the steps it runs on the pool."""
 
     @property
     def packed_format(self) -> PackedFormat | None:
@@ -312,4 +316,6 @@ class Linear(nn.Linear):
         if torch.compiler.is_compiling():
             result: torch.Tensor = torch.ops.asyncllm.packed_linear(x, packed, panels, self.bias, self.out_features)
             return result
+        if self.pool is not None and panels is not None and on_panels(True, packed is not None, x.shape[:-1].numel()):
+            return gemm_cpu.panel_matmul(x, panels, self.bias, self.out_features, self.pool)
         return packed_linear(x, packed, panels, self.bias, self.out_features)

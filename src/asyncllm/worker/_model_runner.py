@@ -76,8 +76,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("asyncllm")
 
 KERNEL_POOL_SPIN = 30_000
-"""Pause instructions a kernel pool helper spins for the next job before it sleeps: OpenMP's spin as the engine
-sets it (``worker._cpu_threads.OPENMP_SPIN_COUNT``), which covers the gaps between a step's kernels."""
+"""Spins a kernel pool helper waits for the next job before it sleeps (``KernelPool``): OpenMP's spin count as the
+engine sets it (``worker._cpu_threads.OPENMP_SPIN_COUNT``), which covers the gaps between a step's kernels."""
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -203,6 +203,8 @@ class TorchModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.kernel_pool: KernelPool | None = None
         """The lean forward's pool for decode-sized steps on the CPU (``_start_kernel_pool``), joined by ``close``."""
+        self._pooled_heads: list[Linear] = []
+        """The heads whose logits run on the kernel pool during its steps (``_on_kernel_pool``)."""
         self.backend: AttentionBackend[Any] | None = None
         """The attention backend object picked at load (``asyncllm.backends``), which the model calls and
         the graphs build their metadata with; ``attention_backend`` is then its name."""
@@ -509,13 +511,15 @@ class TorchModelRunner:
             m.lean.pool = self.kernel_pool
             if isinstance(m.greedy_head, PanelArgmaxHead):
                 m.greedy_head.pool = self.kernel_pool
+        self._pooled_heads = [m.lm_head for m in models if m.lm_head.panel_weight is not None]
 
     @contextlib.contextmanager
     def _on_kernel_pool(self, tokens: int) -> Iterator[None]:
-        """A forward whose kernels run on the kernel pool (a step of at most ``POOL_MAX_TOKENS`` tokens): the pool
-        at the step's compute thread count, torch (the embedding's gather and the rest of torch's own ops)
-        on this thread alone meanwhile, so that no OpenMP worker wakes and then spins, as it does for a while
-        after each of its regions, on the CPU the pool's helper needs."""
+        """A step whose kernels run on the kernel pool (at most ``POOL_MAX_TOKENS`` tokens): the pool at the step's
+        compute thread count, torch's own ops (the embedding's gather, the rotary tables, the sampled rows'
+        gather, the sampler's) on this thread alone meanwhile, from the forward to the sampled ids, so that no
+        OpenMP worker wakes and then spins, as it does for a while after each of its regions, on the CPU the
+        pool's helper needs."""
         from asyncllm.backends.cpu._lean_forward import POOL_MAX_TOKENS
 
         pool = self.kernel_pool
@@ -525,9 +529,13 @@ class TorchModelRunner:
         threads = torch.get_num_threads()
         pool.threads = min(threads, pool.helpers + 1)
         torch.set_num_threads(1)
+        for head in self._pooled_heads:  # the sampled rows' logits, where the sampler needs them
+            head.pool = pool
         try:
             yield
         finally:
+            for head in self._pooled_heads:
+                head.pool = None
             torch.set_num_threads(threads)
 
     def _bfloat16_on_panels(self, device: torch.device, dtype: torch.dtype, spec: DecoderSpec) -> bool:
@@ -974,6 +982,11 @@ class TorchModelRunner:
         return sequences, []
 
     def _execute(self, sequences: list[SequenceInput], after: PendingStep | None = None) -> PendingStep:
+        with self._on_kernel_pool(sum(len(seq.token_ids) for seq in sequences)):
+            return self._execute_on_threads(sequences, after)
+
+    def _execute_on_threads(self, sequences: list[SequenceInput], after: PendingStep | None) -> PendingStep:
+        """``_execute`` once the step's threads are chosen (``_on_kernel_pool``)."""
         assert self.model is not None and self.sampler is not None
         ops = self.ops
         clock = _StepClock(self.device)
@@ -998,8 +1011,7 @@ class TorchModelRunner:
         if meta is None:
             hidden = self._replay(step, fill, sliding_step)
         else:
-            with self._on_kernel_pool(step.num_tokens):
-                hidden = self._forward(step, meta, fill, sliding_meta)
+            hidden = self._forward(step, meta, fill, sliding_meta)
         clock.mark()
         model = self.model
         rows = hidden[ops.to_device(step.sample_index)] if len(step.sample_index) else None
@@ -1397,6 +1409,7 @@ class TorchModelRunner:
                     model.lean.pool = None
                 if model is not None and isinstance(model.greedy_head, PanelArgmaxHead):
                     model.greedy_head.pool = None
+            self._pooled_heads = []
         self._hidden = None
         self._tables = None
         self.collectives = None

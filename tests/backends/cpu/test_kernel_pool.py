@@ -189,6 +189,37 @@ def test_runner_runs_the_lean_forward_on_its_pool_and_joins_it(tiny_cache: Path)
     assert _helpers() == before  # the helper joined
 
 
+def test_a_pooled_step_runs_the_heads_logits_on_the_pool_and_torch_alone(tiny_cache: Path) -> None:
+    """From the forward to the sampled ids: torch's own ops on the device thread alone, the pool at torch's count,
+    the sampled rows' logits on the pool (the OpenMP GEMM's bits); everything put back after the step, a failed
+    one too; a prefill-sized step stays on OpenMP's threads."""
+    from asyncllm.backends.cpu._lean_forward import POOL_MAX_TOKENS
+
+    runner = TorchModelRunner(
+        tiny_model_path(tiny_cache, "llama"), device="cpu", kv_cache_blocks=64, block_size=4, cpu_kernel_pool=True
+    )
+    runner.load()
+    try:
+        model, pool = runner.model, runner.kernel_pool
+        assert model is not None and pool is not None and model.lm_head.panel_weight is not None
+        rows = torch.randn(12, model.spec.hidden_size, generator=torch.Generator().manual_seed(3))
+        with torch.inference_mode():
+            expected = model.logits(rows)
+            with runner._on_kernel_pool(POOL_MAX_TOKENS):
+                assert torch.get_num_threads() == 1 and pool.threads == 2
+                assert model.lm_head.pool is pool
+                pooled = model.logits(rows)
+        assert torch.equal(pooled, expected)
+        assert torch.get_num_threads() == 2 and model.lm_head.pool is None
+        with pytest.raises(RuntimeError, match="a step that failed"), runner._on_kernel_pool(1):
+            raise RuntimeError("a step that failed")
+        assert torch.get_num_threads() == 2 and model.lm_head.pool is None
+        with runner._on_kernel_pool(POOL_MAX_TOKENS + 1):
+            assert torch.get_num_threads() == 2 and model.lm_head.pool is None
+    finally:
+        runner.close()
+
+
 def test_the_pool_is_off_by_default(tiny_cache: Path) -> None:
     from asyncllm.engine._options import EngineOptions
 

@@ -789,11 +789,34 @@ def matmul_with(
     return out.view(*x.shape[:-1], out_features)
 
 
-def panel_matmul(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def panel_matmul(
+    x: torch.Tensor,
+    panels: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    pool: kernel_pool.KernelPool | None = None,
+) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` with ``weight`` packed by ``PanelWeight`` into ``panels`` (no checks); bfloat16
-    panels (by their dtype) multiply in bfloat16."""
-    into = bfloat16_panel_matmul_into if panels.dtype == torch.bfloat16 else panel_matmul_into
+    panels (by their dtype) multiply in bfloat16. On ``pool`` where given and it takes the rows
+    (``pooled_matmul_into``), else on OpenMP's threads; the same bits either way."""
+    bfloat16 = panels.dtype == torch.bfloat16
+    into = bfloat16_panel_matmul_into if bfloat16 else panel_matmul_into
+    if pool is not None:
+        into = _on_pool(pool, into, bfloat16=bfloat16)
     return matmul_with(into, x, panels, bias, out_features)
+
+
+def _on_pool(pool: kernel_pool.KernelPool, fallback: MatmulInto, *, bfloat16: bool) -> MatmulInto:
+    """``fallback``'s GEMM on ``pool``, or ``fallback`` itself for rows the pool does not take."""
+
+    def into(
+        x: int, x_stride: int, rows: int, panels: int, out: int, out_stride: int, out_features: int, in_features: int
+    ) -> None:
+        shape = (out_features, in_features)
+        if not pooled_matmul_into(pool, x, x_stride, rows, panels, out, out_stride, *shape, bfloat16=bfloat16):
+            fallback(x, x_stride, rows, panels, out, out_stride, *shape)
+
+    return into
 
 
 def panel_matmul_into(

@@ -84,6 +84,7 @@ _SOURCE = (
    older job reads as "not marked yet". */
 #define STATE(seq, s) (((uint64_t)(seq) << 8) | (s))
 #define HELPER_NAME "asyncllm-pool"
+#define YIELD_EVERY 16
 enum { CLAIMED = 1, STARTED = 2, COMMITTING = 3, DONE = 4, TAKEN = 5 };
 
 typedef struct pool {
@@ -97,7 +98,7 @@ typedef struct pool {
     unsigned char *input;
     int64_t input_bytes;
     int helpers;
-    int spin;                /* pause instructions a helper spins for the next job before it sleeps */
+    int spin;                /* spins (mostly pause instructions) a helper waits for the next job before it sleeps */
     int sleepers;
     int hold;                /* tests: a helper that starts a task waits here first, as if descheduled */
     int *inside;             /* per helper: inside a job (quiesce waits for none) */
@@ -179,7 +180,12 @@ static void *helper_main(void *argument) {
             seq = __atomic_load_n(&p->seq, __ATOMIC_ACQUIRE);
             if (seq != seen && !(seq & 1)) break;
             if (++spins < p->spin) {
-                _mm_pause();
+                /* Every YIELD_EVERY spins the CPU goes to any other thread that wants it: a load client, the
+                   event loop, the rest of the application; else the helper spins on at once. */
+                if (spins % YIELD_EVERY == 0)
+                    sched_yield();
+                else
+                    _mm_pause();
                 continue;
             }
             __atomic_add_fetch(&p->sleepers, 1, __ATOMIC_SEQ_CST);
@@ -362,7 +368,8 @@ class KernelPool:
         max_tasks: The most tasks a job may have.
         scratch_bytes: Each participant's scratch, the most a task may need.
         input_bytes: The input buffer's size (``input``).
-        spin: Pause instructions a helper spins for the next job before it sleeps.
+        spin: Spins a helper waits for the next job before it sleeps: pause instructions, and every 16th a
+            ``sched_yield`` (another thread that wants the CPU gets it, rather than wait for the helper's slice).
     """
 
     def __init__(self, helpers: int, *, max_tasks: int, scratch_bytes: int, input_bytes: int, spin: int) -> None:
