@@ -800,7 +800,7 @@ def panel_matmul(
     panels (by their dtype) multiply in bfloat16. On ``pool`` where given and it takes the rows
     (``pooled_matmul_into``), else on OpenMP's threads; the same bits either way."""
     bfloat16 = panels.dtype == torch.bfloat16
-    into = bfloat16_panel_matmul_into if bfloat16 else panel_matmul_into
+    into: MatmulInto = bfloat16_panel_matmul_into if bfloat16 else panel_matmul_into
     if pool is not None:
         into = _on_pool(pool, into, bfloat16=bfloat16)
     return matmul_with(into, x, panels, bias, out_features)
