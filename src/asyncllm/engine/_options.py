@@ -94,13 +94,13 @@ class EngineOptions:
         False leaves pages to be faulted in as the cache fills: resident memory grows with use."""),
     )
     cpu_kernel_pool: bool = field(
-        default=False,
+        default=True,
         metadata=_doc("""On the CPU, run the lean forward's decode-sized steps (up to 64 tokens: matmuls, decode
-        attention, SiLU, the bfloat16 head's fused argmax) on asyncllm's own thread pool instead of OpenMP's:
-        when another process takes one of the compute threads' CPUs, the device thread finishes that thread's
-        work itself instead of waiting for it at a barrier. Same outputs either way. Off by default: faster
-        beside a load client, slower in process under the thread governor (docs/performance.md, "Sharing the
-        machine")."""),
+        attention, SiLU, the head's logits and the bfloat16 head's fused argmax) on asyncllm's own thread pool
+        instead of OpenMP's, and torch's own ops in those steps on the device thread alone: when another process
+        takes one of the compute threads' CPUs, the device thread finishes that thread's work itself instead of
+        waiting for it at a barrier. Same outputs either way. False runs them on OpenMP's threads
+        (docs/performance.md, "Sharing the machine")."""),
     )
     seed: int | None = field(
         default=None, metadata=_doc("Seed of the generator that unseeded sampling requests share.")

@@ -220,19 +220,24 @@ def test_a_pooled_step_runs_the_heads_logits_on_the_pool_and_torch_alone(tiny_ca
         runner.close()
 
 
-def test_the_pool_is_off_by_default(tiny_cache: Path) -> None:
+def test_the_pool_is_on_by_default_and_can_be_switched_off(tiny_cache: Path) -> None:
     from asyncllm.engine._options import EngineOptions
 
     with pytest.raises(ValueError, match="cpu_kernel_pool must be a bool"):
         EngineOptions.from_keywords(cpu_kernel_pool="no")
-    assert EngineOptions.from_keywords().cpu_kernel_pool is False
-    runner = TorchModelRunner(tiny_model_path(tiny_cache, "llama"), device="cpu", kv_cache_blocks=64, block_size=4)
-    runner.load()
-    try:
-        assert runner.model is not None and runner.model.lean is not None
-        assert runner.kernel_pool is None and runner.model.lean.pool is None
-    finally:
-        runner.close()
+    assert EngineOptions.from_keywords().cpu_kernel_pool is True
+    for keywords in ({}, {"cpu_kernel_pool": False}):
+        runner = TorchModelRunner(
+            tiny_model_path(tiny_cache, "llama"), device="cpu", kv_cache_blocks=64, block_size=4, **keywords
+        )
+        runner.load()
+        try:
+            assert runner.model is not None and runner.model.lean is not None
+            on = not keywords and torch.get_num_threads() > 1  # a helper per thread beyond the device thread's
+            assert (runner.kernel_pool is not None) is on
+            assert runner.model.lean.pool is runner.kernel_pool
+        finally:
+            runner.close()
 
 
 @pytest.mark.anyio
