@@ -782,8 +782,7 @@ class DecoderForCausalLM(nn.Module):
             normed: torch.Tensor = self.model.norm(x)
             return normed
         if self.fused_norm and backend.fuses_norms and all(layer.compiled is None for layer in layers):
-            lean_ok = sliding_meta is None  # the lean forward takes one metadata for every layer
-            if self.lean is not None and self.lean_forward and backend.runs_lean_forward and lean_ok:
+            if self.lean is not None and self.runs_lean(backend) and sliding_meta is None:  # one metadata for all
                 return self.lean(x, cos_sin, kv_caches, meta)
             residual = None
             for layer, kv_cache in zip(layers, kv_caches):
@@ -994,6 +993,19 @@ class DecoderForCausalLM(nn.Module):
             else:
                 packed += module.pack(release=not shared, packed_format=packed_format)
         return packed
+
+    def runs_lean(self, backend: AttentionBackend[Any]) -> bool:
+        """Whether a step on ``backend`` runs the layer stack as ``lean`` (a step without a sliding group's
+        metadata): built, switched on, fused norms on a backend that runs it, no layer compiled."""
+        layers = cast("Sequence[DecoderLayer]", self.model.layers)
+        return (
+            self.lean is not None
+            and self.lean_forward
+            and self.fused_norm
+            and backend.fuses_norms
+            and backend.runs_lean_forward
+            and all(layer.compiled is None for layer in layers)
+        )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project hidden states to float32 vocabulary logits: soft-capped where the model says (gemma, in its

@@ -205,6 +205,8 @@ class TorchModelRunner:
         """The lean forward's pool for decode-sized steps on the CPU (``_start_kernel_pool``), joined by ``close``."""
         self._pooled_heads: list[Linear] = []
         """The heads whose logits run on the kernel pool during its steps (``_on_kernel_pool``)."""
+        self._step_threads: int | None = None
+        """torch's thread count outside the kernel pool's step now running, None outside one."""
         self.backend: AttentionBackend[Any] | None = None
         """The attention backend object picked at load (``asyncllm.backends``), which the model calls and
         the graphs build their metadata with; ``attention_backend`` is then its name."""
@@ -476,7 +478,10 @@ class TorchModelRunner:
 
         models = [model] if self.draft is None else [model, self.draft.model]
         helpers = torch.get_num_threads() - 1
-        if self.device.type != "cpu" or helpers < 1 or any(m.lean is None for m in models):
+        assert self.backend is not None
+        if self.device.type != "cpu" or helpers < 1 or not all(m.runs_lean(self.backend) for m in models):
+            return
+        if self.sliding_batch is not None:  # a hybrid model's steps carry a sliding group: the modules run them
             return
         if not self.options.cpu_kernel_pool:
             return
@@ -529,6 +534,7 @@ class TorchModelRunner:
         threads = torch.get_num_threads()
         pool.threads = min(threads, pool.helpers + 1)
         torch.set_num_threads(1)
+        self._step_threads = threads
         for head in self._pooled_heads:  # the sampled rows' logits, where the sampler needs them
             head.pool = pool
         try:
@@ -536,7 +542,23 @@ class TorchModelRunner:
         finally:
             for head in self._pooled_heads:
                 head.pool = None
+            self._step_threads = None
             torch.set_num_threads(threads)
+
+    @contextlib.contextmanager
+    def _on_step_threads(self) -> Iterator[None]:
+        """Inside a step on the kernel pool, torch's ops at the step's thread count again, for work that is not
+        on the pool and is worth OpenMP's threads (the sampler's passes over the vocabulary, float32's greedy
+        head, a draft model's step); elsewhere nothing changes."""
+        threads = self._step_threads
+        if threads is None or threads == 1:
+            yield
+            return
+        torch.set_num_threads(threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(1)
 
     def _bfloat16_on_panels(self, device: torch.device, dtype: torch.dtype, spec: DecoderSpec) -> bool:
         """Whether ``dtype`` bfloat16 runs as bfloat16 weights on bfloat16 panels here (``bfloat16_weights``).
@@ -1036,14 +1058,16 @@ class TorchModelRunner:
         logprobs = None
         verified = None
         if drafting:
-            token_ids, logprobs, verified = self._sample_and_verify(
-                model, hidden, step.sample_index, sampling, sample_logits
-            )
+            with self._on_step_threads():
+                token_ids, logprobs, verified = self._sample_and_verify(
+                    model, hidden, step.sample_index, sampling, sample_logits
+                )
         elif rows is not None:
             token_ids, logprobs = self._sample(model, rows, sampling, sample_logits)
         proposals = None
         if self.draft is not None:
-            token_ids, proposals = self._run_draft(sequences, plan, fill, sampling, token_ids, verified)
+            with self._on_step_threads():
+                token_ids, proposals = self._run_draft(sequences, plan, fill, sampling, token_ids, verified)
         host_ids = ops.to_host(token_ids) if isinstance(token_ids, torch.Tensor) else token_ids
         clock.mark()
         event = ops.record()  # after the clock's last mark: once it is complete, so are the clock's events
@@ -1271,23 +1295,35 @@ class TorchModelRunner:
         logits), which gives host ids; the sampler takes the rest, and any row the head could not
         decide, from logits. ``logits``: the rows' logits, computed already (tensor parallelism).
         """
+        from asyncllm.backends.cpu._gemm import PanelArgmaxHead
+
         assert self.sampler is not None
         if logits is not None:
-            sampled = self.sampler.sample(logits, sequences)
+            with self._on_step_threads():
+                sampled = self.sampler.sample(logits, sequences)
             return sampled.token_ids, sampled.logprobs
         head = model.greedy_head if self.switches.greedy_head else None
         plain = self.sampler.plain_greedy_rows(sequences) if head is not None else []
         if head is None or not plain:
-            sampled = self.sampler.sample(model.logits(rows), sequences)
+            all_logits = model.logits(rows)  # on the kernel pool in its steps
+            with self._on_step_threads():
+                sampled = self.sampler.sample(all_logits, sequences)
             return sampled.token_ids, sampled.logprobs
         token_ids = [-1] * len(sequences)
-        decided = head.argmax(rows if len(plain) == len(sequences) else rows[plain]).tolist()
+        greedy_rows = rows if len(plain) == len(sequences) else rows[plain]
+        if isinstance(head, PanelArgmaxHead):  # on the kernel pool in its steps
+            decided = head.argmax(greedy_rows).tolist()
+        else:
+            with self._on_step_threads():
+                decided = head.argmax(greedy_rows).tolist()
         for row, token in zip(plain, decided):
             token_ids[row] = token
         rest = [row for row, token in enumerate(token_ids) if token < 0]
         if not rest:
             return token_ids, None
-        sampled = self.sampler.sample(model.logits(rows[rest]), [sequences[row] for row in rest])
+        rest_logits = model.logits(rows[rest])
+        with self._on_step_threads():
+            sampled = self.sampler.sample(rest_logits, [sequences[row] for row in rest])
         for row, token in zip(rest, sampled.token_ids.tolist()):
             token_ids[row] = token
         logprobs: list[PositionLogprobs | None] | None = None

@@ -196,7 +196,12 @@ def test_a_pooled_step_runs_the_heads_logits_on_the_pool_and_torch_alone(tiny_ca
     from asyncllm.backends.cpu._lean_forward import POOL_MAX_TOKENS
 
     runner = TorchModelRunner(
-        tiny_model_path(tiny_cache, "llama"), device="cpu", kv_cache_blocks=64, block_size=4, cpu_kernel_pool=True
+        tiny_model_path(tiny_cache, "llama"),
+        device="cpu",
+        kv_cache_blocks=64,
+        block_size=4,
+        cpu_kernel_pool=True,
+        num_threads=2,
     )
     runner.load()
     try:
@@ -209,13 +214,56 @@ def test_a_pooled_step_runs_the_heads_logits_on_the_pool_and_torch_alone(tiny_ca
                 assert torch.get_num_threads() == 1 and pool.threads == 2
                 assert model.lm_head.pool is pool
                 pooled = model.logits(rows)
+                with runner._on_step_threads():  # the sampler's own passes: torch's count again
+                    assert torch.get_num_threads() == 2
+                assert torch.get_num_threads() == 1
         assert torch.equal(pooled, expected)
         assert torch.get_num_threads() == 2 and model.lm_head.pool is None
+        with runner._on_step_threads():  # outside a pooled step: nothing changes
+            assert torch.get_num_threads() == 2
         with pytest.raises(RuntimeError, match="a step that failed"), runner._on_kernel_pool(1):
             raise RuntimeError("a step that failed")
         assert torch.get_num_threads() == 2 and model.lm_head.pool is None
         with runner._on_kernel_pool(POOL_MAX_TOKENS + 1):
             assert torch.get_num_threads() == 2 and model.lm_head.pool is None
+    finally:
+        runner.close()
+
+
+def test_a_decode_step_runs_its_layer_stack_on_the_pool_with_torch_alone(
+    tiny_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runner's step itself (not only the context): its lean forward runs with torch on the device thread
+    alone and the pool at the step's count, and the step's thread count is back afterwards."""
+    from asyncllm.backends.cpu._lean_forward import LeanCpuForward
+    from asyncllm.executor._runner import SequenceInput
+    from asyncllm.sampling_params import SamplingParams
+
+    runner = TorchModelRunner(
+        tiny_model_path(tiny_cache, "llama"),
+        device="cpu",
+        kv_cache_blocks=64,
+        block_size=4,
+        cpu_kernel_pool=True,
+        num_threads=2,
+    )
+    runner.load()
+    seen: list[tuple[int, int]] = []
+    lean_call = LeanCpuForward.__call__
+
+    def spy(self: LeanCpuForward, *args: object) -> torch.Tensor:
+        assert self.pool is not None
+        seen.append((torch.get_num_threads(), self.pool.threads))
+        return lean_call(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LeanCpuForward, "__call__", spy)
+    try:
+        tables = [[4 * i + b for b in range(4)] for i in range(6)]
+        sequences = [SequenceInput(i, [5 + i], 3 + i, tables[i], True, SamplingParams()) for i in range(6)]
+        with torch.inference_mode():
+            runner._execute(sequences).result()
+        assert seen == [(1, 2)]
+        assert torch.get_num_threads() == 2
     finally:
         runner.close()
 
