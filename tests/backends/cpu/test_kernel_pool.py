@@ -189,12 +189,8 @@ def test_runner_runs_the_lean_forward_on_its_pool_and_joins_it(tiny_cache: Path)
     assert _helpers() == before  # the helper joined
 
 
-def test_a_pooled_step_runs_the_heads_logits_on_the_pool_and_torch_alone(tiny_cache: Path) -> None:
-    """From the forward to the sampled ids: torch's own ops on the device thread alone, the pool at torch's count,
-    the sampled rows' logits on the pool (the OpenMP GEMM's bits); everything put back after the step, a failed
-    one too; a prefill-sized step stays on OpenMP's threads."""
-    from asyncllm.backends.cpu._lean_forward import POOL_MAX_TOKENS
-
+def _loaded_pooled_runner(tiny_cache: Path) -> TorchModelRunner:
+    """A tiny llama's runner, loaded, with the pool at two threads whatever the host's CPUs."""
     runner = TorchModelRunner(
         tiny_model_path(tiny_cache, "llama"),
         device="cpu",
@@ -204,6 +200,16 @@ def test_a_pooled_step_runs_the_heads_logits_on_the_pool_and_torch_alone(tiny_ca
         num_threads=2,
     )
     runner.load()
+    return runner
+
+
+def test_a_pooled_step_runs_the_heads_logits_on_the_pool_and_torch_alone(tiny_cache: Path) -> None:
+    """From the forward to the sampled ids: torch's own ops on the device thread alone, the pool at torch's count,
+    the sampled rows' logits on the pool (the OpenMP GEMM's bits); everything put back after the step, a failed
+    one too; a prefill-sized step stays on OpenMP's threads."""
+    from asyncllm.backends.cpu._lean_forward import POOL_MAX_TOKENS
+
+    runner = _loaded_pooled_runner(tiny_cache)
     try:
         model, pool = runner.model, runner.kernel_pool
         assert model is not None and pool is not None and model.lm_head.panel_weight is not None
@@ -239,15 +245,7 @@ def test_a_decode_step_runs_its_layer_stack_on_the_pool_with_torch_alone(
     from asyncllm.executor._runner import SequenceInput
     from asyncllm.sampling_params import SamplingParams
 
-    runner = TorchModelRunner(
-        tiny_model_path(tiny_cache, "llama"),
-        device="cpu",
-        kv_cache_blocks=64,
-        block_size=4,
-        cpu_kernel_pool=True,
-        num_threads=2,
-    )
-    runner.load()
+    runner = _loaded_pooled_runner(tiny_cache)
     seen: list[tuple[int, int]] = []
     lean_call = LeanCpuForward.__call__
 
