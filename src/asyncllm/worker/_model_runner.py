@@ -521,10 +521,10 @@ class TorchModelRunner:
     @contextlib.contextmanager
     def _on_kernel_pool(self, tokens: int) -> Iterator[None]:
         """A step whose kernels run on the kernel pool (at most ``POOL_MAX_TOKENS`` tokens): the pool at the step's
-        compute thread count, torch's own ops (the embedding's gather, the rotary tables, the sampled rows'
-        gather, the sampler's) on this thread alone meanwhile, from the forward to the sampled ids, so that no
-        OpenMP worker wakes and then spins, as it does for a while after each of its regions, on the CPU the
-        pool's helper needs."""
+        compute thread count, torch's own small ops (the embedding's gather, the rotary tables, the sampled rows'
+        gather) on this thread alone meanwhile, from the forward to the sampled ids, so that no OpenMP worker
+        wakes and then spins, as it does for a while after each of its regions, on the CPU the pool's helper
+        needs; what is worth OpenMP's threads gets them back inside the step (``_on_step_threads``)."""
         from asyncllm.backends.cpu._lean_forward import POOL_MAX_TOKENS
 
         pool = self.kernel_pool
