@@ -65,15 +65,23 @@ def _step(shapes: list[tuple[int, int]], seed: int) -> list[SequenceInput]:
 
 SMALL = [(0, 1), (9, 1), (12, 1), (0, 11), (5, 6), (31, 1)]  # 21 rows: the panels
 LARGE = [(0, 70), (13, 1), (8, 9), (0, 3), (40, 1)]  # 84 rows: MKL's packed GEMM where both exist
+DECODES = [(9, 1), (12, 1), (31, 1), (3, 1), (6, 1)]  # decode rows only: a window cuts no prompt chunk
 
 
 @pytest.mark.parametrize("sliding_window", [None, 5])
-@pytest.mark.parametrize("shapes", [SMALL, LARGE], ids=["small", "large"])
+@pytest.mark.parametrize("shapes", [SMALL, LARGE, DECODES], ids=["small", "large", "decodes"])
 @pytest.mark.parametrize("packed_format", ["both", "panels", "mkl", "bfloat16 panels"])
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_lean_forward_equals_the_modules(
-    tiny_cache: Path, family: str, packed_format: str, shapes: list[tuple[int, int]], sliding_window: int | None
+    tiny_cache: Path,
+    family: str,
+    packed_format: str,
+    shapes: list[tuple[int, int]],
+    sliding_window: int | None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Same bits as the modules, on the Python path and on the one C call (``_run_in_c``), which takes the
+    families without q/k/v bias or q/k norms, on the panels, where no window cuts a prompt chunk."""
     bfloat16 = packed_format == "bfloat16 panels"  # dtype="bfloat16": bfloat16 weights on bfloat16 panels
     if not (gemm_cpu.bfloat16_available() if bfloat16 else format_available(packed_format)):  # type: ignore[arg-type]
         pytest.skip(f"the {packed_format} GEMM does not run here")
@@ -88,6 +96,9 @@ def test_lean_forward_equals_the_modules(
     ids = torch.from_numpy(step.input_ids.astype(np.int64))
     positions = torch.from_numpy(step.positions.astype(np.int64))
     results = {}
+    c_calls: list[int] = []
+    run_in_c = LeanCpuForward._run_in_c
+    monkeypatch.setattr(LeanCpuForward, "_run_in_c", lambda *args: (c_calls.append(1), run_in_c(*args))[1])
     for lean in (False, True):
         for k_cache, v_cache in runner.kv_caches:  # each path writes this step's keys and values afresh
             k_cache.zero_()
@@ -96,6 +107,9 @@ def test_lean_forward_equals_the_modules(
         with torch.inference_mode():
             hidden = model(ids, positions, runner.kv_caches, meta)
         results[lean] = (hidden, [(k.clone(), v.clone()) for k, v in runner.kv_caches])
+    in_c = family in ("llama", "mistral") and packed_format != "mkl"
+    in_c = in_c and not (packed_format == "both" and shapes is LARGE) and (sliding_window is None or shapes is DECODES)
+    assert c_calls == ([1] if in_c else [])
     (lean_hidden, lean_caches), (module_hidden, module_caches) = results[True], results[False]
     assert torch.equal(lean_hidden, module_hidden)
     assert lean_hidden.abs().sum() > 0

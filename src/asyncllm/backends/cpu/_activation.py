@@ -27,7 +27,7 @@ from asyncllm.backends.cpu import _native as native
 from asyncllm.backends.cpu import _pool as kernel_pool
 from asyncllm.backends.cpu._native import I64, PTR
 
-__all__ = ["TORCH_GRAIN", "available", "silu_mul_", "silu_mul_into", "torch_piece"]
+__all__ = ["TORCH_GRAIN", "available", "kernel_address", "silu_mul_", "silu_mul_into", "torch_piece"]
 
 _SOURCE = r"""
 #include <immintrin.h>
@@ -180,6 +180,15 @@ def torch_piece(elements: int, threads: int | None = None) -> int:
         return max(elements, 1)
     pieces = min(threads, -(-elements // TORCH_GRAIN))
     return -(-elements // pieces)
+
+
+def kernel_address(name: str) -> int:
+    """The address of the SiLU library's C function ``name`` (``asyncllm_silu_mul_f32``,
+    ``asyncllm_silu_mul_pooled``), for C code that calls it directly (``backends.cpu._lean_forward``)."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("the SiLU kernel needs an x86 CPU with AVX-512, a C compiler and torch's SLEEF")
+    return native.address(getattr(library, name))
 
 
 def silu_mul_into(

@@ -54,6 +54,9 @@ __all__ = [
     "attend_into",
     "bfloat16_kv_available",
     "build_metadata",
+    "kernel_address",
+    "kernel_plan",
+    "layer_prefills",
     "native_decode_available",
     "paged_attention",
 ]
@@ -679,6 +682,21 @@ class _KernelPlan:
         )
 
 
+def layer_prefills(meta: CpuAttentionMetadata, windowed: bool) -> tuple[CpuPrefillChunk, ...]:
+    """The prompt chunks a layer attends with: the window's (``windowed``: a sliding layer of a model that also has
+    global ones) or the global ones, which are the same where the model has no window."""
+    return meta.prefills if windowed or meta.global_prefills is None else meta.global_prefills
+
+
+def kernel_plan(meta: CpuAttentionMetadata, windowed: bool) -> _KernelPlan:
+    """The causal chunks of ``layer_prefills(meta, windowed)`` as the prefill kernel takes them: built by the
+    step's first layer that needs them, shared by the rest (``meta.kernel_plans``)."""
+    plan = meta.kernel_plans.get(windowed)
+    if plan is None:
+        plan = meta.kernel_plans[windowed] = _KernelPlan.of([c for c in layer_prefills(meta, windowed) if c.causal])
+    return plan
+
+
 def build_metadata(step: StepInputs, *, sliding_window: int | None) -> CpuAttentionMetadata:
     """The ``cpu`` backend's metadata for a step (the CPU only: tensors share the step's arrays, no copies).
 
@@ -829,15 +847,13 @@ def attend_into(
         if status != 0:
             raise RuntimeError("the cpu decode attention kernel could not allocate its scratch memory")
     windowed = sliding and meta.global_prefills is not None
-    prefills = meta.prefills if windowed or meta.global_prefills is None else meta.global_prefills
+    prefills = layer_prefills(meta, windowed)
     has_causal = any(c.causal for c in prefills)
     prefill = _prefill_kernel(q.shape[-1], k_cache.dtype) if has_causal and softcap is None else None
     rest: tuple[CpuPrefillChunk, ...] | list[CpuPrefillChunk] = prefills
     if prefill is not None and k.stride(2) == 1 and v.stride(2) == 1 and k.stride(1) == v.stride(1) == k.shape[2]:
         # Causal chunks (from position 0, or after cached history) in the C kernel, all at once.
-        plan = meta.kernel_plans.get(windowed)
-        if plan is None:
-            plan = meta.kernel_plans[windowed] = _KernelPlan.of([c for c in prefills if c.causal])
+        plan = kernel_plan(meta, windowed)
         status = prefill(
             q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), out.data_ptr(), plan.bounds[0].data_ptr(),
             plan.bounds[1].data_ptr(), len(plan.chunks), q.shape[1], k.shape[1], k.stride(0), v.stride(0), scale,
@@ -912,6 +928,15 @@ def _library(head_dim: int, bfloat16_kv: bool = False) -> ctypes.CDLL | None:
 def _function(head_dim: int, kv_dtype: torch.dtype, name: str) -> _Kernel | None:
     library = _library(head_dim, kv_dtype == torch.bfloat16)
     return None if library is None else cast(_Kernel, getattr(library, name))
+
+
+def kernel_address(head_dim: int, kv_dtype: torch.dtype, name: str) -> int:
+    """The address of the attention library's C function ``name`` for ``head_dim`` and a ``kv_dtype`` cache, for C
+    code that calls it directly (``backends.cpu._lean_forward``). RuntimeError where it is not built."""
+    library = _library(head_dim, kv_dtype == torch.bfloat16)
+    if library is None:
+        raise RuntimeError(f"the cpu attention kernels for head_dim {head_dim} are unavailable here")
+    return native.address(getattr(library, name))
 
 
 def _kernel(head_dim: int, kv_dtype: torch.dtype = torch.float32) -> _Kernel | None:

@@ -62,6 +62,7 @@ __all__ = [
     "bfloat16_available",
     "bfloat16_panel_matmul_into",
     "check_input",
+    "kernel_address",
     "matmul_with",
     "packing_source",
     "panel_argmax",
@@ -757,6 +758,15 @@ def pooled_matmul_into(
         out_stride, rows, out_features, in_features, int(bfloat16),
     )  # fmt: skip
     return bool(done)
+
+
+def kernel_address(name: str) -> int:
+    """The address of the GEMM library's C function ``name`` (``asyncllm_panel_matmul_bf16`` from the bfloat16
+    one), for C code that calls it directly (``backends.cpu._lean_forward``). RuntimeError where it is not built."""
+    library = _bfloat16_library() if name.endswith("_bf16") else _library()
+    if library is None:
+        raise RuntimeError(f"the panel GEMM's {name} is unavailable here")
+    return native.address(getattr(library, name))
 
 
 MatmulInto = Callable[[int, int, int, int, int, int, int, int], None]

@@ -40,6 +40,7 @@ __all__ = [
     "STALE_AFTER_DAYS",
     "VECTOR_HELPERS",
     "Signatures",
+    "address",
     "build",
     "compiler",
     "cpu_flags",
@@ -103,6 +104,13 @@ PTR, I32, I64, F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_flo
 
 Signatures = Mapping[str, tuple[Sequence[Any], Any]]
 """C signatures by function name: (argument types, result type, None for void)."""
+
+
+def address(function: Any) -> int:
+    """A loaded library function's address, for C code that calls it through a pointer."""
+    value = ctypes.cast(function, ctypes.c_void_p).value
+    assert value is not None
+    return value
 
 
 def declare(library: ctypes.CDLL, signatures: Signatures) -> ctypes.CDLL:
