@@ -147,7 +147,7 @@ def test_every_pool_is_aligned_for_the_job_it_holds() -> None:
 
 def test_runner_runs_the_lean_forward_on_its_pool_and_joins_it(tiny_cache: Path) -> None:
     """The runner's pool: the decode-sized step's layer stack on it gives the OpenMP path's bits (matmuls,
-    attention against a paged cache, SiLU), and ``close`` joins it."""
+    attention against a paged cache, SiLU), as the one C call and as the Python path, and ``close`` joins it."""
     from asyncllm.executor._runner import SequenceInput
     from asyncllm.sampling_params import SamplingParams
 
@@ -178,11 +178,16 @@ def test_runner_runs_the_lean_forward_on_its_pool_and_joins_it(tiny_cache: Path)
             k_cache.copy_(torch.randn_like(k_cache))
             v_cache.copy_(torch.randn_like(v_cache))
         hidden = {}
-        for pooled in (True, False):
+        in_c = model.lean._c_max_tokens
+        for pooled, c_call in ((True, True), (False, True), (True, False)):  # the one C call, and the Python path
             model.lean.pool = runner.kernel_pool if pooled else None
+            model.lean._c_max_tokens = in_c if c_call else 0
             with torch.inference_mode():
-                hidden[pooled] = model(ids, positions, runner.kv_caches, meta)
-        assert torch.equal(hidden[True], hidden[False]) and hidden[True].abs().sum() > 0
+                hidden[pooled, c_call] = model(ids, positions, runner.kv_caches, meta)
+        model.lean._c_max_tokens = in_c
+        assert in_c > 0 and hidden[True, True].abs().sum() > 0
+        expected = hidden[True, True]
+        assert torch.equal(expected, hidden[False, True]) and torch.equal(expected, hidden[True, False])
     finally:
         runner.close()
     assert runner.kernel_pool is None

@@ -66,10 +66,11 @@ def _step(shapes: list[tuple[int, int]], seed: int) -> list[SequenceInput]:
 SMALL = [(0, 1), (9, 1), (12, 1), (0, 11), (5, 6), (31, 1)]  # 21 rows: the panels
 LARGE = [(0, 70), (13, 1), (8, 9), (0, 3), (40, 1)]  # 84 rows: MKL's packed GEMM where both exist
 DECODES = [(9, 1), (12, 1), (31, 1), (3, 1), (6, 1)]  # decode rows only: a window cuts no prompt chunk
+HISTORY = [(20, 18), (13, 21), (9, 1), (0, 5)]  # 45 rows: prompt chunks after cached history (over 17 tokens)
 
 
-@pytest.mark.parametrize("sliding_window", [None, 5])
-@pytest.mark.parametrize("shapes", [SMALL, LARGE, DECODES], ids=["small", "large", "decodes"])
+@pytest.mark.parametrize("sliding_window", [None, 5, 64])
+@pytest.mark.parametrize("shapes", [SMALL, LARGE, DECODES, HISTORY], ids=["small", "large", "decodes", "history"])
 @pytest.mark.parametrize("packed_format", ["both", "panels", "mkl", "bfloat16 panels"])
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_lean_forward_equals_the_modules(
@@ -81,7 +82,8 @@ def test_lean_forward_equals_the_modules(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Same bits as the modules, on the Python path and on the one C call (``_run_in_c``), which takes the
-    families without q/k/v bias or q/k norms, on the panels, where no window cuts a prompt chunk."""
+    families without q/k/v bias or q/k norms, on the panels, where no window cuts a prompt chunk (a window of 5
+    cuts every chunk here, one of 64 only LARGE's 70-token prompt)."""
     bfloat16 = packed_format == "bfloat16 panels"  # dtype="bfloat16": bfloat16 weights on bfloat16 panels
     if not (gemm_cpu.bfloat16_available() if bfloat16 else format_available(packed_format)):  # type: ignore[arg-type]
         pytest.skip(f"the {packed_format} GEMM does not run here")
@@ -108,7 +110,8 @@ def test_lean_forward_equals_the_modules(
             hidden = model(ids, positions, runner.kv_caches, meta)
         results[lean] = (hidden, [(k.clone(), v.clone()) for k, v in runner.kv_caches])
     in_c = family in ("llama", "mistral") and packed_format != "mkl"
-    in_c = in_c and not (packed_format == "both" and shapes is LARGE) and (sliding_window is None or shapes is DECODES)
+    uncut = sliding_window is None or shapes is DECODES or (sliding_window == 64 and shapes is not LARGE)
+    in_c = in_c and not (packed_format == "both" and shapes is LARGE) and uncut
     assert c_calls == ([1] if in_c else [])
     (lean_hidden, lean_caches), (module_hidden, module_caches) = results[True], results[False]
     assert torch.equal(lean_hidden, module_hidden)
@@ -157,6 +160,35 @@ def test_lean_forward_rejects_a_cache_it_cannot_read(tiny_llama: Path) -> None:
     narrow_values = [(k, v[:, :1].contiguous()) for k, v in runner.kv_caches]  # the writes would overrun them
     with pytest.raises(ValueError, match="contiguous KV caches"):
         runner.model.lean(embeddings, cos_sin, narrow_values, meta)
+
+
+@pytest.mark.parametrize("in_c", [True, False], ids=["c", "python"])
+def test_lean_forward_rejects_caches_and_slots_that_change_under_it(tiny_llama: Path, in_c: bool) -> None:
+    """A step after a good one: a cache cut short at the same address, then a slot past the cache's end, each a
+    ValueError before anything is written, on the one C call (which checks its caches again whenever one's
+    shape differs from the last checked ones) as on the Python path."""
+    runner = _runner(tiny_llama, "panels")
+    model = runner.model
+    assert model is not None and model.lean is not None
+    if not in_c:
+        model.lean._c_max_tokens = 0
+    step = step_inputs(_step(SMALL, seed=0), BLOCK_SIZE)
+    meta = attention_cpu.build_metadata(step, sliding_window=None)
+    embeddings = torch.randn(step.num_tokens, model.spec.hidden_size)
+    cos_sin = model.rotary.cos_sin(torch.from_numpy(step.positions.astype(np.int64)), torch.float32)
+    model.lean(embeddings.clone(), cos_sin, runner.kv_caches, meta)
+    (k0, v0), *rest = runner.kv_caches
+    slots = int(meta.slot_mapping.max()) + 1
+    short = [(k0, v0), *((k[:slots - 1], v[:slots - 1]) for k, v in rest)]  # same addresses, fewer slots
+    before = [k.clone() for k, _ in runner.kv_caches]
+    with pytest.raises(ValueError, match="KV"):
+        model.lean(embeddings.clone(), cos_sin, short, meta)
+    past = attention_cpu.build_metadata(step, sliding_window=None)
+    past.slot_mapping[0] = runner.kv_caches[0][0].shape[0]
+    with pytest.raises(ValueError, match="outside the cache"):
+        model.lean(embeddings.clone(), cos_sin, runner.kv_caches, past)
+    if in_c:  # checked before any layer runs: nothing written
+        assert all(torch.equal(k, b) for (k, _), b in zip(runner.kv_caches, before, strict=True))
     mixed = [(k, v.bfloat16()) for k, v in runner.kv_caches]  # a float32 and a bfloat16 cache
     with pytest.raises(ValueError, match="of one dtype"):
         runner.model.lean(embeddings, cos_sin, mixed, meta)

@@ -156,8 +156,8 @@ static int project(const kernels *k, const step *s, const projection *p, const f
 }
 
 /* The layer stack and the final norm, in the order and with the calls of LeanCpuForward's Python path (the
-   same bits). 0, or -1 (a KV slot outside the cache), -2 (an attention kernel's scratch), -3 (the bfloat16
-   GEMM's scratch): the step failed part-way. */
+   same bits). 0, or -1 (a KV slot outside the cache), -2 (the decode attention's scratch), -3 (the bfloat16
+   GEMM's scratch), -4 (the prefill attention's scratch): the step failed part-way. */
 int asyncllm_lean_layers(const step *s, const layer *layers, const kernels *k) {
     const int64_t T = s->tokens, H = s->hidden, D = s->head_dim, I = s->intermediate;
     const int64_t q_size = s->heads * D, kv_size = s->kv_heads * D, qkv_size = q_size + 2 * kv_size;
@@ -188,7 +188,7 @@ int asyncllm_lean_layers(const step *s, const layer *layers, const kernels *k) {
         if (P->chunks && k->prefill(q, qkv_size, key, value, s->attended, P->starts, P->ends, P->chunks, s->heads,
                                     s->kv_heads, qkv_size, qkv_size, s->scale, P->history, P->slots, P->slot_starts,
                                     k_cache, v_cache))
-            return -2;
+            return -4;
         if ((status = project(k, s, &L->o, s->attended, q_size, s->projected, H, q_size))) return status;
         k->norm(s->normed, s->projected, s->residual, L->post_norm, T, H, H, H, H, s->eps);
         if ((status = project(k, s, &L->gate_up, s->normed, H, s->gate_up, 2 * I, H))) return status;
@@ -372,8 +372,9 @@ class LeanCpuForward:
         mkl_above = any(m.packed and not m.bfloat16 for m in matmuls)
         self._c_max_tokens = 0 if not in_c else PANEL_MAX_ROWS if mkl_above else 1 << 62
         self._c_kernels: dict[torch.dtype, _Kernels] = {}  # by the KV cache's dtype
-        self._c_layers: dict[tuple[int, bool], ctypes.Array[_LayerArgs]] = {}  # by (window, global layers too)
-        self._c_caches: tuple[tuple[int, ...], ctypes.Array[ctypes.c_void_p]] | None = None  # checked ones
+        # By (window, global layers too), for the norm weights' addresses they were built with.
+        self._c_layers: dict[tuple[int, bool], tuple[tuple[int, ...], ctypes.Array[_LayerArgs]]] = {}
+        self._c_caches: tuple[tuple[object, ...], ctypes.Array[ctypes.c_void_p]] | None = None  # checked ones
 
     def _run_in_c(
         self,
@@ -391,11 +392,14 @@ class LeanCpuForward:
         k_cache = kv_caches[0][0]
         caches = self._checked_caches(kv_caches)
         window, has_global = meta.sliding_window or 0, meta.global_prefills is not None
-        layers = self._c_layers.get((window, has_global))
-        if layers is None:
-            layers = self._c_layers[(window, has_global)] = (_LayerArgs * len(self._layers))(
-                *(layer.arguments(window, has_global) for layer in self._layers)
+        norms = tuple(weight.data_ptr() for layer in self._layers for weight in (layer.input_norm, layer.post_norm))
+        built = self._c_layers.get((window, has_global))
+        if built is None or built[0] != norms:  # the weights' memory is read where it is now, as the Python path does
+            built = self._c_layers[(window, has_global)] = (
+                norms,
+                (_LayerArgs * len(self._layers))(*(layer.arguments(window, has_global) for layer in self._layers)),
             )
+        layers = built[1]
         plans = [_PlanArgs(), _PlanArgs()]
         for windowed in (False, True) if has_global else (False,):
             plan = attention_cpu.kernel_plan(meta, windowed)
@@ -421,16 +425,19 @@ class LeanCpuForward:
         status = driver.asyncllm_lean_layers(ctypes.byref(step), layers, ctypes.byref(self._kernels(k_cache.dtype)))
         if status == -1:
             raise ValueError(f"a KV slot lies outside the cache's {k_cache.shape[0]} slots")
-        if status == -2:
-            raise RuntimeError("a cpu attention kernel could not allocate its scratch memory")
+        if status in (-2, -4):
+            kind = "decode" if status == -2 else "prefill"
+            raise RuntimeError(f"the cpu {kind} attention kernel could not allocate its scratch memory")
         if status == -3:
-            raise MemoryError(f"no memory for {tokens} rows in bfloat16")
+            raise MemoryError(f"no memory for {tokens} rows of a projection's inputs in bfloat16")
 
     def _checked_caches(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> ctypes.Array[ctypes.c_void_p]:
         """The caches' addresses (layer l's key cache at 2l, value cache at 2l + 1), checked as the Python path
-        checks them, once per set of caches (ValueError where they do not fit)."""
-        addresses = tuple(tensor.data_ptr() for pair in kv_caches for tensor in pair)
-        if self._c_caches is not None and self._c_caches[0] == addresses:
+        checks them (and of one size: the C call reads the first one's), again whenever any cache's address,
+        shape, strides or dtype differs from the last checked ones (ValueError where they do not fit)."""
+        tensors = [tensor for pair in kv_caches for tensor in pair]
+        key = tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors)
+        if self._c_caches is not None and self._c_caches[0] == key:
             return self._c_caches[1]
         first = kv_caches[0][0]
         heads, head_dim = self._kv_heads, self._head_dim
@@ -442,15 +449,16 @@ class LeanCpuForward:
             if not (fits and k_cache.dtype == v_cache.dtype == first.dtype):
                 shape = f"[slots, {heads}, {head_dim}]"
                 raise ValueError(f"the lean forward needs contiguous KV caches of {shape}, of one dtype and size")
-        array = (ctypes.c_void_p * len(addresses))(*addresses)
-        self._c_caches = (addresses, array)
+        array = (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+        self._c_caches = (key, array)
         return array
 
     def _kernels(self, kv_dtype: torch.dtype) -> _Kernels:
         """The C kernels' addresses for a ``kv_dtype`` cache, looked up once."""
         kernels = self._c_kernels.get(kv_dtype)
         if kernels is None:
-            head_dim, bfloat16 = self._head_dim, any(layer.qkv.bfloat16 for layer in self._layers)
+            matmuls = (m for layer in self._layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+            head_dim, bfloat16 = self._head_dim, any(m.bfloat16 for m in matmuls)
             kernels = self._c_kernels[kv_dtype] = _Kernels(
                 native.address(self._norm), native.address(self._rotate), native.address(self._write_kv[kv_dtype]),
                 gemm_cpu.kernel_address("asyncllm_panel_matmul_pooled"),
