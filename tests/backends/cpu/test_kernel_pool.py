@@ -23,15 +23,24 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+_EXITING = 0x4  # the kernel's PF_EXITING in a task's flags (``/proc/<pid>/task/<tid>/stat``, field 9)
+
+
 def _helpers() -> int:
-    """The process's kernel pool helper threads, by name."""
+    """The process's live kernel pool helper threads, by name: a joined helper can stay listed for a while after
+    ``pthread_join`` returns (the kernel releases its task after waking the joiner), flagged as exiting, so those
+    are not counted."""
     count = 0
     for task in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{task}/comm", encoding="utf-8") as comm:
-                count += comm.read().strip() == kernel_pool.HELPER_NAME
+                if comm.read().strip() != kernel_pool.HELPER_NAME:
+                    continue
+            with open(f"/proc/self/task/{task}/stat", encoding="utf-8") as stat:
+                flags = int(stat.read().rsplit(")", 1)[1].split()[6])
         except OSError:
             continue  # a thread that just ended
+        count += not flags & _EXITING
     return count
 
 
