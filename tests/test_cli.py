@@ -141,6 +141,24 @@ def test_the_console_script_is_cli_main() -> None:
     assert script.value == "asyncllm.cli:main"
 
 
+def test_serve_waits_for_a_resident_kv_cache_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``serve`` listens once its KV cache is resident (``kv_cache_prefault_wait`` on); ``generate`` and ``chat``
+    keep the engine's default (the background prefault); the flag turns it off for ``serve``."""
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(Engine, "open", lambda model=None, **kw: seen.update(kw))
+    parser = cli.build_parser()
+    expected = {
+        ("serve",): True,
+        ("generate", "p"): False,
+        ("chat",): False,
+        ("serve", "--no-kv-cache-prefault-wait"): False,
+    }
+    for argv, wait in expected.items():
+        cli._open_engine(parser.parse_args(list(argv)))
+        assert seen["kv_cache_prefault_wait"] is wait, argv
+    assert EngineOptions().kv_cache_prefault_wait is False
+
+
 def test_serve_transport_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: dict[str, Any] = {}
 

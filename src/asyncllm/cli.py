@@ -585,6 +585,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-top-logprobs", type=int, default=20, help="the largest top_logprobs of /v1/chat/completions [20]"
     )
     _add_engine_options(serve)
+    # A server listens once its KV cache is resident: its first requests run at full speed.
+    serve.set_defaults(**{_ENGINE_PREFIX + "kv_cache_prefault_wait": True})
 
     bench = commands.add_parser("bench", help="run benchmarks/NAME.py, passing ARGS on")
     bench.add_argument("--dir", default=None, help="the benchmarks folder [./benchmarks, then the checkout's]")

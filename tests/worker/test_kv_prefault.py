@@ -157,6 +157,32 @@ def test_the_runner_prefaults_its_cpu_kv_cache_and_joins_at_close(tiny_llama: Pa
     assert not _prefault_threads()
 
 
+def test_with_the_wait_the_cache_is_resident_when_the_load_returns(tiny_llama: Path) -> None:
+    """``kv_cache_prefault_wait``: the load itself faults the whole cache in (no thread left running), as a server
+    that listens only then needs; without ``kv_cache_prefault`` it faults nothing in."""
+    runner = TorchModelRunner(tiny_llama, device="cpu", kv_cache_blocks=512, kv_cache_prefault_wait=True)
+    try:
+        runner.load()
+        assert runner.kv_prefault is not None and runner.kv_prefault.completed
+        assert not _prefault_threads()
+        for keys, values in runner.kv_caches:
+            assert all(_resident_pages(keys)) and all(_resident_pages(values))
+    finally:
+        runner.close()
+    off = TorchModelRunner(
+        tiny_llama, device="cpu", kv_cache_blocks=512, kv_cache_prefault=False, kv_cache_prefault_wait=True
+    )
+    try:
+        off.load()
+        assert off.kv_prefault is None and not all(_resident_pages(off.kv_caches[0][0]))
+    finally:
+        off.close()
+    from asyncllm.engine._options import EngineOptions
+
+    with pytest.raises(ValueError, match="kv_cache_prefault_wait must be a bool"):
+        EngineOptions.from_keywords(kv_cache_prefault_wait="yes")
+
+
 def test_the_switch_leaves_pages_to_first_use(tiny_llama: Path) -> None:
     runner = TorchModelRunner(tiny_llama, device="cpu", kv_cache_blocks=512, kv_cache_prefault=False)
     try:

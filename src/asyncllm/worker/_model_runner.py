@@ -709,7 +709,18 @@ class TorchModelRunner:
             widest = max(t.stride(0) * t.element_size() for t in tensors)
             # Whole blocks per round, about one huge page of the widest tensor: rows come in block order.
             rows = max(1, PREFAULT_ROUND_BYTES // widest // self.block_size) * self.block_size
-            self.kv_prefault = Prefault(tensors, rows, busy=self.device_busy)
+            if self.options.kv_cache_prefault_wait:  # resident before the load returns: no step runs meanwhile
+                started = time.monotonic()
+                self.kv_prefault = Prefault(tensors, rows)
+                self.kv_prefault.wait()
+                logger.info(
+                    "KV cache resident: %d MiB faulted in in %.1f s%s",
+                    self.kv_prefault.faulted_bytes >> 20,
+                    time.monotonic() - started,
+                    "" if self.kv_prefault.completed else " (stopped part-way: the rest is faulted in on use)",
+                )
+            else:
+                self.kv_prefault = Prefault(tensors, rows, busy=self.device_busy)
         return caches
 
     @contextlib.contextmanager
