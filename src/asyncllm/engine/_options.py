@@ -100,7 +100,8 @@ class EngineOptions:
         the first requests run at full speed, as on a server whose cache was zeroed at start (vLLM's). Loading
         takes longer by the time the host needs to back the cache (4 GiB: about 0.5 s on bare metal, about
         12 s in a virtual machine whose host backs memory on first touch). Tensor-parallel ranks fault their own
-        caches in at the same time. False: in the background, while the engine is idle."""),
+        caches in at the same time, in their processes (the first step waits for them). False: in the
+        background, while the engine is idle."""),
     )
     cpu_kernel_pool: bool = field(
         default=True,
