@@ -333,6 +333,22 @@ async def test_ranks_import_the_engines_modules_whatever_the_working_directory(
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the load's wait; no backend in it
+async def test_with_the_wait_every_rank_meets_once_its_cache_is_resident(tiny_cache: Path) -> None:
+    # kv_cache_prefault_wait: rank 0's load returns after the barrier every rank reaches once its own cache is
+    # resident (a rank that skipped it would leave rank 0 waiting out the rendezvous timeout); then steps run.
+    options = {"tensor_parallel_size": 2, "kv_cache_blocks": 64, "kv_cache_prefault_wait": True}
+    async with Engine.open(_model_dir(tiny_cache, "llama-gqa"), device="cpu", attention_backend="torch",
+                           **options) as engine:  # fmt: skip
+        assert engine._core is not None
+        runner = engine._core.runner
+        assert isinstance(runner, TorchModelRunner) and runner._resident_waits == 1
+        assert runner.kv_prefault is not None and runner.kv_prefault.completed
+        result = await engine.generate([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    assert len(result.token_ids) == 2
+
+
+@pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # sizing at load; no backend in it
 async def test_kv_cache_memory_in_bytes_is_what_the_ranks_caches_take_in_all_on_the_cpu(tiny_cache: Path) -> None:
     # The ranks share the host's memory: kv_cache_memory=B bytes is B of it in all, as with one rank, not B

@@ -308,6 +308,16 @@ def _scripted(**options: Any) -> dict[str, Any]:
 
 
 @needs_ray
+def test_replicas_wait_for_a_resident_kv_cache_unless_told_not_to() -> None:
+    """As ``asyncllm serve``: a replica takes requests once its KV cache is resident (``kv_cache_prefault_wait``
+    on by default), and the engine options can turn it off."""
+    by_default = _deployment(openai_app(engine_options=_scripted()))
+    assert by_default.init_args[1]["kv_cache_prefault_wait"] is True
+    off = _deployment(openai_app(engine_options=_scripted(kv_cache_prefault_wait=False)))
+    assert off.init_args[1]["kv_cache_prefault_wait"] is False
+
+
+@needs_ray
 def test_serves_admission_limits_come_from_the_engines() -> None:
     fixed = _deployment(openai_app(engine_options=_scripted(max_num_seqs=8, max_waiting_requests=100)))
     assert (fixed.num_replicas, fixed.max_ongoing_requests, fixed.max_queued_requests) == (1, 8, 100)

@@ -211,10 +211,24 @@ def test_off_linux_the_thread_renices_nothing(monkeypatch: pytest.MonkeyPatch) -
     calls: list[tuple[int, ...]] = []
     monkeypatch.setattr(sys, "platform", "darwin")
     monkeypatch.setattr(os, "setpriority", lambda *args: calls.append(args))
-    prefault = Prefault([_kv_like(64, 1024)], rows_per_round=16)
+    prefault = Prefault([_kv_like(64, 1024)], rows_per_round=16, busy=lambda: False)
     assert prefault.wait()
     assert calls == []
     assert not prefault.completed and prefault.faulted_bytes == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_the_thread_yields_beside_steps_but_not_to_a_load_that_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beside steps (``busy`` given) the thread lowers its own priority; a load that waits for it
+    (``kv_cache_prefault_wait``: no ``busy``) would only wait longer, so there it keeps its creator's."""
+    calls: list[tuple[int, ...]] = []
+    monkeypatch.setattr(os, "setpriority", lambda *args: calls.append(args))
+    beside = Prefault([_kv_like(64, 1024)], rows_per_round=16, busy=lambda: False)
+    assert beside.wait() and beside.completed
+    assert len(calls) == 1 and calls[0][0] == os.PRIO_PROCESS and calls[0][2] == _memory.PREFAULT_NICENESS
+    waited = Prefault([_kv_like(64, 1024)], rows_per_round=16)
+    assert waited.wait() and waited.completed
+    assert len(calls) == 1
 
 
 def test_an_ended_thread_holds_no_tensor(monkeypatch: pytest.MonkeyPatch) -> None:

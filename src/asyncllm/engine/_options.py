@@ -96,12 +96,12 @@ class EngineOptions:
     kv_cache_prefault_wait: bool = field(
         default=False,
         metadata=_doc("""With kv_cache_prefault, fault the whole CPU KV cache in while the model loads: open()
-        returns (and `asyncllm serve`, where this is on by default, listens) once the cache is resident, so
-        the first requests run at full speed, as on a server whose cache was zeroed at start (vLLM's). Loading
-        takes longer by the time the host needs to back the cache (4 GiB: about 0.5 s on bare metal, about
-        12 s in a virtual machine whose host backs memory on first touch). Tensor-parallel ranks fault their own
-        caches in at the same time, in their processes (the first step waits for them). False: in the
-        background, while the engine is idle."""),
+        returns (and `asyncllm serve` and Ray Serve replicas, where this is on by default, take requests) once
+        the cache is resident, so the first requests run at full speed, as on a server whose cache was zeroed
+        at start (vLLM's). Loading takes longer by the time the host needs to back the cache (4 GiB took
+        about 12 s in a virtual machine whose host backs memory on first touch) and cannot be interrupted
+        meanwhile. Tensor-parallel ranks fault their own caches in at the same time and the load returns once
+        every rank's is resident. False: in the background, while the engine is idle."""),
     )
     cpu_kernel_pool: bool = field(
         default=True,

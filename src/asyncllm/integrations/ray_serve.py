@@ -83,7 +83,8 @@ def openai_app(
         model: As ``Engine.open`` takes it: a local folder (present on every node), a hub id, or
             None for the default model.
         engine_options: Keywords of ``Engine.open`` (``device``, ``max_num_seqs``, ...), used by
-            every replica.
+            every replica; ``kv_cache_prefault_wait`` is on unless they turn it off, as in ``asyncllm serve``
+            (a replica is ready, and routed requests, once its KV cache is resident).
         app_options: Keywords of ``asyncllm.http.create_app`` (``api_key``, ``model_name``, ...).
         name: The deployment's name.
         num_replicas: A fixed number of replicas (default 1 without ``autoscaling_config``).
@@ -119,7 +120,7 @@ def openai_app(
             ``deployment_options`` that an argument of this function sets.
     """
     serve = _import_serve()
-    engine_keywords = dict(engine_options or {})
+    engine_keywords = {"kv_cache_prefault_wait": True, **(engine_options or {})}
     app_keywords = dict(app_options or {})
     checked = create_app(Engine.open(model, **engine_keywords), **app_keywords)  # never entered: validation only
     ongoing = _max_ongoing_requests(

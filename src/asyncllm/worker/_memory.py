@@ -145,8 +145,9 @@ class Prefault:
         tensors: CPU tensors over anonymous mappings (``mapped_tensor``): rows in the first dimension.
         rows_per_round: Rows of each tensor per round (``prefault_ranges``).
         busy: Asked before each range; while it says True the thread waits ``PREFAULT_QUIET_SECONDS`` and asks
-            again (None: never busy). The model runner's (``device_busy``) says whether a step runs or
-            one ended in the last ``PREFAULT_QUIET_SECONDS``.
+            again (None: never busy, and the thread keeps its creator's niceness: a load waits for it). The
+            model runner's (``device_busy``) says whether a step runs or one ended in the last
+            ``PREFAULT_QUIET_SECONDS``.
 
     The thread ends when every page is resident, at ``stop()``, when less than ``PREFAULT_RESERVE_BYTES`` of
     memory would be left (a warning), or at the first refusal (a kernel before 5.14 lacks the advice: logged
@@ -175,7 +176,8 @@ class Prefault:
                 return
             # Only Linux gives each thread a niceness of its own, set through its id; elsewhere a thread id
             # is no process id (on macOS it could even be another process's), so nothing is reniced there.
-            if sys.platform.startswith("linux"):
+            # Without ``busy`` a load is waiting for this thread: it keeps the caller's niceness.
+            if self._busy is not None and sys.platform.startswith("linux"):
                 with contextlib.suppress(OSError):
                     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREFAULT_NICENESS)
             unchecked = PREFAULT_CHECK_BYTES  # look before the first range

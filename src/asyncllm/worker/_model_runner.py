@@ -214,6 +214,9 @@ class TorchModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_prefault: Prefault | None = None
         """On the CPU: the thread faulting in the serving KV cache (``EngineOptions.kv_cache_prefault``)."""
+        self._resident_waits = 0
+        """Serving caches waited for so far (``kv_cache_prefault_wait``): each rank counts the same allocations,
+        in the same order, so the count names the barrier where the ranks meet once theirs are resident."""
         self.last_step_started = -math.inf
         """``time.monotonic()`` when ``launch`` (``forward_step`` on other ranks) last began a step."""
         self.last_step_ended = -math.inf
@@ -349,7 +352,9 @@ class TorchModelRunner:
         return config, model
 
     def load(self) -> RunnerInfo:
-        """Build the model, load its weights and allocate the KV cache (on the device thread).
+        """Build the model, load its weights and allocate the KV cache (on the device thread); with
+        ``kv_cache_prefault_wait``, return once the cache is resident (seconds per GiB where the host backs
+        memory on first touch, and not interruptible: the device thread is busy with it).
 
         With ``tensor_parallel_size`` > 1 this is rank 0: it meets the other ranks, loads its shard,
         and drives them through the KV cache's sizing and allocation.
@@ -681,7 +686,9 @@ class TorchModelRunner:
         """A KV cache of ``num_blocks`` blocks for this rank's KV heads (``sliding_blocks`` for the sliding
         layers of a hybrid model with a sliding group); rank 0 has the other ranks allocate theirs too
         (every rank holds the same blocks, of its own heads). With ``prefault`` (the serving cache, not the
-        sizing probe's), a CPU cache starts being faulted in (``kv_prefault``)."""
+        sizing probe's), a CPU cache starts being faulted in (``kv_prefault``); with ``kv_cache_prefault_wait``
+        too, this returns once it is resident, and once every rank's is (a barrier), so that no rank's first
+        step waits on another's pages."""
         assert self.model is not None
         if self.kernel_pool is not None:  # a late helper may still read the cache this one replaces
             self.kernel_pool.quiesce()
@@ -710,18 +717,25 @@ class TorchModelRunner:
             # Whole blocks per round, about one huge page of the widest tensor: rows come in block order.
             rows = max(1, PREFAULT_ROUND_BYTES // widest // self.block_size) * self.block_size
             if self.options.kv_cache_prefault_wait:  # resident before the load returns: no step runs meanwhile
-                started = time.monotonic()
-                self.kv_prefault = Prefault(tensors, rows)
-                self.kv_prefault.wait()
-                logger.info(
-                    "KV cache resident: %d MiB faulted in in %.1f s%s",
-                    self.kv_prefault.faulted_bytes >> 20,
-                    time.monotonic() - started,
-                    "" if self.kv_prefault.completed else " (stopped part-way: the rest is faulted in on use)",
-                )
+                self._wait_until_resident(tensors, rows)
             else:
                 self.kv_prefault = Prefault(tensors, rows, busy=self.device_busy)
         return caches
+
+    def _wait_until_resident(self, tensors: list[torch.Tensor], rows: int) -> None:
+        """Fault the serving cache in now and wait (``kv_cache_prefault_wait``), then meet the other ranks."""
+        started = time.monotonic()
+        self.kv_prefault = prefault = Prefault(tensors, rows)
+        prefault.wait()
+        seconds = time.monotonic() - started
+        if prefault.completed:
+            logger.info("KV cache resident: %d MiB faulted in, %.1f s", prefault.faulted_bytes >> 20, seconds)
+        else:  # the memory reserve or a refusal stopped it (logged by the thread): the rest comes on use
+            logger.info("KV cache partly resident: %d MiB faulted in, %.1f s", prefault.faulted_bytes >> 20, seconds)
+        self._resident_waits += 1
+        if self.collectives is not None:
+            name = f"kv-resident-{self._resident_waits}"
+            self.collectives.barrier(name, None if self.ranks is None else self.ranks.failure)
 
     @contextlib.contextmanager
     def _stamped_step(self) -> Iterator[None]:
