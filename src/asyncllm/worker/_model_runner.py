@@ -727,11 +727,11 @@ class TorchModelRunner:
         started = time.monotonic()
         self.kv_prefault = prefault = Prefault(tensors, rows)
         prefault.wait()
-        seconds = time.monotonic() - started
-        if prefault.completed:
-            logger.info("KV cache resident: %d MiB faulted in, %.1f s", prefault.faulted_bytes >> 20, seconds)
-        else:  # the memory reserve or a refusal stopped it (logged by the thread): the rest comes on use
-            logger.info("KV cache partly resident: %d MiB faulted in, %.1f s", prefault.faulted_bytes >> 20, seconds)
+        # Partly: the memory reserve or a refusal stopped it (logged by the thread); the rest comes on use.
+        extent = "resident" if prefault.completed else "partly resident"
+        logger.info(
+            "KV cache %s: %d MiB faulted in, %.1f s", extent, prefault.faulted_bytes >> 20, time.monotonic() - started
+        )
         self._resident_waits += 1
         if self.collectives is not None:
             name = f"kv-resident-{self._resident_waits}"
