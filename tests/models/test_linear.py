@@ -21,7 +21,7 @@ from asyncllm.models._linear import (
     packed_gemm_available,
 )
 
-needs_panels = pytest.mark.skipif(not gemm_cpu.available(), reason="the panel GEMM needs x86 with AVX-512")
+needs_panels = pytest.mark.skipif(not gemm_cpu.available(), reason="the panel GEMM needs x86 with AVX-512 or AVX2")
 
 
 def test_available_on_x86_torch_builds() -> None:
@@ -62,9 +62,10 @@ def test_packed_rejects_what_it_cannot_run() -> None:
         packed.linear(torch.randn(2, 8, dtype=torch.bfloat16))
 
 
-def test_panels_available_on_avx512_machines() -> None:
-    # CI's machines have AVX-512: the default CPU path must be exercised there, not silently skipped.
-    if platform.machine() in ("x86_64", "AMD64") and "avx512f" in native.cpu_flags():
+def test_panels_available_on_avx512_and_avx2_machines() -> None:
+    # CI's machines have AVX-512 or AVX2: the default CPU path must be exercised there, not silently skipped.
+    flags = native.cpu_flags()
+    if platform.machine() in ("x86_64", "AMD64") and ("avx512f" in flags or {"avx2", "fma"} <= flags):
         assert gemm_cpu.available()
         both = packed_gemm_available() and native.cpu_vendor() == "GenuineIntel"  # MKL's fast kernels: Intel's
         assert best_packed_format(1 << 20) == ("both" if both else "panels")

@@ -5,7 +5,7 @@ internal panel layout on every call. At the batch sizes of decoding (a few to a 
 that repacking costs about as much as the multiplication, so the weights are packed once, at load.
 Two packed layouts, used alone or together:
 
-- ``"panels"`` (x86 with AVX-512): ``asyncllm.backends.cpu._gemm``'s own kernel and layout, which
+- ``"panels"`` (x86 with AVX-512, or AVX2 with FMA): ``asyncllm.backends.cpu._gemm``'s own kernel and layout, which
   fetches the next part of the weight while it computes: the faster one at decode row counts, where
   the weights come from memory;
 - ``"mkl"``: MKL's ``cblas_sgemm_pack`` / ``cblas_sgemm_compute``. torch's CPU builds for x86 link
@@ -213,7 +213,7 @@ def best_packed_format(weight_bytes: int) -> PackedFormat | None:
 
     Both where both kernels run, MKL's is the faster for prefill (``mkl_wins_prefill``) and a second
     copy of the weights fits comfortably (see ``BOTH_FORMATS_MEMORY_SHARE``); else the panels (x86 with
-    AVX-512); else MKL's; else None (``F.linear``).
+    AVX-512, or AVX2 with FMA); else MKL's; else None (``F.linear``).
     """
     panels, mkl = gemm_cpu.available(), packed_gemm_available()
     roomy = weight_bytes <= BOTH_FORMATS_MEMORY_SHARE * host_available_bytes()

@@ -110,17 +110,18 @@ class ForwardSwitches:
             loading). False keeps HF's separate projections (for comparisons).
         packed_gemm: On the CPU in float32, pack every linear weight once for a packed GEMM
             (``asyncllm.models._linear``; compiled graphs call it too). True takes the best this
-            machine has: with AVX-512 and MKL's exported packed GEMM, both copies (decode-sized
-            inputs on ``gemm_cpu``'s column panels, prefill-sized ones on MKL's layout) while the
-            second copy takes at most a quarter of the available memory, else the panels alone;
-            MKL's alone without AVX-512. "both", "panels" or "mkl" asks for one (for comparisons;
-            a format the machine lacks leaves the weights unpacked). False keeps ``F.linear``.
+            machine has: with the panels (AVX-512, or AVX2 with FMA) and MKL's exported packed GEMM
+            on an Intel CPU, both copies (decode-sized inputs on ``gemm_cpu``'s column panels,
+            prefill-sized ones on MKL's layout) while the second copy takes at most a quarter of the
+            available memory, else the panels alone; MKL's alone without AVX-512 or AVX2. "both",
+            "panels" or "mkl" asks for one (for comparisons; a format the machine lacks leaves the
+            weights unpacked). False keeps ``F.linear``.
         fused_norm: On the triton and cpu backends with eager layers, fuse each residual add into
             the RMSNorm after it and rotate q/k in place, one kernel each
             (``DecoderForCausalLM.fused_norm``). False keeps torch's element-wise ops (for comparisons).
         greedy_head: With packed panels on a CPU with AMX or AVX512-BF16, greedy rows take their token from
             ``backends.cpu._greedy_head`` (the argmax of the float32 logits, exactly, without computing
-            them all); beside bfloat16 panels, and in float32 on AVX-512 without those units, from the
+            them all); beside bfloat16 panels, and in float32 on AVX-512 or AVX2 without those units, from the
             output projection's GEMM with the argmax fused in (``gemm_cpu.PanelArgmaxHead``: no logits
             stored). False computes every row's logits (for comparisons).
     """

@@ -1,4 +1,4 @@
-"""SiLU of the gate times up, in one pass and bit for bit torch's, float32 on x86 CPUs with AVX-512.
+"""SiLU of the gate times up, in one pass and bit for bit torch's, float32 on x86 CPUs with AVX-512 or AVX2.
 
 An MLP's ``F.silu(gate, inplace=True)`` then ``gate.mul_(up)`` is two passes over the gate/up
 projection's output, each a trip into torch's thread pool: at a prefill the output comes from memory
@@ -6,8 +6,9 @@ twice, at a decode step the two calls' fixed costs are most of the work. One C p
 once and writes the product (measurements: docs/performance-log.md, "Eighth round").
 
 The result is exactly torch's: torch computes ``x / (1 + exp(-x))`` with SLEEF's ``expf16_u10``, two
-AVX-512 vectors (32 floats) at a time, and with the C library's ``expf`` on the rest of a stretch (up to
-31 floats, whose bits can differ from the vector path's), then the product in float32; a stretch is a
+AVX-512 vectors (32 floats) at a time (on AVX2, ``expf8_u10avx2`` on two vectors of 8), and with the C
+library's ``expf`` on the rest of a stretch (up to 31 floats, or 15, whose bits can differ from the vector
+path's), then the product in float32; a stretch is a
 row, cut where torch's threads split the elements between them (``torch_piece``). This kernel calls
 the same SLEEF function (exported by ``libtorch_cpu``; its address is passed in at load) and ``expf``
 on the same stretches, with no fused multiply-adds. ``available()`` checks the claim once per process
@@ -38,21 +39,46 @@ _SOURCE = r"""
 /* Rows of at least this many floats in all go to OpenMP; fewer run on the calling thread. */
 #define PARALLEL_FLOATS 65536
 
-typedef __m512 (*vector_exp)(__m512);
-static vector_exp exp16;
+/* torch's vectors: 16 floats with AVX-512, else 8 (AVX2), and SLEEF's exponential of that width. */
+#ifdef __AVX512F__
+#define LANES 16
+typedef __m512 vf;
+#define VLOAD _mm512_loadu_ps
+#define VSTORE _mm512_storeu_ps
+#define VSET1 _mm512_set1_ps
+#define VZERO _mm512_setzero_ps
+#define VADD _mm512_add_ps
+#define VSUB _mm512_sub_ps
+#define VMUL _mm512_mul_ps
+#define VDIV _mm512_div_ps
+#else
+#define LANES 8
+typedef __m256 vf;
+#define VLOAD _mm256_loadu_ps
+#define VSTORE _mm256_storeu_ps
+#define VSET1 _mm256_set1_ps
+#define VZERO _mm256_setzero_ps
+#define VADD _mm256_add_ps
+#define VSUB _mm256_sub_ps
+#define VMUL _mm256_mul_ps
+#define VDIV _mm256_div_ps
+#endif
 
-void asyncllm_silu_mul_init(void *sleef_expf16_u10) { exp16 = (vector_exp)sleef_expf16_u10; }
+typedef vf (*vector_exp)(vf);
+static vector_exp vexp;
+
+void asyncllm_silu_mul_init(void *sleef_expf_u10) { vexp = (vector_exp)sleef_expf_u10; }
 
 /* torch's loop over one stretch of a row: two vectors at a time from the stretch's start, then the rest
-   (up to 31 floats) element by element. */
+   (up to 2 * LANES - 1 floats) element by element. */
 static void stretch(float *g, const float *u, int64_t n) {
-    const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    const vf one = VSET1(1.0f), zero = VZERO();
     int64_t i = 0;
-    for (; i + 32 <= n; i += 32)
-        for (int64_t j = i; j < i + 32; j += 16) {
-            const __m512 x = _mm512_loadu_ps(g + j);
-            const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(zero, x))));
-            _mm512_storeu_ps(g + j, _mm512_mul_ps(silu, _mm512_loadu_ps(u + j)));
+    for (; i + 2 * LANES <= n; i += 2 * LANES)
+        for (int64_t j = i; j < i + 2 * LANES; j += LANES) {
+            const vf x = VLOAD(g + j);
+            const vf silu = VDIV(x, VADD(one, vexp(VSUB(zero, x))));
+            VSTORE(g + j, VMUL(silu, VLOAD(u + j)));
         }
     for (; i < n; ++i) {
         const float x = g[i];
@@ -133,13 +159,18 @@ _SIGNATURES: native.Signatures = {
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    if "avx512f" not in native.cpu_flags():
+    flags = native.cpu_flags()
+    if "avx512f" in flags:
+        sleef_name = "Sleef_expf16_u10"  # what torch's AVX-512 build of its vectors calls
+    elif {"avx2", "fma"} <= flags:
+        sleef_name = "Sleef_expf8_u10avx2"  # and its AVX2 build
+    else:
         return None
     torch_cpu = native.torch_cpu_library()
     if torch_cpu is None:
         return None
     try:
-        sleef_exp = ctypes.cast(torch_cpu.Sleef_expf16_u10, ctypes.c_void_p).value
+        sleef_exp = ctypes.cast(getattr(torch_cpu, sleef_name), ctypes.c_void_p).value
     except AttributeError:
         return None
     if not sleef_exp:
@@ -187,7 +218,7 @@ def kernel_address(name: str) -> int:
     ``asyncllm_silu_mul_pooled``), for C code that calls it directly (``backends.cpu._lean_forward``)."""
     library = _library()
     if library is None:
-        raise RuntimeError("the SiLU kernel needs an x86 CPU with AVX-512, a C compiler and torch's SLEEF")
+        raise RuntimeError("the SiLU kernel needs an x86 CPU with AVX-512 or AVX2, a C compiler and torch's SLEEF")
     return native.address(getattr(library, name))
 
 
@@ -202,7 +233,7 @@ def silu_mul_into(
     """
     library = _library()
     if library is None:
-        raise RuntimeError("the SiLU kernel needs an x86 CPU with AVX-512, a C compiler and torch's SLEEF")
+        raise RuntimeError("the SiLU kernel needs an x86 CPU with AVX-512 or AVX2, a C compiler and torch's SLEEF")
     piece = torch_piece(rows * width, None if pool is None else pool.threads)  # torch's split at the step's count
     if pool is not None and library.asyncllm_silu_mul_pooled(
         pool.handle, pool.run, pool.threads, gate, up, rows, width, stride, piece

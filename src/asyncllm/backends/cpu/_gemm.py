@@ -1,4 +1,4 @@
-"""Float32 matmul against weights packed into column panels: a C kernel for x86 CPUs with AVX-512.
+"""Float32 matmul against weights packed into column panels: a C kernel for x86 CPUs with AVX-512 or AVX2.
 
 A decode step multiplies a few to a few dozen rows by every weight of the model, and the weights
 do not stay in the cache between steps: each matmul streams its weight from memory. MKL's packed
@@ -22,14 +22,21 @@ panels at most and leaves the rest to the others. The same panels run as tasks o
 (``pooled_matmul_into``, ``panel_argmax(..., pool=)``; ``backends.cpu._pool``), where the caller takes over a
 stalled thread's panels instead of waiting for it at the region's barrier.
 
+AVX2 with FMA (no AVX-512: AMD Zen 1-3, Intel's client cores): 16 vector registers of 8 floats, so the same
+panels are computed a 16-column strip at a time, 6 rows x 16 columns per micro-kernel call (12 accumulators).
+Each group of up to 30 rows passes over the panel's three strips in turn (the strip's lines are reused from the
+cache by the group's row blocks), its outputs in a block on the stack, then stored or reduced to each row's
+largest. The AVX-512 kernel's register block on AVX2 would spill; a row block outside the strip loop ran at
+half this rate (docs/performance-log.md, "Twenty-seventh session").
+
 bfloat16 panels (``PanelWeight(..., bfloat16=True)``, CPUs with AVX512-BF16): the same panels of 48 columns
 holding pairs of inputs, and a micro-kernel of AVX512-BF16's dot-pair instruction (two bfloat16 products added
 to each float32 lane), on the input rows rounded to bfloat16 once per call: half the weight bytes and twice
 the arithmetic rate of float32.
 
 Numerics: each output is the float32 fused multiply-add chain over the inputs in order, one
-rounding per step (MKL sums in another order; both differ from the exact product by float32
-rounding only; greedy tokens match transformers', tests/models/test_parity.py).
+rounding per step, the same bits from either micro-kernel (MKL sums in another order; both differ from the
+exact product by float32 rounding only; greedy tokens match transformers', tests/models/test_parity.py).
 
 Use: decode-sized inputs. For prefill-sized ones the arithmetic decides and MKL blocks for the
 caches better, so ``models._linear`` sends inputs of more than ``PANEL_MAX_ROWS`` rows to MKL's layout
@@ -72,7 +79,7 @@ __all__ = [
 ]
 
 PANEL_COLUMNS = 48
-"""Output columns per panel: three AVX-512 vectors of 16 floats."""
+"""Output columns per panel: three AVX-512 vectors of 16 floats (three strips of 16 on AVX2)."""
 
 _SOURCE = r"""
 #include <immintrin.h>
@@ -81,9 +88,14 @@ _SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 """ + kernel_pool.HEADER + r"""
+#define COLUMNS 48                 /* output columns per panel */
+#ifdef __AVX512F__
 #define ROWS 8                     /* input rows per micro-kernel call */
 #define VECTORS 3                  /* 16-float vectors per panel row */
-#define COLUMNS (16 * VECTORS)     /* output columns per panel */
+#else                              /* AVX2 with FMA: 16 vector registers */
+#define ROWS 6                     /* input rows per micro-kernel call: 6 x 16 columns, 12 accumulators */
+#define STRIP 16                   /* columns per pass: a panel is three strips, one cache line of each input */
+#endif
 #define ROW_BLOCK 256              /* input rows done per pass over the panels */
 #define LINE 64
 
@@ -99,6 +111,7 @@ void asyncllm_panel_pack(const float *weight, float *panels, int64_t out_feature
         }
 }
 
+#ifdef __AVX512F__
 static inline __attribute__((always_inline)) void store_block(__m512 acc[ROWS][VECTORS], float *restrict out,
         int64_t out_stride, int64_t columns, const int rows) {
     for (int v = 0; v < VECTORS; ++v) {
@@ -110,6 +123,8 @@ static inline __attribute__((always_inline)) void store_block(__m512 acc[ROWS][V
 
 /* Greedy rows need only each row's largest output: the micro-kernels can reduce their block to that
    instead of storing it (no [rows, out_features] logits written, then read again by an argmax). */
+#endif
+
 typedef struct {
     float *values;     /* [rows, stride]: per row and panel, the largest output (NaN if any output was NaN) */
     int32_t *indices;  /* [rows, stride]: the first column holding it; -1 where no column of the panel counts */
@@ -118,6 +133,7 @@ typedef struct {
     int64_t slot;      /* -1: each panel's own column of the target; else this column (a pool task's scratch) */
 } argmax_target;
 
+#ifdef __AVX512F__
 /* Per row r < rows of a panel whose first column is first_column: the largest of its outputs in columns below
    target->valid, and the first column holding it, with NaN reported as the value. Equal values (+0 and -0
    included) go to the first column, as torch.argmax gives. */
@@ -179,6 +195,113 @@ static inline __attribute__((always_inline)) void micro(const float *restrict x,
     }
     FINISH_BLOCK(acc, out, out_stride, columns, rows);
 }
+
+#else
+/* The AVX2 micro-kernel: the block's 48 columns as three strips of 16, each a 6-row x 16-column pass over the
+   inputs (every output the same fused multiply-add chain in input order as the AVX-512 kernel's, so the same
+   bits). The next panel's `lines` are prefetched evenly over the three passes. With a target, the strips go to
+   a block on the stack and each row is reduced to its largest output (argmax_rows). */
+static inline __attribute__((always_inline)) __m256 lanes_below(int64_t left) {
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(left < 0 ? 0 : left > 8 ? 8 : left)),
+                                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
+/* argmax_block's reduction (largest output below target->valid, first column holding it, NaN reported) over a
+   block of rows x 48 outputs. */
+static inline __attribute__((always_inline)) void argmax_rows(float (*block)[COLUMNS],
+        const argmax_target *target, int64_t row0, int64_t panel, int64_t first_column, int64_t columns,
+        const int rows) {
+    const int64_t counted = target->valid - first_column < columns ? target->valid - first_column : columns;
+    for (int r = 0; r < rows; ++r) {
+        __m256 top = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+        for (int v = 0; v < COLUMNS / 8; ++v) {
+            const __m256 counts = lanes_below(counted - 8 * v), value = _mm256_loadu_ps(block[r] + 8 * v);
+            unordered = _mm256_or_ps(unordered, _mm256_and_ps(counts, _mm256_cmp_ps(value, value, _CMP_UNORD_Q)));
+            top = _mm256_max_ps(top, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), value, counts));
+        }
+        __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+        half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+        const float best = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+        int32_t index = -1;
+        for (int v = 0; v < COLUMNS / 8 && index < 0; ++v) {
+            const __m256 equal = _mm256_cmp_ps(_mm256_loadu_ps(block[r] + 8 * v), _mm256_set1_ps(best), _CMP_EQ_OQ);
+            const unsigned hit = (unsigned)_mm256_movemask_ps(_mm256_and_ps(equal, lanes_below(counted - 8 * v)));
+            if (hit) index = (int32_t)(first_column + 8 * v + __builtin_ctz(hit));
+        }
+        const int64_t at = (row0 + r) * target->stride + (target->slot < 0 ? panel : target->slot);
+        target->values[at] = _mm256_movemask_ps(unordered) ? NAN : best;
+        target->indices[at] = index;
+    }
+}
+
+/* block[r, 0:16] = x[r, :] . strip for r < rows (block rows COLUMNS floats apart), prefetching `lines` cache
+   lines from `ahead` evenly over the inputs. */
+static inline __attribute__((always_inline)) void strip_micro(const float *restrict x, int64_t x_stride,
+        const float *restrict strip, float *restrict block, int64_t in_features, const int rows,
+        const char *restrict ahead, int64_t lines) {
+    __m256 acc[ROWS][2];
+    int64_t owed = in_features - 1;
+    for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < in_features; ++k) {
+        const __m256 w0 = _mm256_loadu_ps(strip + k * COLUMNS), w1 = _mm256_loadu_ps(strip + k * COLUMNS + 8);
+        if (lines > 0) {
+            for (owed += lines; owed >= in_features; owed -= in_features, ahead += LINE)
+                _mm_prefetch(ahead, _MM_HINT_T1);
+        }
+        for (int r = 0; r < rows; ++r) {
+            const __m256 a = _mm256_broadcast_ss(x + r * x_stride + k);
+            acc[r][0] = _mm256_fmadd_ps(a, w0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(a, w1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < rows; ++r) {
+        _mm256_storeu_ps(block + r * COLUMNS, acc[r][0]);
+        _mm256_storeu_ps(block + r * COLUMNS + 8, acc[r][1]);
+    }
+}
+
+#define GROUP 30  /* rows per pass over a panel's strips: their outputs (9 KB) stay on the stack */
+
+/* Rows first..last of x against one panel: per group of rows, each strip of 16 columns for every 6-row block
+   in turn (the strip is reused from the cache by the group's blocks), then the group's outputs stored to
+   out[r, 0:columns] (out: row `first`'s first column) or reduced to each row's largest (argmax_rows). The next
+   panel's `lines` from `ahead` are prefetched evenly over the micro-kernel calls. */
+static inline __attribute__((always_inline)) void panel_rows(const float *x, int64_t x_stride, const float *panel,
+        float *out, int64_t out_stride, int64_t first, int64_t last, int64_t in_features, int64_t columns,
+        const char *ahead, int64_t lines, const argmax_target *target, int64_t panel_index) {
+    float block[GROUP][COLUMNS];
+    const int64_t strips = (columns + STRIP - 1) / STRIP;
+    int64_t calls = 0, owed = 0;
+    for (int64_t g = first; g < last; g += GROUP)
+        calls += strips * ((last - g < GROUP ? last - g : GROUP) + ROWS - 1) / ROWS;
+    for (int64_t g = first; g < last; g += GROUP) {
+        const int64_t g_last = last - g < GROUP ? last : g + GROUP;
+        for (int64_t s = 0; s < strips; ++s)
+            for (int64_t r0 = g; r0 < g_last; r0 += ROWS) {
+                /* This call's share of the lines: a running remainder spreads them over every call. */
+                int64_t share = 0;
+                for (owed += lines; owed >= calls && calls > 0; owed -= calls) ++share;
+#define PANEL_MICRO(n) strip_micro(x + r0 * x_stride, x_stride, panel + s * STRIP, block[r0 - g] + s * STRIP, \
+                                   in_features, n, ahead, share)
+                switch (g_last - r0 < ROWS ? g_last - r0 : ROWS) {
+                    case 1: PANEL_MICRO(1); break; case 2: PANEL_MICRO(2); break; case 3: PANEL_MICRO(3); break;
+                    case 4: PANEL_MICRO(4); break; case 5: PANEL_MICRO(5); break; default: PANEL_MICRO(ROWS); break;
+                }
+#undef PANEL_MICRO
+                ahead += LINE * share;
+            }
+        if (target) {
+            for (int64_t r0 = g; r0 < g_last; r0 += ROWS) {
+                const int n = (int)(g_last - r0 < ROWS ? g_last - r0 : ROWS);
+                argmax_rows(block + (r0 - g), target, r0, panel_index, panel_index * COLUMNS, columns, n);
+            }
+        } else {
+            for (int64_t r = g; r < g_last; ++r)
+                memcpy(out + (r - first) * out_stride, block[r - g], sizeof(float) * (size_t)columns);
+        }
+    }
+}
+#endif
 
 #ifdef __AVX512BF16__
 static inline uint16_t to_bf16(float value) {  /* round to nearest even; NaN stays NaN */
@@ -263,9 +386,15 @@ static void round_rows(const float *x, int64_t x_stride, int64_t first, int64_t 
                        columns, n, ahead, lines, lines_per_block, target, r0, p)
 
 /* A constant row count per call, so that the accumulators stay in registers. */
+#if ROWS == 8
 #define BY_ROWS(CALL) switch (last - r0 < ROWS ? last - r0 : ROWS) { \
     case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; \
     case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(ROWS); break; }
+#else
+#define BY_ROWS(CALL) switch (last - r0 < ROWS ? last - r0 : ROWS) { \
+    case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; \
+    case 5: CALL(5); break; default: CALL(ROWS); break; }
+#endif
 
 /* Both GEMMs: inputs ROW_BLOCK rows at a time, threads claiming panels one at a time from a shared counter (a
    thread that loses its core to another process for a while does not hold the others up at the end, as a
@@ -288,6 +417,7 @@ static inline __attribute__((always_inline)) int panel_matmul(const float *x, in
         const int64_t blocks = (last - first + ROWS - 1) / ROWS;
         /* The next panel's lines, shared out over this panel's row blocks. */
         const int64_t lines_per_block = (panel_lines + blocks - 1) / blocks;
+        (void)lines_per_block;  /* the AVX2 path spreads its prefetches by itself */
         int64_t unclaimed = 0;  /* the next panel no thread has claimed */
 #pragma omp parallel
         {
@@ -301,6 +431,11 @@ static inline __attribute__((always_inline)) int panel_matmul(const float *x, in
                 const char *panel = panels + p * panel_bytes;
                 const int64_t columns = (p + 1) * COLUMNS <= out_features ? COLUMNS : out_features - p * COLUMNS;
                 const int has_next = q < count;
+#ifndef __AVX512F__
+                panel_rows(x, x_stride, (const float *)panel, target ? NULL : out + first * out_stride + p * COLUMNS,
+                           out_stride, first, last, steps, columns, has_next ? panels + q * panel_bytes : panel,
+                           has_next ? panel_lines : 0, target, p);
+#else
                 for (int64_t r0 = first; r0 < last; r0 += ROWS) {
                     const int64_t block = (r0 - first) / ROWS, done = block * lines_per_block;
                     const int64_t lines = !has_next || done >= panel_lines ? 0
@@ -312,6 +447,7 @@ static inline __attribute__((always_inline)) int panel_matmul(const float *x, in
 #endif
                     BY_ROWS(MICRO)
                 }
+#endif
                 p = q;
             }
         }
@@ -417,9 +553,16 @@ static inline __attribute__((always_inline)) void panel_task(const panel_job *jo
         target = &into;
     }
     const float *x = (const float *)job->x;
+    (void)x;
+    (void)lines_per_block;
 #ifdef __AVX512BF16__
     const uint32_t *rounded = (const uint32_t *)job->x;
 #endif
+#ifndef __AVX512F__
+    panel_rows((const float *)job->x, x_stride, (const float *)panel, target ? NULL
+               : direct ? job->out + p * COLUMNS : (float *)scratch, out_stride, first, last, steps, columns,
+               has_next ? panels + q * panel_bytes : panel, has_next ? panel_lines : 0, target, p);
+#else
     for (int64_t r0 = first; r0 < last; r0 += ROWS) {
         const int64_t block = (r0 - first) / ROWS, done = block * lines_per_block;
         const int64_t lines = !has_next || done >= panel_lines ? 0
@@ -432,6 +575,7 @@ static inline __attribute__((always_inline)) void panel_task(const panel_job *jo
 #endif
         BY_ROWS(MICRO)
     }
+#endif
 }
 
 static void panel_compute(const void *context, int64_t p, int64_t q, void *scratch) {
@@ -510,10 +654,12 @@ int asyncllm_panel_argmax_pooled(void *pool, void *run, char *input, int64_t inp
 """
 
 
-def _has_avx512() -> bool:
+def _has_vector_unit() -> bool:
+    """x86 with AVX-512, or with AVX2 and FMA (the kernel's two micro-kernels)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return False
-    return "avx512f" in native.cpu_flags()
+    flags = native.cpu_flags()
+    return "avx512f" in flags or {"avx2", "fma"} <= flags
 
 
 _SIGNATURES: native.Signatures = {
@@ -533,7 +679,7 @@ _BFLOAT16_SIGNATURES: native.Signatures = {
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    if not _has_avx512():
+    if not _has_vector_unit():
         return None
     return native.load("panel_gemm", _SOURCE, _SIGNATURES)
 
@@ -551,7 +697,7 @@ def _bfloat16_library() -> ctypes.CDLL | None:
 
 @functools.cache
 def available() -> bool:
-    """Whether the kernel runs here (x86 with AVX-512 and a C compiler) and agrees with ``F.linear``.
+    """Whether the kernel runs here (x86 with AVX-512 or AVX2 and FMA, a C compiler) and agrees with ``F.linear``.
 
     Checked once per process, building the kernel if needed.
     """
@@ -613,7 +759,7 @@ class PanelWeight:
     def __init__(self, weight: torch.Tensor, *, bfloat16: bool = False) -> None:
         library = _bfloat16_library() if bfloat16 else _library()
         if library is None:
-            needs = "AVX-512 with AVX512-BF16" if bfloat16 else "AVX-512"
+            needs = "AVX-512 with AVX512-BF16" if bfloat16 else "AVX-512 or AVX2 with FMA"
             raise RuntimeError(f"the panel GEMM needs an x86 CPU with {needs} and a C compiler")
         from_bfloat16 = bfloat16 and weight.dtype == torch.bfloat16
         if from_bfloat16 and (weight.device.type != "cpu" or weight.dim() != 2):
