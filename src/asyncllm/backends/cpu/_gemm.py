@@ -239,25 +239,24 @@ static inline __attribute__((always_inline)) void argmax_rows(float (*block)[COL
 static inline __attribute__((always_inline)) void strip_micro(const float *restrict x, int64_t x_stride,
         const float *restrict strip, float *restrict block, int64_t in_features, const int rows,
         const char *restrict ahead, int64_t lines) {
-    __m256 acc[ROWS][2];
+    __m256 acc[ROWS][STRIP / 8];
     int64_t owed = in_features - 1;
-    for (int r = 0; r < rows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int r = 0; r < rows; ++r)
+        for (int v = 0; v < STRIP / 8; ++v) acc[r][v] = _mm256_setzero_ps();
     for (int64_t k = 0; k < in_features; ++k) {
-        const __m256 w0 = _mm256_loadu_ps(strip + k * COLUMNS), w1 = _mm256_loadu_ps(strip + k * COLUMNS + 8);
+        __m256 w[STRIP / 8];
+        for (int v = 0; v < STRIP / 8; ++v) w[v] = _mm256_loadu_ps(strip + k * COLUMNS + 8 * v);
         if (lines > 0) {
             for (owed += lines; owed >= in_features; owed -= in_features, ahead += LINE)
                 _mm_prefetch(ahead, _MM_HINT_T1);
         }
         for (int r = 0; r < rows; ++r) {
             const __m256 a = _mm256_broadcast_ss(x + r * x_stride + k);
-            acc[r][0] = _mm256_fmadd_ps(a, w0, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(a, w1, acc[r][1]);
+            for (int v = 0; v < STRIP / 8; ++v) acc[r][v] = _mm256_fmadd_ps(a, w[v], acc[r][v]);
         }
     }
-    for (int r = 0; r < rows; ++r) {
-        _mm256_storeu_ps(block + r * COLUMNS, acc[r][0]);
-        _mm256_storeu_ps(block + r * COLUMNS + 8, acc[r][1]);
-    }
+    for (int r = 0; r < rows; ++r)
+        for (int v = 0; v < STRIP / 8; ++v) _mm256_storeu_ps(block + r * COLUMNS + 8 * v, acc[r][v]);
 }
 
 #define GROUP 30  /* rows per pass over a panel's strips: their outputs (9 KB) stay on the stack */
@@ -285,7 +284,10 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
                                    in_features, n, ahead, share)
                 switch (g_last - r0 < ROWS ? g_last - r0 : ROWS) {
                     case 1: PANEL_MICRO(1); break; case 2: PANEL_MICRO(2); break; case 3: PANEL_MICRO(3); break;
-                    case 4: PANEL_MICRO(4); break; case 5: PANEL_MICRO(5); break; default: PANEL_MICRO(ROWS); break;
+#if ROWS > 5
+                    case 4: PANEL_MICRO(4); break; case 5: PANEL_MICRO(5); break;
+#endif
+                    default: PANEL_MICRO(ROWS); break;
                 }
 #undef PANEL_MICRO
                 ahead += LINE * share;
@@ -386,15 +388,9 @@ static void round_rows(const float *x, int64_t x_stride, int64_t first, int64_t 
                        columns, n, ahead, lines, lines_per_block, target, r0, p)
 
 /* A constant row count per call, so that the accumulators stay in registers. */
-#if ROWS == 8
 #define BY_ROWS(CALL) switch (last - r0 < ROWS ? last - r0 : ROWS) { \
     case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; \
     case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; default: CALL(ROWS); break; }
-#else
-#define BY_ROWS(CALL) switch (last - r0 < ROWS ? last - r0 : ROWS) { \
-    case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; \
-    case 5: CALL(5); break; default: CALL(ROWS); break; }
-#endif
 
 /* Both GEMMs: inputs ROW_BLOCK rows at a time, threads claiming panels one at a time from a shared counter (a
    thread that loses its core to another process for a while does not hold the others up at the end, as a
