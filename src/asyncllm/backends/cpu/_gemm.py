@@ -259,30 +259,38 @@ static inline __attribute__((always_inline)) void strip_micro(const float *restr
         for (int v = 0; v < STRIP / 8; ++v) _mm256_storeu_ps(block + r * COLUMNS + 8 * v, acc[r][v]);
 }
 
-#define GROUP 30  /* rows per pass over a panel's strips: their outputs (9 KB) stay on the stack */
+#define GROUP 30  /* the most rows per pass over a panel's strips: their outputs (9 KB) stay on the stack */
 
-/* Rows first..last of x against one panel: per group of rows, each strip of 16 columns for every 6-row block
-   in turn (the strip is reused from the cache by the group's blocks), then the group's outputs stored to
-   out[r, 0:columns] (out: row `first`'s first column) or reduced to each row's largest (argmax_rows). The next
-   panel's `lines` from `ahead` are prefetched evenly over the micro-kernel calls. */
+/* Rows first..last of x against one panel: in groups of at most GROUP rows, each strip of 16 columns for every
+   row block of the group in turn (the strip is reused from the cache by the group's blocks), then the group's
+   outputs stored to out[r, 0:columns] (out: row `first`'s first column) or reduced to each row's largest
+   (argmax_rows). Groups and blocks are cut evenly (32 rows: two groups of 16, blocks of 6, 5, 5), not ROWS
+   rows and a remainder: a block of 1 or 2 rows has too few accumulator chains to hide the FMA's latency, so
+   it costs most of a full block's time. The next panel's `lines` from `ahead` are prefetched evenly over the
+   micro-kernel calls. */
 static inline __attribute__((always_inline)) void panel_rows(const float *x, int64_t x_stride, const float *panel,
         float *out, int64_t out_stride, int64_t first, int64_t last, int64_t in_features, int64_t columns,
         const char *ahead, int64_t lines, const argmax_target *target, int64_t panel_index) {
     float block[GROUP][COLUMNS];
-    const int64_t strips = (columns + STRIP - 1) / STRIP;
+    const int64_t strips = (columns + STRIP - 1) / STRIP, rows = last - first;
+    const int64_t groups = (rows + GROUP - 1) / GROUP;
     int64_t calls = 0, owed = 0;
-    for (int64_t g = first; g < last; g += GROUP)
-        calls += strips * ((last - g < GROUP ? last - g : GROUP) + ROWS - 1) / ROWS;
-    for (int64_t g = first; g < last; g += GROUP) {
-        const int64_t g_last = last - g < GROUP ? last : g + GROUP;
+    for (int64_t i = 0; i < groups; ++i) {
+        const int64_t size = rows / groups + (i < rows % groups);
+        calls += strips * ((size + ROWS - 1) / ROWS);
+    }
+    for (int64_t i = 0, g = first; i < groups; ++i) {
+        const int64_t size = rows / groups + (i < rows % groups), g_last = g + size;
+        const int64_t blocks = (size + ROWS - 1) / ROWS;
         for (int64_t s = 0; s < strips; ++s)
-            for (int64_t r0 = g; r0 < g_last; r0 += ROWS) {
+            for (int64_t j = 0, r0 = g; j < blocks; ++j) {
+                const int64_t n = size / blocks + (j < size % blocks);
                 /* This call's share of the lines: a running remainder spreads them over every call. */
                 int64_t share = 0;
                 for (owed += lines; owed >= calls && calls > 0; owed -= calls) ++share;
 #define PANEL_MICRO(n) strip_micro(x + r0 * x_stride, x_stride, panel + s * STRIP, block[r0 - g] + s * STRIP, \
                                    in_features, n, ahead, share)
-                switch (g_last - r0 < ROWS ? g_last - r0 : ROWS) {
+                switch (n) {
                     case 1: PANEL_MICRO(1); break; case 2: PANEL_MICRO(2); break; case 3: PANEL_MICRO(3); break;
 #if ROWS > 5
                     case 4: PANEL_MICRO(4); break; case 5: PANEL_MICRO(5); break;
@@ -291,6 +299,7 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
                 }
 #undef PANEL_MICRO
                 ahead += LINE * share;
+                r0 += n;
             }
         if (target) {
             for (int64_t r0 = g; r0 < g_last; r0 += ROWS) {
@@ -301,6 +310,7 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
             for (int64_t r = g; r < g_last; ++r)
                 memcpy(out + (r - first) * out_stride, block[r - g], sizeof(float) * (size_t)columns);
         }
+        g = g_last;
     }
 }
 #endif
