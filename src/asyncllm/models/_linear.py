@@ -12,9 +12,10 @@ Two packed layouts, used alone or together:
   MKL statically and export those symbols from ``libtorch_cpu.so``, so they are reached with
   ``ctypes``. The faster one for prefill-sized inputs, where the arithmetic decides;
 - ``"both"``: a copy in each layout, each input on the better one by its row count
-  (``PANEL_MAX_ROWS``); the default on Intel CPUs where both run and the second copy fits comfortably
-  in memory. Elsewhere (AMD) MKL runs its generic kernels, which the panels beat at every row count,
-  so the panels serve alone there (``mkl_wins_prefill``).
+  (``PANEL_MAX_ROWS``); the default on Intel CPUs with AVX-512 where both run and the second copy fits
+  comfortably in memory. Elsewhere (AMD) MKL runs its generic kernels, which the panels beat at every row
+  count, and without AVX-512 MKL's AVX2 kernels only tie the panels' at prefill, so the panels serve alone
+  there (``mkl_wins_prefill``).
 
 Either call releases the GIL and runs on torch's OpenMP threads, so ``torch.set_num_threads``
 governs it like any other op. Neither layout depends on the row count: one packed copy serves
@@ -199,13 +200,15 @@ memory the host has available: a large model gets the panels alone."""
 
 @functools.cache
 def mkl_wins_prefill() -> bool:
-    """Whether MKL's packed GEMM beats the panels on prefill-sized inputs on this CPU: on Intel's only.
+    """Whether MKL's packed GEMM beats the panels on prefill-sized inputs on this CPU: on Intel's with AVX-512.
 
     MKL picks its AVX-512 kernels on Intel CPUs alone; on others (AMD's) it runs its generic ones, which
     the panel GEMM outpaces at every row count (docs/performance-log.md, "Seventeenth session"), so a
-    second, MKL-packed copy of the weights there costs memory for nothing.
+    second, MKL-packed copy of the weights there costs memory for nothing. Without AVX-512 MKL's AVX2
+    kernels tie the panels' AVX2 ones from 256 rows up and lose below (measured on AMD's Zen 3,
+    "Twenty-seventh session"): the panels alone.
     """
-    return native.cpu_vendor() == "GenuineIntel"
+    return native.cpu_vendor() == "GenuineIntel" and "avx512f" in native.cpu_flags()
 
 
 def best_packed_format(weight_bytes: int) -> PackedFormat | None:

@@ -26,6 +26,34 @@ def _avx2_library() -> ctypes.CDLL:
     return library
 
 
+_REFERENCE_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+/* out[r, n] = the float32 fused multiply-add chain over the inputs in order, one rounding per step (C's fmaf). */
+void reference_matmul(const float *x, int64_t x_stride, const float *weight, float *out, int64_t rows,
+                      int64_t out_features, int64_t in_features) {
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t n = 0; n < out_features; ++n) {
+            float acc = 0.0f;
+            for (int64_t k = 0; k < in_features; ++k) acc = fmaf(x[r * x_stride + k], weight[n * in_features + k], acc);
+            out[r * out_features + n] = acc;
+        }
+}
+"""
+
+
+def _reference(x: torch.Tensor, x_stride: int, weight: torch.Tensor) -> torch.Tensor:
+    """The exact outputs either micro-kernel must give: each one's FMA chain, scalar."""
+    ptr, i64 = native.PTR, native.I64
+    signatures: native.Signatures = {"reference_matmul": ([ptr, i64, ptr, ptr, i64, i64, i64], None)}
+    library = native.load("panel_reference", _REFERENCE_SOURCE, signatures, ("-ffp-contract=off",))
+    assert library is not None
+    rows, (out_features, in_features) = x.shape[0], weight.shape
+    out = torch.empty(rows, out_features)
+    library.reference_matmul(x.data_ptr(), x_stride, weight.data_ptr(), out.data_ptr(), rows, out_features, in_features)
+    return out
+
+
 @pytest.mark.parametrize(
     ("out_features", "in_features"),
     [(100, 37), (48, 1), (47, 8), (1000, 576), (576, 1536)],  # partial panels and strips, a 1-wide input
@@ -40,34 +68,40 @@ def test_avx2_kernel_gives_the_same_bits_as_the_default_build(out_features: int,
     avx2.asyncllm_panel_pack(weight.data_ptr(), panels["avx2"].data_ptr(), out_features, in_features)
     default.asyncllm_panel_pack(weight.data_ptr(), panels["default"].data_ptr(), out_features, in_features)
     assert torch.equal(panels["avx2"], panels["default"])
-    for rows in (1, 5, 6, 7, 29, 30, 31, 64, 257):  # around the 6-row block, the 30-row group, the 256-row pass
-        x = torch.randn(rows, in_features, generator=generator)
+    for rows in (1, 5, 6, 7, 29, 30, 31, 32, 64, 257):  # around the row blocks, the 30-row groups, the 256-row pass
+        x_stride = in_features + 3  # rows of a wider tensor, as a fused projection's output slices them
+        x = torch.randn(rows, x_stride, generator=generator)
+        exact = _reference(x, x_stride, weight)
         outs = {name: torch.full((rows, out_features + 3), 7.0) for name in panels}  # 3 columns past the outputs
         for name, library in (("avx2", avx2), ("default", default)):
             library.asyncllm_panel_matmul(
-                x.data_ptr(), in_features, panels[name].data_ptr(), outs[name].data_ptr(), out_features + 3,
+                x.data_ptr(), x_stride, panels[name].data_ptr(), outs[name].data_ptr(), out_features + 3,
                 rows, out_features, in_features,
             )  # fmt: skip
-        assert torch.equal(outs["avx2"], outs["default"]), rows
+            assert torch.equal(outs[name][:, :out_features], exact), (name, rows)
         assert (outs["avx2"][:, out_features:] == 7.0).all()  # nothing written past the last column
-        torch.testing.assert_close(outs["avx2"][:, :out_features], x @ weight.T, rtol=1e-4, atol=1e-4)
         for valid in (out_features, max(1, out_features - 40)):
             tokens = torch.empty(rows, dtype=torch.int64)
             ok = avx2.asyncllm_panel_argmax(
-                x.data_ptr(), in_features, panels["avx2"].data_ptr(), tokens.data_ptr(), rows, out_features,
+                x.data_ptr(), x_stride, panels["avx2"].data_ptr(), tokens.data_ptr(), rows, out_features,
                 in_features, valid,
             )  # fmt: skip
             assert ok == 1
-            assert torch.equal(tokens, outs["default"][:, :valid].argmax(-1)), (rows, valid)
+            assert torch.equal(tokens, exact[:, :valid].argmax(-1)), (rows, valid)
 
 
 def test_avx2_argmax_reports_nan_and_takes_the_first_of_equal_columns() -> None:
     library = _avx2_library()
     weight = torch.zeros(100, 4)
-    weight[[10, 60, 70], 0] = 1.0  # three columns with the largest output, in two panels
+    weight[[10, 40, 60, 70], 0] = 1.0  # four columns with the largest output: two strips of one panel, two panels
     panels = torch.empty(-(-100 // gemm_cpu.PANEL_COLUMNS) * gemm_cpu.PANEL_COLUMNS * 4)
     library.asyncllm_panel_pack(weight.data_ptr(), panels.data_ptr(), 100, 4)
     x = torch.tensor([[2.0, 0.0, 0.0, 0.0], [2.0, float("nan"), 0.0, 0.0], [-1.0, 0.0, 0.0, 0.0]])
     tokens = torch.empty(3, dtype=torch.int64)
     assert library.asyncllm_panel_argmax(x.data_ptr(), 4, panels.data_ptr(), tokens.data_ptr(), 3, 100, 4, 100) == 1
     assert tokens.tolist() == [10, -1, 0]  # the first of equal maxima; NaN outputs (NaN x 0); the first 0
+    weight[:, 0] = -1.0
+    library.asyncllm_panel_pack(weight.data_ptr(), panels.data_ptr(), 100, 4)
+    x = torch.tensor([[float("inf"), 0.0, 0.0, 0.0]])  # every output -inf
+    assert library.asyncllm_panel_argmax(x.data_ptr(), 4, panels.data_ptr(), tokens.data_ptr(), 1, 100, 4, 100) == 1
+    assert tokens[0].item() == 0  # as torch.argmax: the first column

@@ -188,7 +188,7 @@ def available() -> bool:
     if _library() is None:
         return False
     generator = torch.Generator().manual_seed(0)
-    # Tails of 16, 5 and 8 floats (48 would differ with a vector for its last 16); with more than one thread,
+    # Tails of 16, 5 and 8 floats with AVX-512's vectors (none, 5 and 8 with AVX2's); with more than one thread,
     # torch's split in the middle of row 16 (33,000 elements) and between rows 34 and 35 (70,000).
     for rows, width in ((1, 48), (3, 37), (33, 1000), (70, 1000)):
         gate_up = torch.randn(rows, 2 * width, generator=generator) * 6

@@ -72,9 +72,10 @@ _SOURCE = r"""
 #include <omp.h>
 #endif
 """ + kernel_pool.HEADER + r"""
-/* Vectors as wide as divides the head size, up to the machine's registers: 16 floats with AVX-512, else 8 (AVX2's
-   16 registers cannot hold the prefill's register block of 16-float vectors: it spilled to the stack). */
-#if HEAD_DIM % 16 == 0 && defined(__AVX512F__)
+/* Vectors as wide as divides the head size, up to the machine's registers: on x86, 16 floats with AVX-512 only,
+   else 8 (AVX2's 16 registers cannot hold the prefill's register block of 16-float vectors: it spilled to the
+   stack). Other CPUs keep 16. */
+#if HEAD_DIM % 16 == 0 && (defined(__AVX512F__) || !defined(__x86_64__))
 #define W 16
 #elif HEAD_DIM % 8 == 0
 #define W 8

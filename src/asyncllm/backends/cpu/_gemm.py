@@ -259,7 +259,8 @@ static inline __attribute__((always_inline)) void strip_micro(const float *restr
         for (int v = 0; v < STRIP / 8; ++v) _mm256_storeu_ps(block + r * COLUMNS + 8 * v, acc[r][v]);
 }
 
-#define GROUP 30  /* the most rows per pass over a panel's strips: their outputs (9 KB) stay on the stack */
+#define GROUP 30  /* the most rows per pass over a panel's strips: their outputs (5.6 KB) stay on the stack */
+_Static_assert(ROWS == 6, "panel_rows's switch has a case for each row count below ROWS");
 
 /* Rows first..last of x against one panel: in groups of at most GROUP rows, each strip of 16 columns for every
    row block of the group in turn (the strip is reused from the cache by the group's blocks), then the group's
@@ -286,16 +287,13 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
             for (int64_t j = 0, r0 = g; j < blocks; ++j) {
                 const int64_t n = size / blocks + (j < size % blocks);
                 /* This call's share of the lines: a running remainder spreads them over every call. */
-                int64_t share = 0;
-                for (owed += lines; owed >= calls && calls > 0; owed -= calls) ++share;
+                const int64_t share = (owed + lines) / calls;
+                owed = (owed + lines) % calls;
 #define PANEL_MICRO(n) strip_micro(x + r0 * x_stride, x_stride, panel + s * STRIP, block[r0 - g] + s * STRIP, \
                                    in_features, n, ahead, share)
-                switch (n) {
+                switch (n) {  /* a constant row count per call, so that the accumulators stay in registers */
                     case 1: PANEL_MICRO(1); break; case 2: PANEL_MICRO(2); break; case 3: PANEL_MICRO(3); break;
-#if ROWS > 5
-                    case 4: PANEL_MICRO(4); break; case 5: PANEL_MICRO(5); break;
-#endif
-                    default: PANEL_MICRO(ROWS); break;
+                    case 4: PANEL_MICRO(4); break; case 5: PANEL_MICRO(5); break; default: PANEL_MICRO(ROWS); break;
                 }
 #undef PANEL_MICRO
                 ahead += LINE * share;
