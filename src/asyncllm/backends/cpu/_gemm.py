@@ -197,10 +197,10 @@ static inline __attribute__((always_inline)) void micro(const float *restrict x,
 }
 
 #else
-/* The AVX2 micro-kernel: the block's 48 columns as three strips of 16, each a 6-row x 16-column pass over the
-   inputs (every output the same fused multiply-add chain in input order as the AVX-512 kernel's, so the same
-   bits). The next panel's `lines` are prefetched evenly over the three passes. With a target, the strips go to
-   a block on the stack and each row is reduced to its largest output (argmax_rows). */
+/* The AVX2 kernel: a panel's 48 columns as three strips of 16, each computed by 6-row x 16-column passes over
+   the inputs (strip_micro; every output the same fused multiply-add chain in input order as the AVX-512
+   kernel's, so the same bits), into a block on the stack that panel_rows stores or reduces to each row's
+   largest output (argmax_rows). */
 static inline __attribute__((always_inline)) __m256 lanes_below(int64_t left) {
     return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(left < 0 ? 0 : left > 8 ? 8 : left)),
                                                   _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
@@ -300,10 +300,7 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
                 r0 += n;
             }
         if (target) {
-            for (int64_t r0 = g; r0 < g_last; r0 += ROWS) {
-                const int n = (int)(g_last - r0 < ROWS ? g_last - r0 : ROWS);
-                argmax_rows(block + (r0 - g), target, r0, panel_index, panel_index * COLUMNS, columns, n);
-            }
+            argmax_rows(block, target, g, panel_index, panel_index * COLUMNS, columns, (int)size);
         } else {
             for (int64_t r = g; r < g_last; ++r)
                 memcpy(out + (r - first) * out_stride, block[r - g], sizeof(float) * (size_t)columns);
