@@ -1,6 +1,7 @@
 """bfloat16 weights on the CPU: the bfloat16 panel GEMM, and the engine's ``dtype="bfloat16"`` built on it.
 
-On a CPU with AVX512-BF16 the engine's bfloat16 keeps its weights' bfloat16 values and multiplies them by
+On a CPU with AVX512-BF16, or with AVX2 and no AVX-512 (float32 multiply-adds on the widened bfloat16 values),
+the engine's bfloat16 keeps its weights' bfloat16 values and multiplies them by
 inputs rounded to bfloat16, summing in float32, and keeps its KV cache in bfloat16; everything else is the
 float32 path (``TorchModelRunner.bfloat16_weights``, ``kv_dtype``). The kernel is checked against float64 on
 the rounded values, and the model path token for token against HF transformers computing the same way (its
@@ -29,7 +30,8 @@ from asyncllm.worker._input_batch import step_inputs
 from asyncllm.worker._model_runner import TorchModelRunner
 
 needs_bfloat16_panels = pytest.mark.skipif(
-    not gemm_cpu.bfloat16_available(), reason="needs an x86 CPU with AVX512-BF16 and a C compiler"
+    not gemm_cpu.bfloat16_available(),
+    reason="needs an x86 CPU with AVX512-BF16, or AVX2 and FMA without AVX-512, and a C compiler",
 )
 
 UNIT_ROUNDING = 2.0**-24
@@ -44,9 +46,12 @@ def _exact_and_bound(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tenso
     return xr @ wr.T, gamma * (xr.abs() @ wr.abs().T)
 
 
-def test_bfloat16_panels_available_on_avx512_bf16_machines() -> None:
-    # CI's machines (Zen 4, Sapphire Rapids) have AVX512-BF16: this path must run there, not skip.
-    if platform.machine() in ("x86_64", "AMD64") and "avx512_bf16" in native.cpu_flags():
+def test_bfloat16_panels_available_on_avx512_bf16_and_avx2_machines() -> None:
+    # CI's machines (Zen 4, Sapphire Rapids; Zen 3) have AVX512-BF16 or AVX2 alone: this path must run there.
+    flags = native.cpu_flags()
+    if platform.machine() in ("x86_64", "AMD64") and (
+        "avx512_bf16" in flags or ({"avx2", "fma"} <= flags and "avx512f" not in flags)
+    ):
         assert gemm_cpu.bfloat16_available()
 
 
@@ -312,9 +317,17 @@ def _prompts(vocab_size: int, eos_ids: frozenset[int]) -> list[list[int]]:
 NEAR_TIE = 0.02
 """A logit gap below which another summation order may pick the runner-up token (see ``_assert_same_or_near_tie``)."""
 
+DEFAULT_MODEL_NEAR_TIE = 0.2
+"""``NEAR_TIE`` for SmolLM2, whose logits are larger than a tiny model's: in the reference itself (bfloat16 products
+and KV), summing each linear layer exactly (float64) or in reverse order instead of MKL's order moved the top-two
+gap of the three chat prompts' 72 tokens by 0.02 at the median and up to 0.18 (docs/performance-log.md,
+"Twenty-eighth session")."""
 
-def _assert_same_or_near_tie(got: list[list[int]], expected: list[list[int]], margins: list[list[float]]) -> None:
-    """Each prompt's tokens equal transformers', or first differ where its top two logits were within ``NEAR_TIE``.
+
+def _assert_same_or_near_tie(
+    got: list[list[int]], expected: list[list[int]], margins: list[list[float]], near_tie: float = NEAR_TIE
+) -> None:
+    """Each prompt's tokens equal transformers', or first differ where its top two logits were within ``near_tie``.
 
     Both sides round to bfloat16 at the same points, but sum in float32 in different orders: a sum a last bit
     apart can round to neighbouring bfloat16 values, a difference of 2**-8 relative, which a near tie turns into
@@ -325,7 +338,7 @@ def _assert_same_or_near_tie(got: list[list[int]], expected: list[list[int]], ma
         if first is None:
             assert len(ours) == len(theirs), f"prompt {index}: {len(ours)} tokens against {len(theirs)}"
             continue
-        assert gaps[first] < NEAR_TIE, f"prompt {index} differs at token {first}, where the gap was {gaps[first]:.4f}"
+        assert gaps[first] < near_tie, f"prompt {index} differs at token {first}, where the gap was {gaps[first]:.4f}"
 
 
 @needs_bfloat16_panels
@@ -364,8 +377,10 @@ async def test_default_model_in_bfloat16_matches_transformers() -> None:
     async with Engine.open(device="cpu", dtype="bfloat16", kv_cache_blocks=256) as engine:
         got = await stream_all(engine, prompts, SamplingParams(temperature=0.0, max_tokens=24))
         texts = [engine.tokenizer.decode(ids, skip_special_tokens=True) for ids in got]
-    print("SmolLM2 in bfloat16, token for token:", [ours == theirs for ours, theirs in zip(got, expected)])
-    _assert_same_or_near_tie(got, expected, margins)
+    same = [ours == theirs for ours, theirs in zip(got, expected)]
+    print("SmolLM2 in bfloat16, token for token:", same)
+    _assert_same_or_near_tie(got, expected, margins, DEFAULT_MODEL_NEAR_TIE)
+    assert sum(same) >= len(prompts) - 1
     assert "Paris" in texts[0]
 
 

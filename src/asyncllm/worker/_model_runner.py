@@ -569,11 +569,11 @@ class TorchModelRunner:
     def _bfloat16_on_panels(self, device: torch.device, dtype: torch.dtype, spec: DecoderSpec) -> bool:
         """Whether ``dtype`` bfloat16 runs as bfloat16 weights on bfloat16 panels here (``bfloat16_weights``).
 
-        On a CPU with AVX512-BF16 and the panels packed (the default ``packed_gemm``, or "panels"): the
-        products run at twice float32's rate there, while torch's bfloat16 path pays for bfloat16
-        element-wise work and has no paged attention kernel. Elsewhere bfloat16 stays torch's, and so does
-        a MoE model: its stacked experts (most of its weights) are no ``Linear`` and would become float32
-        beside the panels, twice the memory of its bfloat16 weights.
+        On a CPU with AVX512-BF16 (the products at twice float32's rate) or with AVX2 and no AVX-512 (float32's
+        rate on half the weight bytes), with the panels packed (the default ``packed_gemm``, or "panels"):
+        torch's bfloat16 path pays for bfloat16 element-wise work and has no paged attention kernel. Elsewhere
+        bfloat16 stays torch's, and so does a MoE model: its stacked experts (most of its weights) are no
+        ``Linear`` and would become float32 beside the panels, twice the memory of its bfloat16 weights.
         """
         packed = self.switches.packed_gemm
         if device.type != "cpu" or dtype != torch.bfloat16 or packed not in (True, "panels") or spec.moe is not None:

@@ -1,7 +1,9 @@
-"""The panel GEMM's two micro-kernels (asyncllm.backends.cpu._gemm): AVX2's gives AVX-512's bits.
+"""The panel GEMM's micro-kernels (asyncllm.backends.cpu._gemm): AVX2's gives AVX-512's bits; AVX2's bfloat16.
 
 The library is built a second time with AVX-512 switched off (``-mno-avx512f``), which compiles the AVX2
-micro-kernel on any x86 CPU with AVX2 and FMA; on an AVX2-only machine both builds are that one.
+micro-kernel on any x86 CPU with AVX2 and FMA; on an AVX2-only machine both builds are that one. Both builds'
+float32 outputs, and the AVX2 build's bfloat16 ones, are checked bit for bit against a scalar chain of C's
+``fmaf``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ pytestmark = pytest.mark.skipif(
 
 
 def _avx2_library() -> ctypes.CDLL:
-    library = native.load("panel_gemm_avx2", gemm_cpu._SOURCE, gemm_cpu._SIGNATURES, ("-mno-avx512f",))
+    signatures = {**gemm_cpu._SIGNATURES, **gemm_cpu._BFLOAT16_SIGNATURES}
+    library = native.load("panel_gemm_avx2", gemm_cpu._SOURCE, signatures, ("-mno-avx512f",))
     assert library is not None
     return library
 
@@ -105,3 +108,65 @@ def test_avx2_argmax_reports_nan_and_takes_the_first_of_equal_columns() -> None:
     x = torch.tensor([[float("inf"), 0.0, 0.0, 0.0]])  # every output -inf
     assert library.asyncllm_panel_argmax(x.data_ptr(), 4, panels.data_ptr(), tokens.data_ptr(), 1, 100, 4, 100) == 1
     assert tokens[0].item() == 0  # as torch.argmax: the first column
+
+
+SMALLEST_NORMAL = 2.0**-126
+
+
+def _as_avx512_bf16_reads(values: torch.Tensor) -> torch.Tensor:
+    """``values`` rounded to bfloat16 (to nearest even) and back, subnormal values (before and after) as zero."""
+    values = torch.where(values.abs() < SMALLEST_NORMAL, values * 0.0, values)
+    rounded = values.bfloat16().float()
+    return torch.where(rounded.abs() < SMALLEST_NORMAL, rounded * 0.0, rounded)
+
+
+@pytest.mark.parametrize(
+    ("out_features", "in_features"),
+    [(100, 37), (48, 1), (47, 8), (1000, 576), (576, 1536)],  # partial panels and strips, odd widths (padded pairs)
+)
+def test_avx2_bfloat16_panels_chain_the_rounded_products(out_features: int, in_features: int) -> None:
+    library = _avx2_library()
+    generator = torch.Generator().manual_seed(out_features * 5 + in_features)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    weight[0, 0] = 1e-39  # subnormal in float32 and in bfloat16: read as zero
+    weight[-1, -1] = -3e-39
+    padded = -(-out_features // gemm_cpu.PANEL_COLUMNS) * gemm_cpu.PANEL_COLUMNS
+    panels = torch.empty(padded * 2 * -(-in_features // 2), dtype=torch.bfloat16)
+    library.asyncllm_panel_pack_bf16(weight.data_ptr(), panels.data_ptr(), out_features, in_features)
+    from_bfloat16 = torch.empty_like(panels)  # the same panels from a bfloat16 weight
+    source = weight.bfloat16()
+    library.asyncllm_panel_pack_bf16_from_bf16(source.data_ptr(), from_bfloat16.data_ptr(), out_features, in_features)
+    assert torch.equal(panels.view(torch.int16), from_bfloat16.view(torch.int16))
+    rounded_weight = _as_avx512_bf16_reads(weight)
+    for rows in (1, 5, 6, 7, 31, 32, 64, 257):  # around the row blocks, the 30-row groups, the 256-row pass
+        x_stride = in_features + 3
+        x = torch.randn(rows, x_stride, generator=generator)
+        x[0, 0] = 2e-39  # a subnormal input: read as zero
+        exact = _reference(_as_avx512_bf16_reads(x).contiguous(), x_stride, rounded_weight)
+        out = torch.full((rows, out_features + 3), 7.0)
+        assert library.asyncllm_panel_matmul_bf16(
+            x.data_ptr(), x_stride, panels.data_ptr(), out.data_ptr(), out_features + 3, rows, out_features,
+            in_features,
+        ) == 1  # fmt: skip
+        assert torch.equal(out[:, :out_features], exact), rows
+        assert (out[:, out_features:] == 7.0).all()
+        tokens = torch.empty(rows, dtype=torch.int64)
+        assert library.asyncllm_panel_argmax_bf16(
+            x.data_ptr(), x_stride, panels.data_ptr(), tokens.data_ptr(), rows, out_features, in_features,
+            out_features,
+        ) == 1  # fmt: skip
+        assert torch.equal(tokens, exact.argmax(-1)), rows
+
+
+def test_avx2_bfloat16_rounding_keeps_nan_and_infinity() -> None:
+    library = _avx2_library()
+    weight = torch.ones(48, 20)
+    panels = torch.empty(48 * 20, dtype=torch.bfloat16)
+    library.asyncllm_panel_pack_bf16(weight.data_ptr(), panels.data_ptr(), 48, 20)
+    x = torch.zeros(4, 20)
+    x[1, 3], x[2, 17] = float("nan"), float("inf")  # in the vector part and in the scalar tail of a row
+    x[3, :] = 3.4e38  # rounds up to infinity in bfloat16
+    out = torch.empty(4, 48)
+    assert library.asyncllm_panel_matmul_bf16(x.data_ptr(), 20, panels.data_ptr(), out.data_ptr(), 48, 4, 48, 20) == 1
+    assert bool((out[0] == 0).all()) and bool(out[1].isnan().all())
+    assert bool((out[2] == float("inf")).all()) and bool((out[3] == float("inf")).all())

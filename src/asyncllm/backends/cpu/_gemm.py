@@ -29,10 +29,14 @@ cache by the group's row blocks), its outputs in a block on the stack, then stor
 largest. The AVX-512 kernel's register block on AVX2 would spill; a row block outside the strip loop ran at
 half this rate (docs/performance-log.md, "Twenty-seventh session").
 
-bfloat16 panels (``PanelWeight(..., bfloat16=True)``, CPUs with AVX512-BF16): the same panels of 48 columns
-holding pairs of inputs, and a micro-kernel of AVX512-BF16's dot-pair instruction (two bfloat16 products added
-to each float32 lane), on the input rows rounded to bfloat16 once per call: half the weight bytes and twice
-the arithmetic rate of float32.
+bfloat16 panels (``PanelWeight(..., bfloat16=True)``): the weight rounded to bfloat16, multiplied by the input
+rows rounded to bfloat16 once per call, summed in float32; half the weight bytes. With AVX512-BF16 the panels
+of 48 columns hold pairs of inputs for its dot-pair instruction (two bfloat16 products added to each float32
+lane, twice float32's arithmetic rate). On AVX2 (no AVX-512) they hold one input's 48 columns per step, and the
+strip micro-kernel widens each 16-column strip to float32 (a zero extension and a shift: exact) for the same
+fused multiply-adds as float32 panels, in input order, on inputs rounded and kept as float32: float32's
+arithmetic rate, half its weight bytes, where torch's own bfloat16 ran at a tenth of float32's speed. Both read
+subnormal values as zero.
 
 Numerics: each output is the float32 fused multiply-add chain over the inputs in order, one
 rounding per step, the same bits from either micro-kernel (MKL sums in another order; both differ from the
@@ -98,6 +102,40 @@ _SOURCE = r"""
 #endif
 #define ROW_BLOCK 256              /* input rows done per pass over the panels */
 #define LINE 64
+#if defined(__AVX512BF16__) || !defined(__AVX512F__)
+#define BF16_PANELS 1              /* AVX512-BF16's dot pairs, or AVX2's float32 FMAs on widened values */
+#endif
+#ifdef __AVX512F__
+#define PAIR_BYTES 4               /* a row's rounded input pair: two bfloat16 values */
+#else
+#define PAIR_BYTES 8               /* two float32 values holding bfloat16 ones */
+#endif
+
+#ifdef BF16_PANELS
+static inline uint16_t to_bf16(float value) {  /* round to nearest even; NaN stays NaN */
+    uint32_t bits;
+    memcpy(&bits, &value, 4);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7FFF + ((bits >> 16) & 1);
+    return (uint16_t)(bits >> 16);
+}
+
+/* An input as AVX512-BF16's conversion gives it, held as float32: a subnormal value as zero (of its sign), else
+   rounded to bfloat16 (to nearest even; NaN stays NaN). */
+static inline float rounded_input(float value);
+
+/* A bfloat16 value as AVX512-BF16 reads it: subnormal values as zero (of their sign). */
+static inline float from_bf16(uint16_t value) {
+    const uint32_t bits = (value & 0x7F80u) ? (uint32_t)value << 16 : (uint32_t)(value & 0x8000u) << 16;
+    float result;
+    memcpy(&result, &bits, 4);
+    return result;
+}
+
+static inline float rounded_input(float value) {
+    return fpclassify(value) == FP_SUBNORMAL ? copysignf(0.0f, value) : from_bf16(to_bf16(value));
+}
+#endif
 
 void asyncllm_panel_pack(const float *weight, float *panels, int64_t out_features, int64_t in_features) {
     const int64_t count = (out_features + COLUMNS - 1) / COLUMNS;
@@ -259,6 +297,61 @@ static inline __attribute__((always_inline)) void strip_micro(const float *restr
         for (int v = 0; v < STRIP / 8; ++v) _mm256_storeu_ps(block + r * COLUMNS + 8 * v, acc[r][v]);
 }
 
+/* strip_micro on bfloat16 panels (AVX2's layout, pack_bf16): per input, the strip's 16 bfloat16 weights widened
+   to float32 (a zero extension and a shift: exact), then the same fused multiply-adds on inputs rounded to
+   bfloat16 and held as float32 (round_rows_f32); `x` holds those. */
+static inline __attribute__((always_inline)) void strip_micro_bf16(const float *restrict x, int64_t x_stride,
+        const uint16_t *restrict strip, float *restrict block, int64_t in_features, const int rows,
+        const char *restrict ahead, int64_t lines) {
+    __m256 acc[ROWS][STRIP / 8];
+    int64_t owed = in_features - 1;
+    for (int r = 0; r < rows; ++r)
+        for (int v = 0; v < STRIP / 8; ++v) acc[r][v] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < in_features; ++k) {
+        __m256 w[STRIP / 8];
+        for (int v = 0; v < STRIP / 8; ++v)
+            w[v] = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(strip + k * COLUMNS + 8 * v))), 16));
+        if (lines > 0) {
+            for (owed += lines; owed >= in_features; owed -= in_features, ahead += LINE)
+                _mm_prefetch(ahead, _MM_HINT_T1);
+        }
+        for (int r = 0; r < rows; ++r) {
+            const __m256 a = _mm256_broadcast_ss(x + r * x_stride + k);
+            for (int v = 0; v < STRIP / 8; ++v) acc[r][v] = _mm256_fmadd_ps(a, w[v], acc[r][v]);
+        }
+    }
+    for (int r = 0; r < rows; ++r)
+        for (int v = 0; v < STRIP / 8; ++v) _mm256_storeu_ps(block + r * COLUMNS + 8 * v, acc[r][v]);
+}
+
+/* Rows first..last of x rounded to bfloat16 (to nearest even; NaN stays NaN, subnormal values become zero, as
+   AVX512-BF16 reads them) and held as float32, each padded with zeros to `width` inputs: rounded[r - first]. */
+static void round_rows_f32(const float *x, int64_t x_stride, int64_t first, int64_t last, int64_t in_features,
+                           int64_t width, float *rounded) {
+    const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF), infinity = _mm256_set1_epi32(0x7F800000);
+    const __m256i exponent = _mm256_set1_epi32(0x7F800000), high = _mm256_set1_epi32((int)0xFFFF0000u);
+    const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7FFF), quiet = _mm256_set1_epi32(0x400000);
+#pragma omp for schedule(static)
+    for (int64_t r = first; r < last; ++r) {
+        const float *source = x + r * x_stride;
+        float *target = rounded + (r - first) * width;
+        int64_t k = 0;
+        for (; k + 8 <= in_features; k += 8) {
+            const __m256i bits = _mm256_castps_si256(_mm256_loadu_ps(source + k));
+            const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, magnitude), infinity);
+            const __m256i subnormal = _mm256_cmpeq_epi32(_mm256_and_si256(bits, exponent), _mm256_setzero_si256());
+            const __m256i even = _mm256_add_epi32(_mm256_add_epi32(bits, half),
+                                                  _mm256_and_si256(_mm256_srli_epi32(bits, 16), one));
+            __m256i result = _mm256_blendv_epi8(even, _mm256_or_si256(bits, quiet), nan);
+            result = _mm256_andnot_si256(subnormal, _mm256_and_si256(result, high));
+            result = _mm256_or_si256(result, _mm256_and_si256(subnormal, _mm256_andnot_si256(magnitude, bits)));
+            _mm256_storeu_ps(target + k, _mm256_castsi256_ps(result));
+        }
+        for (; k < width; ++k) target[k] = k < in_features ? rounded_input(source[k]) : 0.0f;
+    }
+}
+
 #define GROUP 30  /* the most rows per pass over a panel's strips: their outputs (5.6 KB) stay on the stack */
 _Static_assert(ROWS == 6, "panel_rows's switch has a case for each row count below ROWS");
 
@@ -268,10 +361,12 @@ _Static_assert(ROWS == 6, "panel_rows's switch has a case for each row count bel
    (argmax_rows). Groups and blocks are cut evenly (32 rows: two groups of 16, blocks of 6, 5, 5), not ROWS
    rows and a remainder: a block of 1 or 2 rows has too few accumulator chains to hide the FMA's latency, so
    it costs most of a full block's time. The next panel's `lines` from `ahead` are prefetched evenly over the
-   micro-kernel calls. */
-static inline __attribute__((always_inline)) void panel_rows(const float *x, int64_t x_stride, const float *panel,
-        float *out, int64_t out_stride, int64_t first, int64_t last, int64_t in_features, int64_t columns,
-        const char *ahead, int64_t lines, const argmax_target *target, int64_t panel_index) {
+   micro-kernel calls. Row r of x is at x + (r - x_first) * x_stride. With bf16 the panel holds bfloat16 (AVX2's
+   layout) and x the rows rounded by round_rows_f32; `in_features` counts inputs either way. */
+static inline __attribute__((always_inline)) void panel_rows(const float *x, int64_t x_stride, int64_t x_first,
+        const void *panel, float *out, int64_t out_stride, int64_t first, int64_t last, int64_t in_features,
+        int64_t columns, const char *ahead, int64_t lines, const argmax_target *target, int64_t panel_index,
+        const int bf16) {
     float block[GROUP][COLUMNS];
     const int64_t strips = (columns + STRIP - 1) / STRIP, rows = last - first;
     const int64_t groups = (rows + GROUP - 1) / GROUP;
@@ -289,8 +384,11 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
                 /* This call's share of the lines: a running remainder spreads them over every call. */
                 const int64_t share = (owed + lines) / calls;
                 owed = (owed + lines) % calls;
-#define PANEL_MICRO(n) strip_micro(x + r0 * x_stride, x_stride, panel + s * STRIP, block[r0 - g] + s * STRIP, \
-                                   in_features, n, ahead, share)
+#define PANEL_MICRO(n) do { \
+        if (bf16) strip_micro_bf16(x + (r0 - x_first) * x_stride, x_stride, (const uint16_t *)panel + s * STRIP, \
+                                   block[r0 - g] + s * STRIP, in_features, n, ahead, share); \
+        else strip_micro(x + (r0 - x_first) * x_stride, x_stride, (const float *)panel + s * STRIP, \
+                         block[r0 - g] + s * STRIP, in_features, n, ahead, share); } while (0)
                 switch (n) {  /* a constant row count per call, so that the accumulators stay in registers */
                     case 1: PANEL_MICRO(1); break; case 2: PANEL_MICRO(2); break; case 3: PANEL_MICRO(3); break;
                     case 4: PANEL_MICRO(4); break; case 5: PANEL_MICRO(5); break; default: PANEL_MICRO(ROWS); break;
@@ -310,18 +408,12 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
 }
 #endif
 
-#ifdef __AVX512BF16__
-static inline uint16_t to_bf16(float value) {  /* round to nearest even; NaN stays NaN */
-    uint32_t bits;
-    memcpy(&bits, &value, 4);
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7FFF + ((bits >> 16) & 1);
-    return (uint16_t)(bits >> 16);
-}
-
-/* The bfloat16 panels: per panel and input pair (2k, 2k+1), 48 columns of two bfloat16 values, the pair of
-   column j at 2j and 2j+1 (the layout of AVX512-BF16's dot-pair instruction); zeros past the weight. The weight
-   is float32 (rounded to nearest even) or, with `from_bf16`, bfloat16 already (copied). */
+#ifdef BF16_PANELS
+/* The bfloat16 panels, zeros past the weight. With AVX512-BF16: per panel and input pair (2k, 2k+1), 48 columns of
+   two bfloat16 values, the pair of column j at 2j and 2j+1 (the layout of its dot-pair instruction). On AVX2: per
+   panel and input k (up to a whole number of pairs), the 48 columns' bfloat16 values, subnormal ones stored as
+   zero (the widened values then read as AVX512-BF16 reads them). The weight is float32 (rounded to nearest even)
+   or, with `from_bf16`, bfloat16 already (copied). */
 static inline __attribute__((always_inline)) void pack_bf16(const void *weight, uint16_t *panels,
         int64_t out_features, int64_t in_features, const int from_bf16) {
     const int64_t count = (out_features + COLUMNS - 1) / COLUMNS, pairs = (in_features + 1) / 2;
@@ -329,11 +421,16 @@ static inline __attribute__((always_inline)) void pack_bf16(const void *weight, 
     for (int64_t p = 0; p < count; ++p)
         for (int64_t j = 0; j < COLUMNS; ++j) {
             const int64_t n = p * COLUMNS + j;
-            uint16_t *column = panels + p * pairs * 2 * COLUMNS + 2 * j;
             for (int64_t k = 0; k < 2 * pairs; ++k) {
                 const int64_t at = n * in_features + k;
-                column[(k / 2) * 2 * COLUMNS + k % 2] = n >= out_features || k >= in_features ? 0
+                uint16_t value = n >= out_features || k >= in_features ? 0
                     : from_bf16 ? ((const uint16_t *)weight)[at] : to_bf16(((const float *)weight)[at]);
+#ifdef __AVX512BF16__
+                panels[p * pairs * 2 * COLUMNS + (k / 2) * 2 * COLUMNS + 2 * j + k % 2] = value;
+#else
+                if (!(value & 0x7F80u)) value &= 0x8000u;
+                panels[(p * 2 * pairs + k) * COLUMNS + j] = value;
+#endif
             }
         }
 }
@@ -346,7 +443,9 @@ void asyncllm_panel_pack_bf16_from_bf16(const uint16_t *weight, uint16_t *panels
                                         int64_t in_features) {
     pack_bf16(weight, panels, out_features, in_features, 1);
 }
+#endif
 
+#ifdef __AVX512BF16__
 /* micro's arithmetic on bfloat16 pairs: per input pair, each row's pair broadcast and one dot-pair
    instruction per vector (two products added to each float32 sum). `x` holds the rows' pairs, `pairs` each. */
 static inline __attribute__((always_inline)) void micro_bf16(const uint32_t *restrict x, int64_t pairs,
@@ -385,8 +484,8 @@ static void round_rows(const float *x, int64_t x_stride, int64_t first, int64_t 
         for (; k < 2 * pairs; ++k) target[k] = k < in_features ? to_bf16(source[k]) : 0;
     }
 }
-#define MICRO_BF16(n) micro_bf16(rounded + (r0 - first) * steps, steps, (const uint16_t *)panel, o, out_stride, \
-                                 columns, n, ahead, lines, lines_per_block, target, r0, p)
+#define MICRO_BF16(n) micro_bf16((const uint32_t *)rounded + (r0 - first) * steps, steps, (const uint16_t *)panel, \
+                                 o, out_stride, columns, n, ahead, lines, lines_per_block, target, r0, p)
 #endif
 
 #define MICRO(n) micro((const float *)x + r0 * x_stride, x_stride, (const float *)panel, o, out_stride, steps, \
@@ -402,15 +501,16 @@ static void round_rows(const float *x, int64_t x_stride, int64_t first, int64_t 
    static split would), each claiming its next panel when it starts one and prefetching it over the current
    one's row blocks.
    A panel is `steps` steps of 192 bytes: 48 floats per input, or 48 bfloat16 pairs per input pair. Returns 0
-   if the bfloat16 rows' scratch cannot be allocated. */
+   if the bfloat16 rows' scratch cannot be allocated (the rows rounded: bfloat16 pairs with AVX512-BF16, float32
+   values on AVX2, PAIR_BYTES per input pair). */
 static inline __attribute__((always_inline)) int panel_matmul(const float *x, int64_t x_stride, const char *panels,
         float *out, int64_t out_stride, int64_t rows, int64_t out_features, int64_t in_features, const int bf16,
         const argmax_target *target) {
     const int64_t count = (out_features + COLUMNS - 1) / COLUMNS, steps = bf16 ? (in_features + 1) / 2 : in_features;
     const int64_t panel_bytes = steps * COLUMNS * 4, panel_lines = panel_bytes / LINE;
-    uint32_t *rounded = NULL;
+    void *rounded = NULL;
     if (bf16) {
-        rounded = malloc((size_t)((rows < ROW_BLOCK ? rows : ROW_BLOCK) * steps * 4));
+        rounded = malloc((size_t)((rows < ROW_BLOCK ? rows : ROW_BLOCK) * steps * PAIR_BYTES));
         if (rounded == NULL) return 0;
     }
     for (int64_t first = 0; first < rows; first += ROW_BLOCK) {
@@ -424,6 +524,8 @@ static inline __attribute__((always_inline)) int panel_matmul(const float *x, in
         {
 #ifdef __AVX512BF16__
             if (bf16) round_rows(x, x_stride, first, last, in_features, steps, rounded);  /* ends in a barrier */
+#elif !defined(__AVX512F__)
+            if (bf16) round_rows_f32(x, x_stride, first, last, in_features, 2 * steps, rounded);  /* a barrier */
 #endif
             int64_t p = __atomic_fetch_add(&unclaimed, 1, __ATOMIC_RELAXED);
             while (p < count) {
@@ -433,9 +535,14 @@ static inline __attribute__((always_inline)) int panel_matmul(const float *x, in
                 const int64_t columns = (p + 1) * COLUMNS <= out_features ? COLUMNS : out_features - p * COLUMNS;
                 const int has_next = q < count;
 #ifndef __AVX512F__
-                panel_rows(x, x_stride, (const float *)panel, target ? NULL : out + first * out_stride + p * COLUMNS,
-                           out_stride, first, last, steps, columns, has_next ? panels + q * panel_bytes : panel,
-                           has_next ? panel_lines : 0, target, p);
+                if (bf16)
+                    panel_rows(rounded, 2 * steps, first, panel, target ? NULL : out + first * out_stride + p * COLUMNS,
+                               out_stride, first, last, 2 * steps, columns, has_next ? panels + q * panel_bytes : panel,
+                               has_next ? panel_lines : 0, target, p, 1);
+                else
+                    panel_rows(x, x_stride, 0, panel, target ? NULL : out + first * out_stride + p * COLUMNS,
+                               out_stride, first, last, steps, columns, has_next ? panels + q * panel_bytes : panel,
+                               has_next ? panel_lines : 0, target, p, 0);
 #else
                 for (int64_t r0 = first; r0 < last; r0 += ROWS) {
                     const int64_t block = (r0 - first) / ROWS, done = block * lines_per_block;
@@ -508,7 +615,7 @@ int asyncllm_panel_argmax(const float *x, int64_t x_stride, const float *panels,
     return panel_argmax(x, x_stride, (const char *)panels, tokens, rows, out_features, in_features, valid, 0);
 }
 
-#ifdef __AVX512BF16__
+#ifdef BF16_PANELS
 int asyncllm_panel_matmul_bf16(const float *x, int64_t x_stride, const uint16_t *panels, float *out,
                                int64_t out_stride, int64_t rows, int64_t out_features, int64_t in_features) {
     return panel_matmul(x, x_stride, (const char *)panels, out, out_stride, rows, out_features, in_features, 1, NULL);
@@ -560,9 +667,10 @@ static inline __attribute__((always_inline)) void panel_task(const panel_job *jo
     const uint32_t *rounded = (const uint32_t *)job->x;
 #endif
 #ifndef __AVX512F__
-    panel_rows((const float *)job->x, x_stride, (const float *)panel, target ? NULL
-               : direct ? job->out + p * COLUMNS : (float *)scratch, out_stride, first, last, steps, columns,
-               has_next ? panels + q * panel_bytes : panel, has_next ? panel_lines : 0, target, p);
+    const int bf16 = job->bf16 != 0;  /* the rows rounded to float32 values: two per input pair */
+    panel_rows((const float *)job->x, bf16 ? 2 * steps : x_stride, 0, panel, target ? NULL
+               : direct ? job->out + p * COLUMNS : (float *)scratch, out_stride, first, last, bf16 ? 2 * steps : steps,
+               columns, has_next ? panels + q * panel_bytes : panel, has_next ? panel_lines : 0, target, p, bf16);
 #else
     for (int64_t r0 = first; r0 < last; r0 += ROWS) {
         const int64_t block = (r0 - first) / ROWS, done = block * lines_per_block;
@@ -610,9 +718,11 @@ static int pooled_matmul(void *pool, void *run, char *input, int64_t input_bytes
         int64_t x_stride, const char *panels, float *out, int64_t out_stride, int64_t rows, int64_t out_features,
         int64_t in_features, int bf16, argmax_target target) {
     const int64_t count = (out_features + COLUMNS - 1) / COLUMNS, steps = bf16 ? (in_features + 1) / 2 : in_features;
-    if (rows < 1 || rows > ROW_BLOCK || rows * steps * 4 > input_bytes) return 0;
+    if (rows < 1 || rows > ROW_BLOCK || rows * steps * (bf16 ? PAIR_BYTES : 4) > input_bytes) return 0;
 #ifdef __AVX512BF16__
     if (bf16) round_rows(x, x_stride, 0, rows, in_features, steps, (uint32_t *)input);  /* no team: this thread */
+#elif !defined(__AVX512F__)
+    if (bf16) round_rows_f32(x, x_stride, 0, rows, in_features, 2 * steps, (float *)input);  /* no team: this thread */
 #endif
     if (!bf16)
         for (int64_t r = 0; r < rows; ++r)
@@ -688,7 +798,9 @@ def _library() -> ctypes.CDLL | None:
 @functools.cache
 def _bfloat16_library() -> ctypes.CDLL | None:
     library = _library()
-    if library is None or "avx512_bf16" not in native.cpu_flags():
+    flags = native.cpu_flags()
+    # AVX512-BF16's dot pairs, or AVX2's build (widened values): AVX-512 without BF16 has neither.
+    if library is None or ("avx512_bf16" not in flags and "avx512f" in flags):
         return None
     try:
         return native.declare(library, _BFLOAT16_SIGNATURES)
@@ -716,7 +828,7 @@ def available() -> bool:
 
 @functools.cache
 def bfloat16_available() -> bool:
-    """Whether the bfloat16 panels run here (the panels' kernel, AVX512-BF16) and compute what they claim.
+    """Whether the bfloat16 panels run here (AVX512-BF16, or AVX2 without AVX-512) and compute what they claim.
 
     The claim: each output is a float32 sum of the products of the input and the weight both rounded
     to bfloat16, subnormal values read as zero as AVX512-BF16 reads them (checked against float64 on such
@@ -753,14 +865,14 @@ class PanelWeight:
 
     With ``bfloat16`` the panels hold the weight rounded to bfloat16 (half the bytes; the weight may be
     bfloat16 itself), and the GEMM multiplies them by the input rounded to bfloat16 too, summing in float32
-    (AVX512-BF16's dot-pair instruction, twice float32's arithmetic rate); the buffer's dtype
-    (``torch.bfloat16``) says which.
+    (AVX512-BF16's dot-pair instruction, twice float32's arithmetic rate; on AVX2 float32 multiply-adds on the
+    widened values); the buffer's dtype (``torch.bfloat16``) says which. The layout differs between the two.
     """
 
     def __init__(self, weight: torch.Tensor, *, bfloat16: bool = False) -> None:
         library = _bfloat16_library() if bfloat16 else _library()
         if library is None:
-            needs = "AVX-512 with AVX512-BF16" if bfloat16 else "AVX-512 or AVX2 with FMA"
+            needs = "AVX512-BF16, or AVX2 with FMA and no AVX-512," if bfloat16 else "AVX-512 or AVX2 with FMA"
             raise RuntimeError(f"the panel GEMM needs an x86 CPU with {needs} and a C compiler")
         from_bfloat16 = bfloat16 and weight.dtype == torch.bfloat16
         if from_bfloat16 and (weight.device.type != "cpu" or weight.dim() != 2):
