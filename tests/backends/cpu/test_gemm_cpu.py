@@ -130,13 +130,18 @@ def test_avx2_bfloat16_panels_chain_the_rounded_products(out_features: int, in_f
     weight = torch.randn(out_features, in_features, generator=generator)
     weight[0, 0] = 1e-39  # subnormal in float32 and in bfloat16: read as zero
     weight[-1, -1] = -3e-39
+    weight[1, 0] = torch.tensor(0x007FFFFF, dtype=torch.int32).view(torch.float32)  # rounds up to 2**-126: still zero
     padded = -(-out_features // gemm_cpu.PANEL_COLUMNS) * gemm_cpu.PANEL_COLUMNS
     panels = torch.empty(padded * 2 * -(-in_features // 2), dtype=torch.bfloat16)
     library.asyncllm_panel_pack_bf16(weight.data_ptr(), panels.data_ptr(), out_features, in_features)
-    from_bfloat16 = torch.empty_like(panels)  # the same panels from a bfloat16 weight
+    assert panels.view(torch.int16)[1].item() == 0  # AVX2's layout: input 0 of column 1, the subnormal float32 weight
+    # A bfloat16 weight packs as its values given in float32 (2**-126, which 0x007FFFFF rounds to, is normal there).
     source = weight.bfloat16()
+    source_values = source.float()
+    as_float32, from_bfloat16 = torch.empty_like(panels), torch.empty_like(panels)
     library.asyncllm_panel_pack_bf16_from_bf16(source.data_ptr(), from_bfloat16.data_ptr(), out_features, in_features)
-    assert torch.equal(panels.view(torch.int16), from_bfloat16.view(torch.int16))
+    library.asyncllm_panel_pack_bf16(source_values.data_ptr(), as_float32.data_ptr(), out_features, in_features)
+    assert torch.equal(as_float32.view(torch.int16), from_bfloat16.view(torch.int16))
     rounded_weight = _as_avx512_bf16_reads(weight)
     for rows in (1, 5, 6, 7, 31, 32, 64, 257):  # around the row blocks, the 30-row groups, the 256-row pass
         x_stride = in_features + 3

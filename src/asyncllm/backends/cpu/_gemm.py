@@ -36,7 +36,8 @@ lane, twice float32's arithmetic rate). On AVX2 (no AVX-512) they hold one input
 strip micro-kernel widens each 16-column strip to float32 (a zero extension and a shift: exact) for the same
 fused multiply-adds as float32 panels, in input order, on inputs rounded and kept as float32: float32's
 arithmetic rate, half its weight bytes, where torch's own bfloat16 ran at a tenth of float32's speed. Both read
-subnormal values as zero.
+subnormal operands as zero (float32 ones before rounding, bfloat16 ones after). Their bfloat16 outputs are not the
+same bits: the dot pairs add input 2k + 1 before 2k and flush subnormal sums to zero, AVX2 sums in input order.
 
 Numerics: each output is the float32 fused multiply-add chain over the inputs in order, one
 rounding per step, the same bits from either micro-kernel (MKL sums in another order; both differ from the
@@ -124,6 +125,9 @@ static inline uint16_t to_bf16(float value) {  /* round to nearest even; NaN sta
    rounded to bfloat16 (to nearest even; NaN stays NaN). */
 static inline float rounded_input(float value);
 
+/* A float32 subnormal value as zero (of its sign), as AVX512-BF16's conversion reads it; other values as they are. */
+static inline float flushed(float value) { return fpclassify(value) == FP_SUBNORMAL ? copysignf(0.0f, value) : value; }
+
 /* A bfloat16 value as AVX512-BF16 reads it: subnormal values as zero (of their sign). */
 static inline float from_bf16(uint16_t value) {
     const uint32_t bits = (value & 0x7F80u) ? (uint32_t)value << 16 : (uint32_t)(value & 0x8000u) << 16;
@@ -132,9 +136,7 @@ static inline float from_bf16(uint16_t value) {
     return result;
 }
 
-static inline float rounded_input(float value) {
-    return fpclassify(value) == FP_SUBNORMAL ? copysignf(0.0f, value) : from_bf16(to_bf16(value));
-}
+static inline float rounded_input(float value) { return from_bf16(to_bf16(flushed(value))); }
 #endif
 
 void asyncllm_panel_pack(const float *weight, float *panels, int64_t out_features, int64_t in_features) {
@@ -424,7 +426,7 @@ static inline __attribute__((always_inline)) void pack_bf16(const void *weight, 
             for (int64_t k = 0; k < 2 * pairs; ++k) {
                 const int64_t at = n * in_features + k;
                 uint16_t value = n >= out_features || k >= in_features ? 0
-                    : from_bf16 ? ((const uint16_t *)weight)[at] : to_bf16(((const float *)weight)[at]);
+                    : from_bf16 ? ((const uint16_t *)weight)[at] : to_bf16(flushed(((const float *)weight)[at]));
 #ifdef __AVX512BF16__
                 panels[p * pairs * 2 * COLUMNS + (k / 2) * 2 * COLUMNS + 2 * j + k % 2] = value;
 #else
@@ -481,7 +483,7 @@ static void round_rows(const float *x, int64_t x_stride, int64_t first, int64_t 
         int64_t k = 0;
         for (; k + 16 <= in_features; k += 16)
             _mm256_storeu_si256((__m256i *)(target + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(source + k)));
-        for (; k < 2 * pairs; ++k) target[k] = k < in_features ? to_bf16(source[k]) : 0;
+        for (; k < 2 * pairs; ++k) target[k] = k < in_features ? to_bf16(flushed(source[k])) : 0;
     }
 }
 #define MICRO_BF16(n) micro_bf16((const uint32_t *)rounded + (r0 - first) * steps, steps, (const uint16_t *)panel, \
@@ -500,7 +502,8 @@ static void round_rows(const float *x, int64_t x_stride, int64_t first, int64_t 
    thread that loses its core to another process for a while does not hold the others up at the end, as a
    static split would), each claiming its next panel when it starts one and prefetching it over the current
    one's row blocks.
-   A panel is `steps` steps of 192 bytes: 48 floats per input, or 48 bfloat16 pairs per input pair. Returns 0
+   A panel is `steps` steps of 192 bytes: 48 floats per input, or per input pair 48 bfloat16 pairs (AVX512-BF16)
+   or the pair's two inputs' 48 bfloat16 values each (AVX2). Returns 0
    if the bfloat16 rows' scratch cannot be allocated (the rows rounded: bfloat16 pairs with AVX512-BF16, float32
    values on AVX2, PAIR_BYTES per input pair). */
 static inline __attribute__((always_inline)) int panel_matmul(const float *x, int64_t x_stride, const char *panels,
