@@ -274,46 +274,28 @@ static inline __attribute__((always_inline)) void argmax_rows(float (*block)[COL
     }
 }
 
-/* block[r, 0:16] = x[r, :] . strip for r < rows (block rows COLUMNS floats apart), prefetching `lines` cache
-   lines from `ahead` evenly over the inputs. */
-static inline __attribute__((always_inline)) void strip_micro(const float *restrict x, int64_t x_stride,
-        const float *restrict strip, float *restrict block, int64_t in_features, const int rows,
-        const char *restrict ahead, int64_t lines) {
-    __m256 acc[ROWS][STRIP / 8];
-    int64_t owed = in_features - 1;
-    for (int r = 0; r < rows; ++r)
-        for (int v = 0; v < STRIP / 8; ++v) acc[r][v] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < in_features; ++k) {
-        __m256 w[STRIP / 8];
-        for (int v = 0; v < STRIP / 8; ++v) w[v] = _mm256_loadu_ps(strip + k * COLUMNS + 8 * v);
-        if (lines > 0) {
-            for (owed += lines; owed >= in_features; owed -= in_features, ahead += LINE)
-                _mm_prefetch(ahead, _MM_HINT_T1);
-        }
-        for (int r = 0; r < rows; ++r) {
-            const __m256 a = _mm256_broadcast_ss(x + r * x_stride + k);
-            for (int v = 0; v < STRIP / 8; ++v) acc[r][v] = _mm256_fmadd_ps(a, w[v], acc[r][v]);
-        }
-    }
-    for (int r = 0; r < rows; ++r)
-        for (int v = 0; v < STRIP / 8; ++v) _mm256_storeu_ps(block + r * COLUMNS + 8 * v, acc[r][v]);
+/* Eight weights of a strip step as float32: float32 panels' as they are; bfloat16 panels' (AVX2's layout, pack_bf16)
+   widened (a zero extension and a shift: exact). */
+static inline __attribute__((always_inline)) __m256 strip_weights(const void *strip, int64_t at, const int bf16) {
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)strip + at))), 16));
+    return _mm256_loadu_ps((const float *)strip + at);
 }
 
-/* strip_micro on bfloat16 panels (AVX2's layout, pack_bf16): per input, the strip's 16 bfloat16 weights widened
-   to float32 (a zero extension and a shift: exact), then the same fused multiply-adds on inputs rounded to
-   bfloat16 and held as float32 (round_rows_f32); `x` holds those. */
-static inline __attribute__((always_inline)) void strip_micro_bf16(const float *restrict x, int64_t x_stride,
-        const uint16_t *restrict strip, float *restrict block, int64_t in_features, const int rows,
-        const char *restrict ahead, int64_t lines) {
+/* block[r, 0:16] = x[r, :] . strip for r < rows (block rows COLUMNS floats apart), prefetching `lines` cache
+   lines from `ahead` evenly over the inputs. With bf16 the strip holds bfloat16 and x the rows rounded to bfloat16
+   and held as float32 (round_rows_f32): the same fused multiply-adds on the widened values. */
+static inline __attribute__((always_inline)) void strip_micro(const float *restrict x, int64_t x_stride,
+        const void *restrict strip, float *restrict block, int64_t in_features, const int rows,
+        const char *restrict ahead, int64_t lines, const int bf16) {
     __m256 acc[ROWS][STRIP / 8];
     int64_t owed = in_features - 1;
     for (int r = 0; r < rows; ++r)
         for (int v = 0; v < STRIP / 8; ++v) acc[r][v] = _mm256_setzero_ps();
     for (int64_t k = 0; k < in_features; ++k) {
         __m256 w[STRIP / 8];
-        for (int v = 0; v < STRIP / 8; ++v)
-            w[v] = _mm256_castsi256_ps(_mm256_slli_epi32(
-                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(strip + k * COLUMNS + 8 * v))), 16));
+        for (int v = 0; v < STRIP / 8; ++v) w[v] = strip_weights(strip, k * COLUMNS + 8 * v, bf16);
         if (lines > 0) {
             for (owed += lines; owed >= in_features; owed -= in_features, ahead += LINE)
                 _mm_prefetch(ahead, _MM_HINT_T1);
@@ -387,10 +369,12 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
                 const int64_t share = (owed + lines) / calls;
                 owed = (owed + lines) % calls;
 #define PANEL_MICRO(n) do { \
-        if (bf16) strip_micro_bf16(x + (r0 - x_first) * x_stride, x_stride, (const uint16_t *)panel + s * STRIP, \
-                                   block[r0 - g] + s * STRIP, in_features, n, ahead, share); \
-        else strip_micro(x + (r0 - x_first) * x_stride, x_stride, (const float *)panel + s * STRIP, \
-                         block[r0 - g] + s * STRIP, in_features, n, ahead, share); } while (0)
+        const void *strip = bf16 ? (const void *)((const uint16_t *)panel + s * STRIP) \
+                                 : (const void *)((const float *)panel + s * STRIP); \
+        if (bf16) strip_micro(x + (r0 - x_first) * x_stride, x_stride, strip, block[r0 - g] + s * STRIP, \
+                              in_features, n, ahead, share, 1); \
+        else strip_micro(x + (r0 - x_first) * x_stride, x_stride, strip, block[r0 - g] + s * STRIP, \
+                         in_features, n, ahead, share, 0); } while (0)
                 switch (n) {  /* a constant row count per call, so that the accumulators stay in registers */
                     case 1: PANEL_MICRO(1); break; case 2: PANEL_MICRO(2); break; case 3: PANEL_MICRO(3); break;
                     case 4: PANEL_MICRO(4); break; case 5: PANEL_MICRO(5); break; default: PANEL_MICRO(ROWS); break;
