@@ -368,6 +368,7 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
                 /* This call's share of the lines: a running remainder spreads them over every call. */
                 const int64_t share = (owed + lines) / calls;
                 owed = (owed + lines) % calls;
+/* Two calls, so that each inlines with a constant bf16 (a pool task's is known only at run time). */
 #define PANEL_MICRO(n) do { \
         const void *strip = bf16 ? (const void *)((const uint16_t *)panel + s * STRIP) \
                                  : (const void *)((const float *)panel + s * STRIP); \
@@ -487,9 +488,8 @@ static void round_rows(const float *x, int64_t x_stride, int64_t first, int64_t 
    static split would), each claiming its next panel when it starts one and prefetching it over the current
    one's row blocks.
    A panel is `steps` steps of 192 bytes: 48 floats per input, or per input pair 48 bfloat16 pairs (AVX512-BF16)
-   or the pair's two inputs' 48 bfloat16 values each (AVX2). Returns 0
-   if the bfloat16 rows' scratch cannot be allocated (the rows rounded: bfloat16 pairs with AVX512-BF16, float32
-   values on AVX2, PAIR_BYTES per input pair). */
+   or the pair's two inputs' 48 bfloat16 values each (AVX2). Returns 0 if the bfloat16 rows' scratch cannot be
+   allocated (the rows rounded: bfloat16 pairs with AVX512-BF16, float32 values on AVX2, PAIR_BYTES per pair). */
 static inline __attribute__((always_inline)) int panel_matmul(const float *x, int64_t x_stride, const char *panels,
         float *out, int64_t out_stride, int64_t rows, int64_t out_features, int64_t in_features, const int bf16,
         const argmax_target *target) {
