@@ -60,7 +60,7 @@ def _runner(model: Path, **options: Any) -> TorchModelRunner:
         pytest.param(
             {"attention_backend": "cpu", "dtype": "bfloat16"},
             CpuAttentionBackend,
-            marks=[needs_cpu_kernels, pytest.mark.skipif(not gemm_cpu.bfloat16_available(), reason="AVX512-BF16")],
+            marks=[needs_cpu_kernels, pytest.mark.skipif(not gemm_cpu.bfloat16_available(), reason="bf16 panels")],
         ),
         pytest.param({"attention_backend": "triton", "dtype": "float32"}, TritonAttentionBackend, marks=needs_triton),
     ],

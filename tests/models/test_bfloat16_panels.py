@@ -1,8 +1,8 @@
 """bfloat16 weights on the CPU: the bfloat16 panel GEMM, and the engine's ``dtype="bfloat16"`` built on it.
 
-On a CPU with AVX512-BF16, or with AVX2 and no AVX-512 (float32 multiply-adds on the widened bfloat16 values),
-the engine's bfloat16 keeps its weights' bfloat16 values and multiplies them by
-inputs rounded to bfloat16, summing in float32, and keeps its KV cache in bfloat16; everything else is the
+On an x86 CPU with AVX512-BF16, or else AVX2 (float32 multiply-adds on the widened bfloat16 values; AVX-512
+without BF16 takes that build's kernel), the engine's bfloat16 keeps its weights' bfloat16 values and multiplies
+them by inputs rounded to bfloat16, summing in float32, and keeps its KV cache in bfloat16; everything else is the
 float32 path (``TorchModelRunner.bfloat16_weights``, ``kv_dtype``). The kernel is checked against float64 on
 the rounded values, and the model path token for token against HF transformers computing the same way (its
 weights, its linear layers' inputs, its keys and values rounded to bfloat16:
@@ -31,7 +31,7 @@ from asyncllm.worker._model_runner import TorchModelRunner
 
 needs_bfloat16_panels = pytest.mark.skipif(
     not gemm_cpu.bfloat16_available(),
-    reason="needs an x86 CPU with AVX512-BF16, or AVX2 and FMA without AVX-512, and a C compiler",
+    reason="needs an x86 CPU with AVX-512, or AVX2 and FMA, and a C compiler",
 )
 
 UNIT_ROUNDING = 2.0**-24
@@ -46,12 +46,11 @@ def _exact_and_bound(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tenso
     return xr @ wr.T, gamma * (xr.abs() @ wr.abs().T)
 
 
-def test_bfloat16_panels_available_on_avx512_bf16_and_avx2_machines() -> None:
-    # CI's machines (Zen 4, Sapphire Rapids; Zen 3) have AVX512-BF16 or AVX2 alone: this path must run there.
+def test_bfloat16_panels_available_on_every_avx2_or_avx512_machine() -> None:
+    # CI's machines (Zen 4, Sapphire Rapids; Zen 3) have AVX512-BF16 or AVX2 alone, and AVX-512 without BF16 takes
+    # the AVX2 build's: this path must run on all of them.
     flags = native.cpu_flags()
-    if platform.machine() in ("x86_64", "AMD64") and (
-        "avx512_bf16" in flags or ({"avx2", "fma"} <= flags and "avx512f" not in flags)
-    ):
+    if platform.machine() in ("x86_64", "AMD64") and gemm_cpu.bfloat16_build(flags) is not None:
         assert gemm_cpu.bfloat16_available()
 
 
@@ -145,7 +144,7 @@ def test_panel_argmax_is_the_argmax_of_the_panel_outputs(
     """The fused argmax (nothing stored) gives ``linear(x)[:, :valid].argmax(-1)`` of the same panels: padding
     columns past ``valid`` never count, even where they would win."""
     if not (gemm_cpu.bfloat16_available() if bfloat16 else gemm_cpu.available()):
-        pytest.skip("needs the panel GEMM (AVX-512; AVX512-BF16 for bfloat16)")
+        pytest.skip("needs the panel GEMM (x86 with AVX-512 or AVX2 and FMA)")
     generator = torch.Generator().manual_seed(rows * out_features + valid)
     weight = torch.randn(out_features, 40, generator=generator)
     weight[valid:] *= 100  # padding that would win if it counted
@@ -161,7 +160,7 @@ def test_panel_argmax_takes_the_first_of_equal_values_and_leaves_nan_rows(bfloat
     """Ties go to the first column, within a panel and across panels (as torch.argmax); -0 equals +0; an
     infinite output wins; a row with a NaN output comes back -1 (the logits path decides it)."""
     if not (gemm_cpu.bfloat16_available() if bfloat16 else gemm_cpu.available()):
-        pytest.skip("needs the panel GEMM (AVX-512; AVX512-BF16 for bfloat16)")
+        pytest.skip("needs the panel GEMM (x86 with AVX-512 or AVX2 and FMA)")
     generator = torch.Generator().manual_seed(3)
     weight = torch.randn(200, 16, generator=generator) * 0.01
     best = torch.ones(16)
@@ -192,7 +191,7 @@ def test_panel_argmax_leaves_a_row_with_one_nan_output_and_ignores_nan_padding(b
     the NaN's column; a NaN past ``valid`` (padding) does not count. The NaN would otherwise be lost in the
     maximum (AVX-512's max returns its second operand beside a NaN)."""
     if not (gemm_cpu.bfloat16_available() if bfloat16 else gemm_cpu.available()):
-        pytest.skip("needs the panel GEMM (AVX-512; AVX512-BF16 for bfloat16)")
+        pytest.skip("needs the panel GEMM (x86 with AVX-512 or AVX2 and FMA)")
     generator = torch.Generator().manual_seed(5)
     weight = torch.rand(200, 16, generator=generator) + 1.0  # positive: an infinite input gives +inf outputs
     weight[37, 5] = 0.0  # column 37: 0 * inf, NaN (in the middle vector of panel 0)

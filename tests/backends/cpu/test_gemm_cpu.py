@@ -23,10 +23,23 @@ pytestmark = pytest.mark.skipif(
 
 
 def _avx2_library() -> ctypes.CDLL:
-    signatures = {**gemm_cpu._SIGNATURES, **gemm_cpu._BFLOAT16_SIGNATURES}
-    library = native.load("panel_gemm_avx2", gemm_cpu._SOURCE, signatures, ("-mno-avx512f",))
+    library = gemm_cpu._avx2_library()  # the build AVX-512 without BF16 takes its bfloat16 panels from
     assert library is not None
     return library
+
+
+@pytest.mark.parametrize(
+    ("flags", "build"),
+    [
+        ({"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16"}, "native"),  # Zen 4, Sapphire Rapids
+        ({"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni"}, "avx2"),  # Cascade Lake, Ice Lake
+        ({"avx2", "fma"}, "native"),  # Zen 1-3, client cores
+        ({"avx2"}, None),
+        (set(), None),
+    ],
+)
+def test_bfloat16_panels_come_from_the_build_that_has_them(flags: set[str], build: str | None) -> None:
+    assert gemm_cpu.bfloat16_build(flags) == build
 
 
 _REFERENCE_SOURCE = r"""

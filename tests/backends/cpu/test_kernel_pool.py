@@ -13,7 +13,9 @@ import torch
 
 from asyncllm.backends.cpu import _attention as attention_cpu
 from asyncllm.backends.cpu import _gemm as gemm_cpu
+from asyncllm.backends.cpu import _native as native
 from asyncllm.backends.cpu import _pool as kernel_pool
+from asyncllm.backends.cpu._native import I32, I64, PTR
 from asyncllm.testing.tiny_models import tiny_model_path
 from asyncllm.worker._input_batch import step_inputs
 from asyncllm.worker._model_runner import TorchModelRunner
@@ -63,7 +65,7 @@ def _two_threads() -> None:
 @pytest.mark.parametrize("rows", [1, 7, 33, 64])
 def test_pooled_matmul_and_argmax_equal_openmp(pool: kernel_pool.KernelPool, bfloat16: bool, rows: int) -> None:
     if bfloat16 and not gemm_cpu.bfloat16_available():
-        pytest.skip("no AVX512-BF16 here")
+        pytest.skip("no bfloat16 panels here")
     generator = torch.Generator().manual_seed(rows)
     out_features, in_features = 1000, 100  # a partial last panel
     weight = torch.randn(out_features, in_features, generator=generator)
@@ -203,6 +205,100 @@ def test_runner_runs_the_lean_forward_on_its_pool_and_joins_it(tiny_cache: Path)
     assert _helpers() == before  # the helper joined
 
 
+_POOLED_SPY_SOURCE = r"""
+#include <stdint.h>
+typedef int (*pooled_fn)(void *, void *, char *, int64_t, int64_t, const float *, int64_t, const void *, float *,
+                         int64_t, int64_t, int64_t, int64_t, int64_t);
+/* Two spies with the pooled GEMM's signature: each counts its calls and forwards them to its target. */
+static pooled_fn targets[2];
+static int64_t counts[2];
+void spy_set(int64_t which, void *target) { targets[which] = (pooled_fn)target; counts[which] = 0; }
+int64_t spy_calls(int64_t which) { return counts[which]; }
+#define SPY(which) \
+    int spy_##which(void *pool, void *run, char *input, int64_t input_bytes, int64_t threads, const float *x, \
+                    int64_t x_stride, const void *panels, float *out, int64_t out_stride, int64_t rows, \
+                    int64_t out_features, int64_t in_features, int64_t bf16) { \
+        ++counts[which]; \
+        return targets[which](pool, run, input, input_bytes, threads, x, x_stride, panels, out, out_stride, rows, \
+                              out_features, in_features, bf16); \
+    }
+SPY(0)
+SPY(1)
+"""
+
+
+def test_bfloat16_panels_from_a_second_build_run_beside_the_native_float32_ones(
+    tiny_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """AVX-512 without BF16 takes its bfloat16 panels from the AVX2 build (``bfloat16_build``), a second library
+    beside the native one: every call on bfloat16 panels (packing, the OpenMP and pooled GEMMs, the lean forward's
+    C call) must go to that library, since the builds' layouts differ. Simulated on any AVX2 machine by routing the
+    bfloat16 panels to the AVX2 build: the C call's kernels come from the two libraries as they should, and its
+    step, pooled or not, has the module path's bits."""
+    from asyncllm.backends.cpu._lean_forward import LeanCpuForward
+    from asyncllm.executor._runner import SequenceInput
+    from asyncllm.sampling_params import SamplingParams
+
+    if not (gemm_cpu.bfloat16_available() and attention_cpu.native_decode_available(16)):
+        pytest.skip("no bfloat16 panels or cpu attention here")
+    avx2 = gemm_cpu._avx2_library()
+    assert avx2 is not None and avx2 is not gemm_cpu._library()
+    monkeypatch.setattr(gemm_cpu, "_bfloat16_library", lambda: avx2)
+    runner = TorchModelRunner(
+        tiny_model_path(tiny_cache, "llama"),
+        device="cpu",
+        kv_cache_blocks=64,
+        block_size=4,
+        packed_gemm="panels",
+        dtype="bfloat16",
+        cpu_kernel_pool=True,
+        num_threads=2,
+    )
+    runner.load()
+    try:
+        model = runner.model
+        assert runner.bfloat16_weights and model is not None and model.lean is not None
+        assert runner.kernel_pool is not None
+        kernels = model.lean._kernels(runner.kv_caches[0][0].dtype)
+        native_pooled = native.address(gemm_cpu._library().asyncllm_panel_matmul_pooled)
+        assert kernels.gemm_pooled == native_pooled
+        assert kernels.gemm_bf16_pooled == native.address(avx2.asyncllm_panel_matmul_pooled) != native_pooled
+        assert kernels.gemm_bf16 == native.address(avx2.asyncllm_panel_matmul_bf16)
+        # Which pooled GEMM the C call takes for each projection: spies that count and forward.
+        spies = native.load("test_pooled_spy", _POOLED_SPY_SOURCE, {
+            "spy_set": ([I64, PTR], None), "spy_calls": ([I64], I64), "spy_0": ([], I32), "spy_1": ([], I32),
+        })  # fmt: skip
+        assert spies is not None
+        spies.spy_set(0, kernels.gemm_pooled)
+        spies.spy_set(1, kernels.gemm_bf16_pooled)
+        kernels.gemm_pooled, kernels.gemm_bf16_pooled = native.address(spies.spy_0), native.address(spies.spy_1)
+        tables = [[4 * i + b for b in range(4)] for i in range(12)]
+        sequences = [SequenceInput(i, [5 + i], 3 + i, tables[i], True, SamplingParams()) for i in range(12)]
+        step = step_inputs(sequences, 4)
+        meta = attention_cpu.build_metadata(step, sliding_window=None)
+        ids = torch.from_numpy(step.input_ids.astype(np.int64))
+        positions = torch.from_numpy(step.positions.astype(np.int64))
+        for k_cache, v_cache in runner.kv_caches:  # context the decode rows attend to
+            k_cache.copy_(torch.randn_like(k_cache))
+            v_cache.copy_(torch.randn_like(v_cache))
+        hidden = {}
+        c_calls: list[bool] = []
+        run_in_c = LeanCpuForward._run_in_c
+        monkeypatch.setattr(LeanCpuForward, "_run_in_c", lambda *args: (c_calls.append(True), run_in_c(*args))[1])
+        for pooled, lean in ((True, True), (False, True), (True, False)):  # the C call pooled or not, the modules
+            model.lean.pool = runner.kernel_pool if pooled else None
+            model.lean_forward = lean
+            with torch.inference_mode():
+                hidden[pooled, lean] = model(ids, positions, runner.kv_caches, meta)
+        assert c_calls == [True, True] and hidden[True, True].abs().sum() > 0
+        projections = 4 * len(runner.kv_caches)  # q/k/v, o, gate/up, down: all on bfloat16 panels
+        assert (spies.spy_calls(0), spies.spy_calls(1)) == (0, projections)  # the pooled step's, once each
+        assert torch.equal(hidden[True, True], hidden[False, True])
+        assert torch.equal(hidden[True, True], hidden[True, False])
+    finally:
+        runner.close()
+
+
 def _loaded_pooled_runner(tiny_cache: Path) -> TorchModelRunner:
     """A tiny llama's runner, loaded, with the pool at two threads whatever the host's CPUs."""
     runner = TorchModelRunner(
@@ -310,7 +406,7 @@ async def test_an_engine_on_the_pool_generates_the_same_tokens(tiny_cache: Path,
     from asyncllm import Engine, SamplingParams
 
     if dtype == "bfloat16" and not gemm_cpu.bfloat16_available():
-        pytest.skip("no AVX512-BF16 here")
+        pytest.skip("no bfloat16 panels here")
     model = tiny_model_path(tiny_cache, "llama")
     prompts = [[3 + i, 7, 11 + 2 * i, 5] * (1 + i % 3) for i in range(12)]
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

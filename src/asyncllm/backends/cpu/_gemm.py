@@ -35,7 +35,8 @@ of 48 columns hold pairs of inputs for its dot-pair instruction (two bfloat16 pr
 lane, twice float32's arithmetic rate). On AVX2 (no AVX-512) they hold one input's 48 columns per step, and the
 strip micro-kernel widens each 16-column strip to float32 (a zero extension and a shift: exact) for the same
 fused multiply-adds as float32 panels, in input order, on inputs rounded and kept as float32: float32's
-arithmetic rate, half its weight bytes, where torch's own bfloat16 ran at a tenth of float32's speed. Both read
+arithmetic rate, half its weight bytes, where torch's own bfloat16 ran at a tenth of float32's speed. AVX-512
+without BF16 gets these AVX2 panels from a second build of this source (``bfloat16_build``). Both read
 subnormal operands as zero (float32 ones before rounding, bfloat16 ones after). Their bfloat16 outputs are not the
 same bits: the dot pairs add input 2k + 1 before 2k and flush subnormal sums to zero, AVX2 sums in input order.
 
@@ -57,6 +58,7 @@ import ctypes
 import functools
 import platform
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 
@@ -706,6 +708,9 @@ static int pooled_matmul(void *pool, void *run, char *input, int64_t input_bytes
         int64_t in_features, int bf16, argmax_target target) {
     const int64_t count = (out_features + COLUMNS - 1) / COLUMNS, steps = bf16 ? (in_features + 1) / 2 : in_features;
     if (rows < 1 || rows > ROW_BLOCK || rows * steps * (bf16 ? PAIR_BYTES : 4) > input_bytes) return 0;
+#ifndef BF16_PANELS
+    if (bf16) return 0;  /* no bfloat16 panels in this build (AVX-512 without BF16): the caller's OpenMP one */
+#endif
 #ifdef __AVX512BF16__
     if (bf16) round_rows(x, x_stride, 0, rows, in_features, steps, (uint32_t *)input);  /* no team: this thread */
 #elif !defined(__AVX512F__)
@@ -782,12 +787,35 @@ def _library() -> ctypes.CDLL | None:
     return native.load("panel_gemm", _SOURCE, _SIGNATURES)
 
 
+def bfloat16_build(flags: set[str] | frozenset[str]) -> Literal["native", "avx2"] | None:
+    """Which build of the kernel has the bfloat16 panels on a CPU with these flags (``native.cpu_flags``).
+
+    "native": the ``-march=native`` one, with AVX512-BF16's dot pairs, or with AVX2's widened values where
+    there is no AVX-512. "avx2": a second build with AVX-512 switched off (``-mno-avx512f``), for AVX-512
+    without BF16 (Skylake-X, Cascade Lake, Ice Lake), whose native build has no bfloat16 panels: AVX2's
+    widened values at half AVX-512's vector width are still several times torch's bfloat16 there. None:
+    no AVX2 and FMA.
+    """
+    if "avx512f" in flags and "avx512_bf16" not in flags:
+        return "avx2"
+    return "native" if "avx512f" in flags or {"avx2", "fma"} <= flags else None
+
+
+@functools.cache
+def _avx2_library() -> ctypes.CDLL | None:
+    """The kernel built with AVX-512 switched off: the AVX2 micro-kernels, bfloat16 panels included."""
+    return native.load("panel_gemm_avx2", _SOURCE, {**_SIGNATURES, **_BFLOAT16_SIGNATURES}, ("-mno-avx512f",))
+
+
 @functools.cache
 def _bfloat16_library() -> ctypes.CDLL | None:
+    """The library whose functions take bfloat16 panels (packing, OpenMP and pooled GEMMs, argmax): every call
+    on such panels goes to it, since the two builds' layouts differ. None where no build has them."""
     library = _library()
-    flags = native.cpu_flags()
-    # AVX512-BF16's dot pairs, or AVX2's build (widened values): AVX-512 without BF16 has neither.
-    if library is None or ("avx512_bf16" not in flags and "avx512f" in flags):
+    build = bfloat16_build(native.cpu_flags()) if library is not None else None
+    if build == "avx2":
+        return _avx2_library()
+    if library is None or build is None:
         return None
     try:
         return native.declare(library, _BFLOAT16_SIGNATURES)
@@ -815,7 +843,7 @@ def available() -> bool:
 
 @functools.cache
 def bfloat16_available() -> bool:
-    """Whether the bfloat16 panels run here (AVX512-BF16, or AVX2 without AVX-512) and compute what they claim.
+    """Whether the bfloat16 panels run here (x86 with AVX2 and FMA, or AVX-512) and compute what they claim.
 
     The claim: each output is a float32 sum of the products of the input and the weight both rounded
     to bfloat16, subnormal values read as zero as AVX512-BF16 reads them (checked against float64 on such
@@ -852,15 +880,14 @@ class PanelWeight:
 
     With ``bfloat16`` the panels hold the weight rounded to bfloat16 (half the bytes; the weight may be
     bfloat16 itself), and the GEMM multiplies them by the input rounded to bfloat16 too, summing in float32
-    (AVX512-BF16's dot-pair instruction, twice float32's arithmetic rate; on AVX2 float32 multiply-adds on the
-    widened values); the buffer's dtype (``torch.bfloat16``) says which. The layout differs between the two.
+    (AVX512-BF16's dot-pair instruction, twice float32's arithmetic rate; elsewhere AVX2's float32 multiply-adds
+    on the widened values); the buffer's dtype (``torch.bfloat16``) says which. The layout differs between the two.
     """
 
     def __init__(self, weight: torch.Tensor, *, bfloat16: bool = False) -> None:
         library = _bfloat16_library() if bfloat16 else _library()
         if library is None:
-            needs = "AVX512-BF16, or AVX2 with FMA and no AVX-512," if bfloat16 else "AVX-512 or AVX2 with FMA"
-            raise RuntimeError(f"the panel GEMM needs an x86 CPU with {needs} and a C compiler")
+            raise RuntimeError("the panel GEMM needs an x86 CPU with AVX-512 or AVX2 with FMA, and a C compiler")
         from_bfloat16 = bfloat16 and weight.dtype == torch.bfloat16
         if from_bfloat16 and (weight.device.type != "cpu" or weight.dim() != 2):
             raise ValueError(f"packing needs a 2-D CPU weight, not {weight.device.type} {tuple(weight.shape)}")
@@ -996,7 +1023,7 @@ def pooled_matmul_into(
     the caller never waits for a helper another process has descheduled (``backends.cpu._pool``). Same bits as the
     OpenMP GEMM. False, with nothing computed, when the pool cannot take the rows (more than 256, or more input than
     its buffer holds): the caller runs the OpenMP one. No checks, as ``panel_matmul_into``."""
-    library = _library()
+    library = _bfloat16_library() if bfloat16 else _library()
     if library is None:  # panels exist only where the kernel does
         raise RuntimeError("the panel GEMM is unavailable here")
     done = library.asyncllm_panel_matmul_pooled(
@@ -1006,10 +1033,11 @@ def pooled_matmul_into(
     return bool(done)
 
 
-def kernel_address(name: str) -> int:
-    """The address of the GEMM library's C function ``name`` (``asyncllm_panel_matmul_bf16`` from the bfloat16
-    one), for C code that calls it directly (``backends.cpu._lean_forward``). RuntimeError where it is not built."""
-    library = _bfloat16_library() if name.endswith("_bf16") else _library()
+def kernel_address(name: str, *, bfloat16: bool = False) -> int:
+    """The address of the GEMM library's C function ``name`` (with ``bfloat16``, the library for bfloat16 panels:
+    another build on AVX-512 without BF16), for C code that calls it directly (``backends.cpu._lean_forward``).
+    RuntimeError where it is not built."""
+    library = _bfloat16_library() if bfloat16 else _library()
     if library is None:
         raise RuntimeError(f"the panel GEMM's {name} is unavailable here")
     return native.address(getattr(library, name))

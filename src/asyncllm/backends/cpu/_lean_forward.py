@@ -101,6 +101,7 @@ typedef struct {
     gemm_pooled_fn gemm_pooled;
     gemm_f32_fn gemm_f32;
     gemm_bf16_fn gemm_bf16;
+    gemm_pooled_fn gemm_bf16_pooled;  /* the bfloat16 panels' library's: another build on AVX-512 without BF16 */
     decode_pooled_fn decode_pooled;
     decode_fn decode;
     prefill_fn prefill;
@@ -146,8 +147,9 @@ typedef struct {
 
 static int project(const kernels *k, const step *s, const projection *p, const float *x, int64_t x_stride,
                    float *out, int64_t out_features, int64_t in_features) {
-    if (s->pool && k->gemm_pooled(s->pool, s->run, s->input, s->input_bytes, s->threads, x, x_stride, p->panels, out,
-                                  out_features, s->tokens, out_features, in_features, p->bf16))
+    const gemm_pooled_fn pooled = p->bf16 ? k->gemm_bf16_pooled : k->gemm_pooled;
+    if (s->pool && pooled(s->pool, s->run, s->input, s->input_bytes, s->threads, x, x_stride, p->panels, out,
+                          out_features, s->tokens, out_features, in_features, p->bf16))
         return 0;
     if (p->bf16) return k->gemm_bf16(x, x_stride, p->panels, out, out_features, s->tokens, out_features, in_features)
                         ? 0 : -3;
@@ -215,8 +217,8 @@ class _Kernels(ctypes.Structure):
     _fields_ = [
         (name, _ADDRESS)
         for name in (
-            "norm", "rotary", "write_kv", "gemm_pooled", "gemm_f32", "gemm_bf16", "decode_pooled", "decode",
-            "prefill", "silu_pooled", "silu",
+            "norm", "rotary", "write_kv", "gemm_pooled", "gemm_f32", "gemm_bf16", "gemm_bf16_pooled",
+            "decode_pooled", "decode", "prefill", "silu_pooled", "silu",
         )
     ]  # fmt: skip
 
@@ -463,7 +465,8 @@ class LeanCpuForward:
                 native.address(self._norm), native.address(self._rotate), native.address(self._write_kv[kv_dtype]),
                 gemm_cpu.kernel_address("asyncllm_panel_matmul_pooled"),
                 gemm_cpu.kernel_address("asyncllm_panel_matmul"),
-                gemm_cpu.kernel_address("asyncllm_panel_matmul_bf16") if bfloat16 else 0,
+                gemm_cpu.kernel_address("asyncllm_panel_matmul_bf16", bfloat16=True) if bfloat16 else 0,
+                gemm_cpu.kernel_address("asyncllm_panel_matmul_pooled", bfloat16=True) if bfloat16 else 0,
                 attention_cpu.kernel_address(head_dim, kv_dtype, "asyncllm_paged_decode_pooled"),
                 attention_cpu.kernel_address(head_dim, kv_dtype, "asyncllm_paged_decode_f32"),
                 attention_cpu.kernel_address(head_dim, kv_dtype, "asyncllm_causal_prefill_f32"),
