@@ -2,7 +2,8 @@
 beside other CPU load, against vLLM's OpenAI server on the same machine.
 
     python benchmarks/serving_http.py [--model default] [--concurrency 32,64] [--background 0,2]
-        [--requests-per-stream 2] [--max-tokens 64] [--repeats 2] [--vllm-python PATH] [--quick] [--json PATH]
+        [--requests-per-stream 2] [--max-tokens 64] [--repeats 2] [--client openai|httpx] [--vllm-python PATH]
+        [--quick] [--json PATH]
 
 Servers, each a real process on a loopback port, started together once and kept up (idle) while the others run:
 - ``asyncllm``: ``asyncllm serve`` with its defaults (thread count from the usable CPUs, fewer while other
@@ -17,7 +18,11 @@ Servers, each a real process on a loopback port, started together once and kept 
 Load (closed loop): ``--concurrency`` streams in this process, each sending ``--requests-per-stream``
 chat requests one after the other (``stream=True``, ``max_tokens``, ``ignore_eos`` so every request
 is that long, greedy, usage in the last chunk); each prompt is a different short user message. The
-load generator shares the machine with the servers, as a co-located client does.
+load generator shares the machine with the servers, as a co-located client does. ``--client openai`` (the
+default) reads the streams through the official client (a pydantic object per chunk); ``--client httpx``
+sends the same requests with httpx and parses the SSE lines with ``json.loads``, as vLLM's own serving benchmark
+and aiperf read streams: a lighter client, whose own CPU delays the chunks' stamps less (on 2 CPUs the openai
+client's parsing and request building at a wave's end put the last chunks of 64 streams 0.35-0.64 s apart).
 ``--background K`` adds K processes that spin in pure Python for the whole measurement: other jobs on
 the box (0 is the engine alone with its client).
 
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import multiprocessing
 import os
 import random
@@ -57,6 +63,7 @@ LABELS = {
     VLLM: "vLLM OpenAI server (CPU)",
 }
 SHORT_SPIN = "1000"
+CLIENT_LABELS = {"openai": "the openai client", "httpx": "httpx"}
 WORDS = (
     "river mountain engine garden lantern harbor violet copper meadow signal orbit canyon ember willow "
     "quartz falcon marble thunder velvet prism anchor glacier saffron compass tundra beacon"
@@ -71,6 +78,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--client", default="openai", choices=("openai", "httpx"), help="how the load reads the streams [openai]"
+    )
     parser.add_argument("--systems", default=f"{ASYNCLLM},{ASYNCLLM_SPIN}", help="asyncllm systems to run")
     parser.add_argument(
         "--spin", default=SHORT_SPIN, help=f"GOMP_SPINCOUNT of {ASYNCLLM_SPIN} [{SHORT_SPIN}]"
@@ -242,6 +252,40 @@ def prompts(count: int, seed: int) -> list[str]:
     ]
 
 
+def _request_record(start: float, stamps: list[float], tokens: int) -> dict[str, Any]:
+    ttft = stamps[0] - start if stamps else float("nan")
+    itl = (stamps[-1] - stamps[0]) / (tokens - 1) if len(stamps) > 1 and tokens > 1 else float("nan")
+    return {"ttft": ttft, "itl": itl, "tokens": tokens}
+
+
+async def _one_request_httpx(http: Any, base_url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """``_one_request``'s request and stamps, read as SSE lines with httpx and ``json.loads``."""
+    start = time.perf_counter()
+    stamps: list[float] = []
+    tokens = 0
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+    async with http.stream("POST", f"{base_url}/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            choices = chunk.get("choices")
+            if choices and choices[0].get("delta", {}).get("content"):
+                stamps.append(time.perf_counter())
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return _request_record(start, stamps, tokens)
+
+
 async def _one_request(client: Any, prompt: str, max_tokens: int) -> dict[str, Any]:
     start = time.perf_counter()
     stamps: list[float] = []
@@ -260,13 +304,14 @@ async def _one_request(client: Any, prompt: str, max_tokens: int) -> dict[str, A
             stamps.append(time.perf_counter())
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
-    ttft = stamps[0] - start if stamps else float("nan")
-    itl = (stamps[-1] - stamps[0]) / (tokens - 1) if len(stamps) > 1 and tokens > 1 else float("nan")
-    return {"ttft": ttft, "itl": itl, "tokens": tokens}
+    return _request_record(start, stamps, tokens)
 
 
-async def load_run(base_url: str, concurrency: int, per_stream: int, max_tokens: int, seed: int) -> dict[str, Any]:
-    """One closed-loop run: ``concurrency`` streams of ``per_stream`` requests each; the run's metrics."""
+async def load_run(
+    base_url: str, concurrency: int, per_stream: int, max_tokens: int, seed: int, client_kind: str = "openai"
+) -> dict[str, Any]:
+    """One closed-loop run: ``concurrency`` streams of ``per_stream`` requests each, read through ``client_kind``
+    ("openai" or "httpx"); the run's metrics."""
     import httpx
     import openai
 
@@ -278,7 +323,11 @@ async def load_run(base_url: str, concurrency: int, per_stream: int, max_tokens:
 
         async def stream_worker(index: int) -> None:
             for k in range(per_stream):
-                records.append(await _one_request(client, texts[index * per_stream + k], max_tokens))
+                prompt = texts[index * per_stream + k]
+                if client_kind == "httpx":
+                    records.append(await _one_request_httpx(http, base_url, prompt, max_tokens))
+                else:
+                    records.append(await _one_request(client, prompt, max_tokens))
 
         start = time.perf_counter()
         await asyncio.gather(*(stream_worker(i) for i in range(concurrency)))
@@ -318,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         servers.append(vllm_server(args.vllm_python, model, max_model_len=2048, dtype=args.dtype))
     info = common.machine_info()
     common.print_header(
-        "HTTP serving: concurrent streaming chats through the openai client",
+        f"HTTP serving: concurrent streaming chats through {CLIENT_LABELS[args.client]}",
         info,
         [
             f"model: {common.model_summary(model)}",
@@ -337,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             # Warm-up, not measured: one request per stream at the largest concurrency. A smaller one (2 streams
             # of 8 tokens) left first-burst costs in the first measured run: asyncllm 478 against 612 tok/s in
             # the next, vLLM 363 against 405.
-            asyncio.run(load_run(server.base_url, max(concurrencies), 1, args.max_tokens, seed=12345))
+            asyncio.run(load_run(server.base_url, max(concurrencies), 1, args.max_tokens, 12345, args.client))
         for background in backgrounds:
             for concurrency in concurrencies:
                 for repeat in range(args.repeats):
@@ -347,7 +396,12 @@ def main(argv: list[str] | None = None) -> int:
                         with BackgroundLoad(background):
                             run = asyncio.run(
                                 load_run(
-                                    server.base_url, concurrency, args.requests_per_stream, args.max_tokens, repeat
+                                    server.base_url,
+                                    concurrency,
+                                    args.requests_per_stream,
+                                    args.max_tokens,
+                                    repeat,
+                                    args.client,
                                 )
                             )
                         run.update(system=server.name, background=background, concurrency=concurrency, repeat=repeat)

@@ -562,6 +562,21 @@ def test_serving_http_quick(tiny_llama: Path, tmp_path: Path, capsys: pytest.Cap
         assert positive(run_["tok_s"]) and positive(run_["ttft_p50"]) and positive(run_["itl_p50"])
 
 
+def test_serving_http_quick_through_httpx(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The same load read as raw SSE lines with httpx: every request's tokens counted from its usage chunk, and
+    # stamps from its content chunks.
+    out_json = tmp_path / "serving_http.json"
+    argv = ["--model", str(tiny_llama), "--quick", "--json", str(out_json), "--engine-opt", "kv_cache_blocks=64"]
+    argv += ["--engine-opt", "device=cpu", "--client", "httpx", "--systems", "asyncllm"]
+    assert load("serving_http").main(argv) == 0
+    out, result = capsys.readouterr().out, json.loads(out_json.read_text())
+    assert "through httpx" in out
+    assert [r["background"] for r in result["runs"]] == [0, 1]
+    for run_ in result["runs"]:
+        assert run_["requests"] == 2 and run_["tokens"] == 2 * 4
+        assert positive(run_["tok_s"]) and positive(run_["ttft_p50"]) and positive(run_["itl_p50"])
+
+
 # -- tensor_parallel.py (2 ranks against 1) -------------------------------------------------------------
 
 
