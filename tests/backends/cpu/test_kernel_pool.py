@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -156,12 +157,25 @@ def test_every_pool_is_aligned_for_the_job_it_holds() -> None:
             libc.free(address)
 
 
-def test_runner_runs_the_lean_forward_on_its_pool_and_joins_it(tiny_cache: Path) -> None:
-    """The runner's pool: the decode-sized step's layer stack on it gives the OpenMP path's bits (matmuls,
-    attention against a paged cache, SiLU), as the one C call and as the Python path, and ``close`` joins it."""
+def _decode_step(runner: TorchModelRunner) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """A decode step of 12 sequences on block-size-4 tables (ids, positions, attention metadata), and random keys
+    and values in the runner's caches for its rows to attend to."""
     from asyncllm.executor._runner import SequenceInput
     from asyncllm.sampling_params import SamplingParams
 
+    tables = [[4 * i + b for b in range(4)] for i in range(12)]
+    sequences = [SequenceInput(i, [5 + i], 3 + i, tables[i], True, SamplingParams()) for i in range(12)]
+    step = step_inputs(sequences, 4)
+    meta = attention_cpu.build_metadata(step, sliding_window=None)
+    for k_cache, v_cache in runner.kv_caches:
+        k_cache.copy_(torch.randn_like(k_cache))
+        v_cache.copy_(torch.randn_like(v_cache))
+    return torch.from_numpy(step.input_ids.astype(np.int64)), torch.from_numpy(step.positions.astype(np.int64)), meta
+
+
+def test_runner_runs_the_lean_forward_on_its_pool_and_joins_it(tiny_cache: Path) -> None:
+    """The runner's pool: the decode-sized step's layer stack on it gives the OpenMP path's bits (matmuls,
+    attention against a paged cache, SiLU), as the one C call and as the Python path, and ``close`` joins it."""
     if not attention_cpu.native_decode_available(16):
         pytest.skip("no C compiler")
     before = _helpers()
@@ -179,15 +193,7 @@ def test_runner_runs_the_lean_forward_on_its_pool_and_joins_it(tiny_cache: Path)
         assert model is not None and model.lean is not None and runner.kernel_pool is not None
         assert model.lean.pool is runner.kernel_pool
         assert _helpers() == before + torch.get_num_threads() - 1
-        tables = [[4 * i + b for b in range(4)] for i in range(12)]
-        sequences = [SequenceInput(i, [5 + i], 3 + i, tables[i], True, SamplingParams()) for i in range(12)]
-        step = step_inputs(sequences, 4)
-        meta = attention_cpu.build_metadata(step, sliding_window=None)
-        ids = torch.from_numpy(step.input_ids.astype(np.int64))
-        positions = torch.from_numpy(step.positions.astype(np.int64))
-        for k_cache, v_cache in runner.kv_caches:  # context the decode rows attend to
-            k_cache.copy_(torch.randn_like(k_cache))
-            v_cache.copy_(torch.randn_like(v_cache))
+        ids, positions, meta = _decode_step(runner)
         hidden = {}
         in_c = model.lean._c_max_tokens
         for pooled, c_call in ((True, True), (False, True), (True, False)):  # the one C call, and the Python path
@@ -236,8 +242,6 @@ def test_bfloat16_panels_from_a_second_build_run_beside_the_native_float32_ones(
     bfloat16 panels to the AVX2 build: the C call's kernels come from the two libraries as they should, and its
     step, pooled or not, has the module path's bits."""
     from asyncllm.backends.cpu._lean_forward import LeanCpuForward
-    from asyncllm.executor._runner import SequenceInput
-    from asyncllm.sampling_params import SamplingParams
 
     if not (gemm_cpu.bfloat16_available() and attention_cpu.native_decode_available(16)):
         pytest.skip("no bfloat16 panels or cpu attention here")
@@ -272,15 +276,7 @@ def test_bfloat16_panels_from_a_second_build_run_beside_the_native_float32_ones(
         spies.spy_set(0, kernels.gemm_pooled)
         spies.spy_set(1, kernels.gemm_bf16_pooled)
         kernels.gemm_pooled, kernels.gemm_bf16_pooled = native.address(spies.spy_0), native.address(spies.spy_1)
-        tables = [[4 * i + b for b in range(4)] for i in range(12)]
-        sequences = [SequenceInput(i, [5 + i], 3 + i, tables[i], True, SamplingParams()) for i in range(12)]
-        step = step_inputs(sequences, 4)
-        meta = attention_cpu.build_metadata(step, sliding_window=None)
-        ids = torch.from_numpy(step.input_ids.astype(np.int64))
-        positions = torch.from_numpy(step.positions.astype(np.int64))
-        for k_cache, v_cache in runner.kv_caches:  # context the decode rows attend to
-            k_cache.copy_(torch.randn_like(k_cache))
-            v_cache.copy_(torch.randn_like(v_cache))
+        ids, positions, meta = _decode_step(runner)
         hidden = {}
         c_calls: list[bool] = []
         run_in_c = LeanCpuForward._run_in_c
