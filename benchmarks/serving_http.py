@@ -252,6 +252,18 @@ def prompts(count: int, seed: int) -> list[str]:
     ]
 
 
+def _request_body(prompt: str, max_tokens: int) -> dict[str, Any]:
+    """A load request's OpenAI fields (both clients add ``ignore_eos``: the openai client as an extra body field)."""
+    return {
+        "model": "m",
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
 def _request_record(start: float, stamps: list[float], tokens: int) -> dict[str, Any]:
     ttft = stamps[0] - start if stamps else float("nan")
     itl = (stamps[-1] - stamps[0]) / (tokens - 1) if len(stamps) > 1 and tokens > 1 else float("nan")
@@ -263,15 +275,7 @@ async def _one_request_httpx(http: Any, base_url: str, prompt: str, max_tokens: 
     start = time.perf_counter()
     stamps: list[float] = []
     tokens = 0
-    body = {
-        "model": "m",
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "ignore_eos": True,
-    }
+    body = {**_request_body(prompt, max_tokens), "ignore_eos": True}
     async with http.stream("POST", f"{base_url}/chat/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
@@ -290,15 +294,7 @@ async def _one_request(client: Any, prompt: str, max_tokens: int) -> dict[str, A
     start = time.perf_counter()
     stamps: list[float] = []
     tokens = 0
-    stream = await client.chat.completions.create(
-        model="m",
-        messages=[{"role": "user", "content": prompt}],
-        max_tokens=max_tokens,
-        temperature=0.0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-    )
+    stream = await client.chat.completions.create(**_request_body(prompt, max_tokens), extra_body={"ignore_eos": True})
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             stamps.append(time.perf_counter())

@@ -179,15 +179,7 @@ def test_runner_runs_the_lean_forward_on_its_pool_and_joins_it(tiny_cache: Path)
     if not attention_cpu.native_decode_available(16):
         pytest.skip("no C compiler")
     before = _helpers()
-    runner = TorchModelRunner(
-        tiny_model_path(tiny_cache, "llama"),
-        device="cpu",
-        kv_cache_blocks=64,
-        block_size=4,
-        packed_gemm="panels",
-        cpu_kernel_pool=True,
-    )
-    runner.load()
+    runner = _loaded_pooled_runner(tiny_cache, packed_gemm="panels")
     try:
         model = runner.model
         assert model is not None and model.lean is not None and runner.kernel_pool is not None
@@ -248,17 +240,7 @@ def test_bfloat16_panels_from_a_second_build_run_beside_the_native_float32_ones(
     avx2 = gemm_cpu._avx2_library()
     assert avx2 is not None and avx2 is not gemm_cpu._library()
     monkeypatch.setattr(gemm_cpu, "_bfloat16_library", lambda: avx2)
-    runner = TorchModelRunner(
-        tiny_model_path(tiny_cache, "llama"),
-        device="cpu",
-        kv_cache_blocks=64,
-        block_size=4,
-        packed_gemm="panels",
-        dtype="bfloat16",
-        cpu_kernel_pool=True,
-        num_threads=2,
-    )
-    runner.load()
+    runner = _loaded_pooled_runner(tiny_cache, packed_gemm="panels", dtype="bfloat16")
     try:
         model = runner.model
         assert runner.bfloat16_weights and model is not None and model.lean is not None
@@ -295,8 +277,8 @@ def test_bfloat16_panels_from_a_second_build_run_beside_the_native_float32_ones(
         runner.close()
 
 
-def _loaded_pooled_runner(tiny_cache: Path) -> TorchModelRunner:
-    """A tiny llama's runner, loaded, with the pool at two threads whatever the host's CPUs."""
+def _loaded_pooled_runner(tiny_cache: Path, **options: Any) -> TorchModelRunner:
+    """A tiny llama's runner, loaded, with the pool at two threads whatever the host's CPUs (and ``options``)."""
     runner = TorchModelRunner(
         tiny_model_path(tiny_cache, "llama"),
         device="cpu",
@@ -304,6 +286,7 @@ def _loaded_pooled_runner(tiny_cache: Path) -> TorchModelRunner:
         block_size=4,
         cpu_kernel_pool=True,
         num_threads=2,
+        **options,
     )
     runner.load()
     return runner
